@@ -1,0 +1,18 @@
+# The two set-up commands of the README: `make run` (main job on the tiny model, CPU) and `make test`.
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || { PY=$$(scripts/find_python.sh) && $$PY -m venv $(VENV); }
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+.PHONY: venv run test
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/cpkv-jax score --model tiny --tokens 11,42,7,300,5,19,64,128,255,3,77,12 --out $(VENV)/tiny_logits.npy
+
+test: $(STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q

@@ -1,0 +1,154 @@
+"""MLA attention with the DSA lightning indexer and sparse attention over the selected keys.
+
+Both attention paths read K from the KVCache layout (latent + rope key per token slot):
+- expanded: kv_b_proj expands every visible latent to per-head keys/values; scores are masked to the
+  selected positions (long prefill, where the expansion is amortized over many queries);
+- absorbed: W_UK is folded into the query and W_UV applied after, attention runs over the gathered
+  latents of the selected positions only (decode and short extends).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.kv import Batch, KVCache, dequantize_index_k, quantize_index_k
+from models.layers import (Dense, LayerNorm, RMSNorm, apply_rope_half, apply_rope_interleaved,
+                           rope_cos_sin)
+
+NEG_INF = float("-inf")
+# Masked attention scores use the most negative finite float (as HF does), never -inf: a padding lane
+# with nothing selected then gets finite garbage instead of NaN that could reach the dummy slot.
+MASKED = float(jnp.finfo(jnp.float32).min)
+ATTN_PATHS = ("expanded", "absorbed")
+
+
+def select_topk(index_scores, k: int):
+    """Top-k positions per query over scores with -inf at invisible keys; ties go to the lower position
+    (lax.top_k is stable); fewer than k visible -> the rest are -1."""
+    vals, idx = jax.lax.top_k(index_scores, k)
+    return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
+
+
+def causal_visible(batch: Batch, width: int):
+    """[B, T, S] bool: key position j visible to token (b, t) iff j <= positions[b, t]."""
+    j = jnp.arange(width, dtype=jnp.int32)
+    return j[None, None, :] <= batch.positions[:, :, None]
+
+
+class Indexer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, stack=()):
+        self.cfg = cfg
+        self.wq_b = Dense(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dtype, rngs=rngs,
+                          stack=stack)
+        self.wk = Dense(cfg.hidden_size, cfg.index_head_dim, dtype=dtype, rngs=rngs, stack=stack)
+        self.k_norm = LayerNorm(cfg.index_head_dim, 1e-6, dtype=dtype, stack=stack)
+        # HF keeps weights_proj in fp32 whatever the model dtype.
+        self.weights_proj = Dense(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, rngs=rngs, stack=stack)
+
+    def _rope(self, x, cos, sin):
+        r = self.cfg.qk_rope_head_dim
+        rot = apply_rope_interleaved if self.cfg.indexer_rope_interleaved else apply_rope_half
+        return jnp.concatenate([rot(x[..., :r], cos, sin), x[..., r:]], axis=-1)
+
+    def __call__(self, x, q_resid, cos, sin, batch: Batch, cache: KVCache, full_id, k_sel: int):
+        """Writes this layer's indexer keys, returns (top-k positions [B, T, k_sel], cache)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = self.wq_b(q_resid).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
+        q = self._rope(q, cos[:, :, None, :], sin[:, :, None, :])
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [B, T, D]
+
+        if cache.index_fp8:
+            kq, ks = quantize_index_k(k)
+            index_k = cache.index_k.at[full_id, batch.write_slots].set(kq)
+            index_scale = cache.index_scale.at[full_id, batch.write_slots].set(ks)
+            keys = dequantize_index_k(index_k[full_id][batch.slot_table], index_scale[full_id][batch.slot_table])
+        else:
+            index_k = cache.index_k.at[full_id, batch.write_slots].set(k.astype(cache.index_k.dtype))
+            index_scale = None
+            keys = index_k[full_id][batch.slot_table].astype(jnp.float32)
+        cache = KVCache(cache.latent, cache.k_rope, index_k, index_scale)
+
+        scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys) * cfg.index_head_dim ** -0.5
+        scores = jax.nn.relu(scores)
+        w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_n_heads ** -0.5  # [B, T, H]
+        index_scores = jnp.einsum("bth,bths->bts", w, scores)
+        index_scores = jnp.where(causal_visible(batch, keys.shape[1]), index_scores, NEG_INF)
+        return select_topk(index_scores, k_sel), cache
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, has_indexer: bool, dtype, rngs: nnx.Rngs, stack=()):
+        self.cfg = cfg
+        H = cfg.num_attention_heads
+        self.q_a_proj = Dense(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, rngs=rngs, stack=stack)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype=dtype, stack=stack)
+        self.q_b_proj = Dense(cfg.q_lora_rank, H * cfg.qk_head_dim, dtype=dtype, rngs=rngs, stack=stack)
+        self.kv_a_proj_with_mqa = Dense(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype,
+                                        rngs=rngs, stack=stack)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype=dtype, stack=stack)
+        self.kv_b_proj = Dense(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype,
+                               rngs=rngs, stack=stack)
+        self.o_proj = Dense(H * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
+        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, stack=stack) if has_indexer else None
+
+    def __call__(self, x, prev_topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str):
+        """x: input_layernorm output [B, T, D]. Writes this layer's KV (and indexer keys on a full layer),
+        then attends each token to its top-k positions. Returns (out [B, T, D], topk, cache)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, dn, dr, dv, C = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+        cos, sin = rope_cos_sin(batch.positions, cfg.rope, dr, x.dtype)
+
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).reshape(B, T, H, dn + dr)
+        q_nope = q[..., :dn]
+        q_rope = apply_rope_interleaved(q[..., dn:], cos[:, :, None, :], sin[:, :, None, :])
+
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[..., :C])
+        k_rope = apply_rope_interleaved(ckv[..., C:], cos, sin)
+        cache = KVCache(cache.latent.at[layer_id, batch.write_slots].set(latent.astype(cache.latent.dtype)),
+                        cache.k_rope.at[layer_id, batch.write_slots].set(k_rope.astype(cache.k_rope.dtype)),
+                        cache.index_k, cache.index_scale)
+
+        if self.indexer is not None:
+            topk, cache = self.indexer(x, q_resid, cos, sin, batch, cache, full_id, prev_topk.shape[-1])
+        else:
+            topk = prev_topk
+
+        w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(C, H, dn + dv)
+        w_uk, w_uv = w_kv[..., :dn], w_kv[..., dn:]
+        scale = cfg.softmax_scale
+        if attn_path == "expanded":
+            lat_all = cache.latent[layer_id][batch.slot_table].astype(x.dtype)   # [B, S, C]
+            rope_all = cache.k_rope[layer_id][batch.slot_table].astype(x.dtype)  # [B, S, dr]
+            k_nope = jnp.einsum("bsc,chd->bshd", lat_all, w_uk)
+            v = jnp.einsum("bsc,chd->bshd", lat_all, w_uv)
+            s = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope)
+                 + jnp.einsum("bthr,bsr->bhts", q_rope, rope_all)) * scale
+            S = lat_all.shape[1]
+            sel = jnp.zeros((B, T, S + 1), bool)
+            sel = sel.at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None],
+                         jnp.where(topk < 0, S, topk)].set(True)[..., :S]
+            s = jnp.where(sel[:, None], s.astype(jnp.float32), MASKED)
+            p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
+            out = jnp.einsum("bhts,bshd->bthd", p, v)
+        elif attn_path == "absorbed":
+            slots = jnp.take_along_axis(batch.slot_table[:, None, :], jnp.maximum(topk, 0), axis=2)  # [B,T,K]
+            lat_sel = cache.latent[layer_id][slots].astype(x.dtype)     # [B, T, K, C]
+            rope_sel = cache.k_rope[layer_id][slots].astype(x.dtype)    # [B, T, K, dr]
+            q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
+            s = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel)
+                 + jnp.einsum("bthr,btkr->bthk", q_rope, rope_sel)) * scale
+            s = jnp.where((topk >= 0)[:, :, None, :], s.astype(jnp.float32), MASKED)
+            p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
+            o_lat = jnp.einsum("bthk,btkc->bthc", p, lat_sel)
+            out = jnp.einsum("bthc,chd->bthd", o_lat, w_uv)
+        else:
+            raise ValueError(f"attn_path must be one of {ATTN_PATHS}, got {attn_path!r}")
+        return self.o_proj(out.reshape(B, T, H * dv)), topk, cache

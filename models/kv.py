@@ -1,0 +1,108 @@
+"""What the model reads and writes per token: the KV layout the engine's pool uses, and the batch
+description of one forward. Token slots are flat (slot = page * page_size + offset); the engine owns
+the pages, the model only sees slot indices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per layer: MLA latent (kv_lora_rank) and rope key (qk_rope_head_dim) per token slot; per *full*
+    indexer layer: the indexer key (index_head_dim), fp8 e4m3 with one fp32 scale per token, or plain
+    (index_scale is then None). Slot 0 (the dummy page) absorbs padded writes."""
+
+    latent: jax.Array        # [L, slots, kv_lora_rank]
+    k_rope: jax.Array        # [L, slots, qk_rope_head_dim]
+    index_k: jax.Array       # [L_full, slots, index_head_dim]
+    index_scale: jax.Array | None  # [L_full, slots] fp32, or None when index_k is not fp8
+
+    @property
+    def num_slots(self) -> int:
+        return self.latent.shape[1]
+
+    @property
+    def index_fp8(self) -> bool:
+        return self.index_scale is not None
+
+
+def kv_cache_shapes(cfg: ModelConfig, num_slots: int, dtype, index_dtype: str = "same",
+                    num_layers: int | None = None, num_full: int | None = None) -> KVCache:
+    """ShapeDtypeStructs of a cache; index_dtype 'fp8' or 'same' (the compute dtype)."""
+    L = cfg.num_hidden_layers if num_layers is None else num_layers
+    F = len(cfg.full_layers) if num_full is None else num_full
+    fp8 = index_dtype == "fp8"
+    if index_dtype not in ("fp8", "same", "bfloat16", "float32"):
+        raise ValueError(f"index_dtype must be 'fp8', 'same', 'bfloat16' or 'float32', got {index_dtype!r}")
+    idt = FP8 if fp8 else (dtype if index_dtype == "same" else jnp.dtype(index_dtype))
+    S = jax.ShapeDtypeStruct
+    return KVCache(
+        latent=S((L, num_slots, cfg.kv_lora_rank), dtype),
+        k_rope=S((L, num_slots, cfg.qk_rope_head_dim), dtype),
+        index_k=S((F, num_slots, cfg.index_head_dim), idt),
+        index_scale=S((F, num_slots), jnp.float32) if fp8 else None,
+    )
+
+
+def empty_kv_cache(cfg: ModelConfig, num_slots: int, dtype, index_dtype: str = "same", **kw) -> KVCache:
+    shapes = kv_cache_shapes(cfg, num_slots, dtype, index_dtype, **kw)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def quantize_index_k(k):
+    """Per-token fp8 e4m3 quantization: scale = amax / 448 (DeepSeek's indexer-K cache format)."""
+    k32 = k.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(k32), axis=-1), 1e-12) / FP8_MAX
+    return (k32 / scale[..., None]).astype(FP8), scale
+
+
+def dequantize_index_k(q, scale):
+    return q.astype(jnp.float32) * scale[..., None]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    """One forward over B requests × T token lanes (T padded; a lane with position < 0 is padding).
+
+    tokens      [B, T]  token ids
+    positions   [B, T]  absolute position of each token in its request (-1 = padding lane)
+    write_slots [B, T]  cache slot to store each token's KV (padding lanes -> dummy slot 0)
+    slot_table  [B, S]  cache slot of each position 0..S-1 of the request (beyond its length: 0)
+    Token (b, t) attends to positions j <= positions[b, t] of its own request."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    write_slots: jax.Array
+    slot_table: jax.Array
+
+    @property
+    def valid(self):
+        return self.positions >= 0
+
+
+def contiguous_batch(tokens: np.ndarray, start: np.ndarray | int = 0, slot_table: np.ndarray | None = None,
+                     kv_width: int | None = None) -> Batch:
+    """A batch where request b's tokens sit at positions start[b], start[b]+1, ... and, without a slot
+    table, request b owns slots [1 + b*kv_width, 1 + (b+1)*kv_width) (slot 0 is the dummy)."""
+    tokens = np.asarray(tokens, np.int32)
+    B, T = tokens.shape
+    start = np.broadcast_to(np.asarray(start, np.int32), (B,))
+    positions = start[:, None] + np.arange(T, dtype=np.int32)[None, :]
+    if slot_table is None:
+        width = int(kv_width or (start.max() + T))
+        slot_table = 1 + np.arange(B, dtype=np.int32)[:, None] * width + np.arange(width, dtype=np.int32)[None]
+    write_slots = np.take_along_axis(slot_table, positions, axis=1)
+    return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(write_slots, jnp.int32),
+                 jnp.asarray(slot_table, jnp.int32))

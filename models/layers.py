@@ -1,0 +1,115 @@
+"""Small building blocks: parameters with an optional leading layer-stack axis, linear layers, norms,
+rope. Every Param may carry a leading `stack` shape so a group of identical layers is one module whose
+arrays are scanned over (models/model.py)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import RopeConfig, yarn_mscale
+
+
+def normal_param(rngs: nnx.Rngs, shape, dtype, std: float) -> nnx.Param:
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+def const_param(shape, dtype, value: float) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, value, dtype))
+
+
+class Dense(nnx.Module):
+    """y = x @ kernel, kernel [*stack, in, out] (the transpose of HF's [out, in] Linear weight)."""
+
+    def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs, stack=()):
+        self.kernel = normal_param(rngs, (*stack, din, dout), dtype, din ** -0.5)
+
+    def __call__(self, x):
+        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+
+
+class RMSNorm(nnx.Module):
+    """HF semantics: normalize in fp32, cast back to the input dtype, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, stack=()):
+        self.weight = const_param((*stack, dim), dtype, 1.0)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """True LayerNorm with bias (the indexer's k_norm)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, stack=()):
+        self.weight = const_param((*stack, dim), dtype, 1.0)
+        self.bias = const_param((*stack, dim), dtype, 0.0)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+# ---- rope --------------------------------------------------------------------------------------
+
+def rope_inv_freq(rope: RopeConfig, dim: int):
+    """Inverse frequencies and the cos/sin attention factor, as HF computes them (default / yarn)."""
+    exps = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    pos_freqs = rope.theta ** exps
+    if rope.type == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = rope.factor
+    if rope.attention_factor is not None:
+        attn_factor = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attn_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attn_factor = yarn_mscale(factor)
+
+    def correction_dim(rot):
+        return (dim * math.log(rope.original_max_position_embeddings / (rot * 2 * math.pi))) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, attn_factor
+
+
+def rope_cos_sin(positions, rope: RopeConfig, dim: int, dtype):
+    """cos/sin of shape [..., dim/2] for integer positions (negative = padding, treated as 0)."""
+    inv_freq, attn_factor = rope_inv_freq(rope, dim)
+    freqs = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * inv_freq
+    return (jnp.cos(freqs) * attn_factor).astype(dtype), (jnp.sin(freqs) * attn_factor).astype(dtype)
+
+
+def apply_rope_interleaved(x, cos, sin):
+    """Rotate pairs (x0,x1),(x2,x3)...; returns the rotated pairs de-interleaved (as HF does; dot products
+    between q and k rotated the same way are unchanged). cos/sin [..., dim/2] broadcast over heads."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def apply_rope_half(x, cos, sin):
+    """rotate_half rope (DeepSeek-V3.2 indexer)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos2 = jnp.concatenate([cos, cos], axis=-1)
+    sin2 = jnp.concatenate([sin, sin], axis=-1)
+    return x * cos2 + jnp.concatenate([-x2, x1], axis=-1) * sin2

@@ -1,0 +1,196 @@
+"""The DSA causal LM (GLM-5 / DeepSeek-V3.2): embedding, decoder layers scanned in homogeneous groups,
+final norm, lm_head, and the MTP/NextN layer.
+
+Layers differ by (mlp kind, indexer kind); IndexCache makes the kinds interleave (F S S S F ...). The
+layer list is cut into groups, each a short *unit* of kinds repeated R times; a group's parameters
+carry a leading [R] axis and one lax.scan runs the unit R times. GLM-5.2 (78 layers, full layers
+0,1,2,6,10,...,74) becomes three groups: 3 x [dense F], 18 x [MoE S S S F] (layers 3-74), 3 x [MoE S]."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import MLA
+from models.config import ModelConfig
+from models.kv import Batch, KVCache
+from models.layers import Dense, RMSNorm, normal_param
+from models.moe import MLP, MoE
+
+MAX_UNIT = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    unit: tuple[tuple[str, str], ...]   # (mlp kind, indexer kind) per position in the unit
+    layer_ids: tuple[tuple[int, ...], ...]  # [R][p] global layer index
+
+    @property
+    def repeats(self) -> int:
+        return len(self.layer_ids)
+
+
+def plan_layer_groups(kinds: list[tuple[str, str]]) -> tuple[LayerGroup, ...]:
+    """Greedy cover of the layer list by repeated units: at each start take the unit length p <= 8 that
+    covers the most layers when repeated (a unit longer than one layer must repeat at least twice;
+    ties -> shorter unit)."""
+    groups, i, n = [], 0, len(kinds)
+    while i < n:
+        best_p, best_r = 1, 0
+        for p in range(1, min(MAX_UNIT, n - i) + 1):
+            unit = kinds[i:i + p]
+            r = 1
+            while i + (r + 1) * p <= n and kinds[i + r * p:i + (r + 1) * p] == unit:
+                r += 1
+            if (p == 1 or r >= 2) and r * p > best_r * best_p:
+                best_p, best_r = p, r
+        ids = tuple(tuple(range(i + r * best_p, i + (r + 1) * best_p)) for r in range(best_r))
+        groups.append(LayerGroup(tuple(kinds[i:i + best_p]), ids))
+        i += best_p * best_r
+    return tuple(groups)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, mlp_kind: str, indexer_kind: str, *, dtype, rngs: nnx.Rngs, stack=()):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, stack=stack)
+        self.self_attn = MLA(cfg, has_indexer=indexer_kind == "full", dtype=dtype, rngs=rngs, stack=stack)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, stack=stack)
+        self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, stack=stack) if mlp_kind == "sparse"
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, stack=stack))
+
+    def __call__(self, x, topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str):
+        a, topk, cache = self.self_attn(self.input_layernorm(x), topk, batch, cache, layer_id, full_id,
+                                        attn_path=attn_path)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, topk, cache
+
+
+class LayerStack(nnx.Module):
+    """One LayerGroup: a DecoderLayer per unit position, each with parameters stacked over repeats."""
+
+    def __init__(self, cfg: ModelConfig, group: LayerGroup, *, dtype, rngs: nnx.Rngs):
+        self.group = group
+        self.unit = nnx.List([DecoderLayer(cfg, m, ix, dtype=dtype, rngs=rngs, stack=(group.repeats,))
+                              for m, ix in group.unit])
+
+    def __call__(self, x, topk, batch, cache, full_index: dict, *, attn_path: str):
+        graphdefs, states = zip(*(nnx.split(layer) for layer in self.unit))
+        layer_ids = jnp.asarray(self.group.layer_ids, jnp.int32)
+        full_ids = jnp.asarray([[full_index.get(i, 0) for i in row] for row in self.group.layer_ids], jnp.int32)
+
+        def body(carry, xs):
+            x, topk, cache = carry
+            st, lid, fid = xs
+            for j, gd in enumerate(graphdefs):
+                x, topk, cache = nnx.merge(gd, st[j])(x, topk, batch, cache, lid[j], fid[j],
+                                                       attn_path=attn_path)
+            return (x, topk, cache), None
+
+        (x, topk, cache), _ = jax.lax.scan(body, (x, topk, cache), (states, layer_ids, full_ids))
+        return x, topk, cache
+
+
+class MTPLayer(nnx.Module):
+    """NextN draft layer: h' = eh_proj(cat(enorm(embed(next_token)), hnorm(h))) -> one decoder layer
+    (own indexer) -> shared_head.norm -> shared_head.head. `embed_tokens` / `head` fall back to the
+    target's when the checkpoint does not carry its own copy."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, own_embed=True, own_head=True):
+        D = cfg.hidden_size
+        mlp_kind = "sparse" if "sparse" in cfg.mlp_layer_types else "dense"
+        self.embed_tokens = (normal_param(rngs, (cfg.vocab_size, D), dtype, 1.0) if own_embed else None)
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.eh_proj = Dense(2 * D, D, dtype=dtype, rngs=rngs)
+        self.layer = DecoderLayer(cfg, mlp_kind, "full", dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.head = Dense(D, cfg.vocab_size, dtype=dtype, rngs=rngs) if own_head else None
+
+
+class DsaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=None, rngs: nnx.Rngs, mtp_own_embed=True, mtp_own_head=True):
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        self.cfg = cfg
+        self.dtype = dtype
+        kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
+        self.groups_plan = plan_layer_groups(kinds)
+        self.full_index = {layer: f for f, layer in enumerate(cfg.full_layers)}
+        self.embed_tokens = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0)
+        self.groups = nnx.List([LayerStack(cfg, g, dtype=dtype, rngs=rngs) for g in self.groups_plan])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
+                                                                   rngs=rngs)
+        self.mtp = (MTPLayer(cfg, dtype=dtype, rngs=rngs, own_embed=mtp_own_embed, own_head=mtp_own_head)
+                    if cfg.num_nextn_predict_layers else None)
+
+    # ---- pieces ----------------------------------------------------------------------------------
+    def topk_width(self, kv_width: int) -> int:
+        return min(self.cfg.index_topk, kv_width)
+
+    def embed(self, tokens):
+        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+    def logits(self, h):
+        """fp32 logits of final-normed hidden states."""
+        if self.lm_head is None:
+            return jnp.dot(h, self.embed_tokens[...].T.astype(h.dtype)).astype(jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def __call__(self, batch: Batch, cache: KVCache, *, attn_path: str = "expanded"):
+        """Target forward. Returns (final-normed hidden [B, T, D], updated cache)."""
+        x = self.embed(batch.tokens)
+        B, T = batch.tokens.shape
+        topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
+        for stack in self.groups:
+            x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path)
+        return self.norm(x), cache
+
+    def mtp_forward(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded"):
+        """MTP layer over target hidden states [B, T, D] (final-normed) and the token that follows each
+        position [B, T]; positions/slots come from `batch`; `cache` is the draft's one-layer cache.
+        Returns (logits [B, T, V] fp32, the layer's output hidden before shared_head.norm, cache)."""
+        m = self.mtp
+        if m is None:
+            raise ValueError("this model has no MTP layer (num_nextn_predict_layers == 0)")
+        emb = jnp.take((m.embed_tokens if m.embed_tokens is not None else self.embed_tokens)[...],
+                       next_tokens, axis=0)
+        x = m.eh_proj(jnp.concatenate([m.enorm(emb), m.hnorm(hidden.astype(emb.dtype))], axis=-1))
+        B, T = next_tokens.shape
+        topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
+        zero = jnp.int32(0)
+        x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path)
+        h = m.norm(x)
+        logits = (m.head(h) if m.head is not None else self.logits(h)).astype(jnp.float32)
+        return logits, x, cache
+
+
+def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True):
+    """A jitted pure function (state, batch, cache) -> (logits or hidden, cache) for this model's graph,
+    the cache donated. The model's parameters are passed as state, so one compilation serves any
+    weights of the same shapes."""
+    graphdef, _ = nnx.split(model)
+
+    @jax.jit
+    def run(state, batch, cache):
+        m = nnx.merge(graphdef, state)
+        h, cache = m(batch, cache, attn_path=attn_path)
+        return (m.logits(h) if with_logits else h), cache
+
+    return lambda batch, cache: run(nnx.state(model), batch, cache)
+
+
+def prefill_logits(model: DsaModel, tokens, *, attn_path: str = "expanded", index_dtype: str = "same"):
+    """Teacher-forced logits [B, T, V] (fp32) of whole sequences from an empty cache."""
+    from models.kv import contiguous_batch, empty_kv_cache
+
+    tokens = jnp.asarray(tokens, jnp.int32)
+    B, T = tokens.shape
+    batch = contiguous_batch(tokens)
+    cache = empty_kv_cache(model.cfg, 1 + B * T, model.dtype, index_dtype)
+    logits, _ = jit_forward(model, attn_path=attn_path)(batch, cache)
+    return logits

@@ -1,0 +1,80 @@
+"""DeepSeek MoE: fp32 sigmoid router with a selection-only correction bias and group-limited top-k,
+routed experts through a grouped matmul over expert-sorted rows, plus shared experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import Dense, normal_param
+
+
+class MLP(nnx.Module):
+    def __init__(self, dim: int, inter: int, *, dtype, rngs: nnx.Rngs, stack=()):
+        self.gate_proj = Dense(dim, inter, dtype=dtype, rngs=rngs, stack=stack)
+        self.up_proj = Dense(dim, inter, dtype=dtype, rngs=rngs, stack=stack)
+        self.down_proj = Dense(inter, dim, dtype=dtype, rngs=rngs, stack=stack)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(cfg: ModelConfig, logits32, bias):
+    """Expert ids and weights per row. Selection uses sigmoid scores + correction bias restricted to the
+    best `topk_group` groups (group score = sum of its top-2); weights use the unbiased scores."""
+    scores = jax.nn.sigmoid(logits32)
+    choice = scores + bias
+    N, E = choice.shape
+    grouped = choice.reshape(N, cfg.n_group, E // cfg.n_group)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+    _, group_idx = jax.lax.top_k(group_scores, cfg.topk_group)
+    keep = jnp.zeros((N, cfg.n_group), bool).at[jnp.arange(N)[:, None], group_idx].set(True)
+    choice = jnp.where(jnp.repeat(keep, E // cfg.n_group, axis=1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def grouped_expert_mlp(x, idx, w, gate, up, down):
+    """Sum over each row's k experts of w * down(silu(gate x) * up x). Rows are replicated k times,
+    sorted by expert and pushed through ragged_dot (one grouped matmul per projection)."""
+    N, D = x.shape
+    E = gate.shape[0]
+    k = idx.shape[1]
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    row = order // k
+    xs = x[row]
+    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    y = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
+    y = y * w.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros((N, D), y.dtype).at[row].add(y).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, stack=()):
+        self.cfg = cfg
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Dense(D, E, dtype=dtype, rngs=rngs, stack=stack)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((*stack, E), jnp.float32))
+        self.experts_gate = normal_param(rngs, (*stack, E, D, I), dtype, D ** -0.5)
+        self.experts_up = normal_param(rngs, (*stack, E, D, I), dtype, D ** -0.5)
+        self.experts_down = normal_param(rngs, (*stack, E, I, D), dtype, I ** -0.5)
+        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype=dtype, rngs=rngs, stack=stack)
+                               if cfg.n_shared_experts else None)
+
+    def __call__(self, x):
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        logits = jnp.dot(xf.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
+        idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
+        out = grouped_expert_mlp(xf, idx, w, self.experts_gate[...], self.experts_up[...],
+                                 self.experts_down[...])
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(xf)
+        return out.reshape(shape)

@@ -1,0 +1,491 @@
+"""Checkpoints: HF safetensors <-> params, fp8 block dequantization, orbax save and sharded restore.
+
+Our orbax checkpoint is a directory of small orbax PyTree checkpoints, one per decoder layer plus
+`top` (embedding, final norm, lm_head) and `mtp`, and a `cpkv_checkpoint.json` manifest written last.
+One checkpoint per layer is what lets `convert` stream (peak host RAM = one layer, never the model)
+and lets `load` restore each layer straight into its target sharding and write it into the stacked
+group arrays in place (peak device memory = the model + one layer). Conversion writes into a
+temporary sibling directory renamed into place only when complete, so an interrupted conversion
+never leaves anything that loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from models.config import ModelConfig
+from models.model import DsaModel
+
+MANIFEST = "cpkv_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: names the offending key."""
+
+
+# ---- HF key layout ---------------------------------------------------------------------------------
+
+def _layer_keys(cfg: ModelConfig, mlp_kind: str, has_indexer: bool) -> dict[str, tuple]:
+    """HF key suffix (after `model.layers.{i}.`) -> (our path within a DecoderLayer, transpose?)."""
+    keys = {"input_layernorm.weight": (("input_layernorm", "weight"), False),
+            "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), False)}
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        keys[f"self_attn.{name}.weight"] = (("self_attn", name, "kernel"), True)
+    for name in ("q_a_layernorm", "kv_a_layernorm"):
+        keys[f"self_attn.{name}.weight"] = (("self_attn", name, "weight"), False)
+    if has_indexer:
+        for name in ("wq_b", "wk", "weights_proj"):
+            keys[f"self_attn.indexer.{name}.weight"] = (("self_attn", "indexer", name, "kernel"), True)
+        keys["self_attn.indexer.k_norm.weight"] = (("self_attn", "indexer", "k_norm", "weight"), False)
+        keys["self_attn.indexer.k_norm.bias"] = (("self_attn", "indexer", "k_norm", "bias"), False)
+    if mlp_kind == "dense":
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            keys[f"mlp.{name}.weight"] = (("mlp", name, "kernel"), True)
+    else:
+        keys["mlp.gate.weight"] = (("mlp", "gate", "kernel"), True)
+        keys["mlp.gate.e_score_correction_bias"] = (("mlp", "e_score_correction_bias"), False)
+        for e in range(cfg.n_routed_experts):
+            for name, ours in (("gate_proj", "experts_gate"), ("up_proj", "experts_up"), ("down_proj", "experts_down")):
+                keys[f"mlp.experts.{e}.{name}.weight"] = (("mlp", ours, e), True)
+        if cfg.n_shared_experts:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                keys[f"mlp.shared_experts.{name}.weight"] = (("mlp", "shared_experts", name, "kernel"), True)
+    return keys
+
+
+def mtp_mlp_kind(cfg: ModelConfig) -> str:
+    return "sparse" if "sparse" in cfg.mlp_layer_types else "dense"
+
+
+# ---- reading HF safetensors --------------------------------------------------------------------------
+
+class SafetensorsReader:
+    """Tensor-at-a-time access to an HF checkpoint directory (single file or sharded with an index),
+    fp8 block-scaled weights dequantized on read."""
+
+    def __init__(self, hf_dir):
+        self.dir = Path(hf_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"HF checkpoint directory {self.dir} does not exist")
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors files in {self.dir}")
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "np") as h:
+                    weight_map.update({k: f.name for k in h.keys()})
+        self.weight_map = weight_map
+        hf_cfg = json.loads((self.dir / "config.json").read_text()) if (self.dir / "config.json").exists() else {}
+        q = hf_cfg.get("quantization_config") or {}
+        self.block = tuple(q.get("weight_block_size") or (128, 128))
+        self._handles = {}
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def _raw(self, key: str) -> np.ndarray:
+        fname = self.weight_map[key]
+        if fname not in self._handles:
+            self._handles[fname] = (safe_open(self.dir / fname, "np"), _safetensors_header(self.dir / fname))
+        handle, (header, data_start) = self._handles[fname]
+        info = header[key]
+        if info["dtype"] in _FP8_DTYPES:
+            # safetensors' numpy reader has no fp8 (it would need torch): map the bytes ourselves.
+            begin, end = info["data_offsets"]
+            raw = np.memmap(self.dir / fname, np.uint8, "r", offset=data_start + begin, shape=(end - begin,))
+            return raw.view(_FP8_DTYPES[info["dtype"]]).reshape(info["shape"])
+        return handle.get_tensor(key)
+
+    def get(self, key: str) -> np.ndarray:
+        """The tensor as float32 (fp8 weights dequantized with their weight_scale_inv blocks)."""
+        if key not in self.weight_map:
+            raise CheckpointError(f"checkpoint is missing tensor {key!r}")
+        w = self._raw(key)
+        scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else None
+        if scale_key and scale_key in self.weight_map:
+            scale = self._raw(scale_key).astype(np.float32)
+            bo, bi = self.block
+            o, i = w.shape
+            if scale.shape != (-(-o // bo), -(-i // bi)):
+                raise CheckpointError(f"{scale_key} has shape {scale.shape}, expected "
+                                      f"{(-(-o // bo), -(-i // bi))} for {key} {w.shape} in {bo}x{bi} blocks")
+            full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[:o, :i]
+            return w.astype(np.float32) * full
+        if w.dtype == ml_dtypes.float8_e4m3fn:
+            raise CheckpointError(f"{key} is fp8 but has no {scale_key}")
+        return w.astype(np.float32)
+
+    def close(self):
+        self._handles.clear()
+
+
+_FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _safetensors_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _set_path(tree: dict, path: tuple, value):
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def _expect_shape(key: str, arr: np.ndarray, shape: tuple):
+    if tuple(arr.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {key!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+
+
+def hf_layer_tree(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, mlp_kind: str, has_indexer: bool,
+                  abstract_layer: dict, dtype) -> dict:
+    """Our (unstacked) DecoderLayer pure-dict for the HF layer at `prefix`, in `dtype` (router bias and
+    indexer weights_proj stay fp32)."""
+    out: dict = {}
+    experts: dict[str, list] = {}
+    for suffix, (path, transpose) in _layer_keys(cfg, mlp_kind, has_indexer).items():
+        key = prefix + suffix
+        arr = reader.get(key)
+        if transpose:
+            if arr.ndim != 2:
+                raise CheckpointError(f"tensor {key!r} should be 2-D, has shape {arr.shape}")
+            arr = arr.T
+        if isinstance(path[-1], int):  # one expert of a stacked expert tensor
+            target = _get_path(abstract_layer, path[:-1])
+            _expect_shape(key, arr, target.shape[1:])
+            experts.setdefault(path[:-1], []).append(arr)
+            continue
+        _expect_shape(key, arr, _get_path(abstract_layer, path).shape)
+        _set_path(out, path, arr)
+    for path, arrs in experts.items():
+        _set_path(out, path, np.stack(arrs))
+    return _cast_tree(out, dtype)
+
+
+def _get_path(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _strip_stack(sds_tree):
+    """Abstract per-layer tree from a stacked one (drop the leading repeat axis)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), sds_tree)
+
+
+# ---- abstract model ------------------------------------------------------------------------------------
+
+def abstract_model(cfg: ModelConfig, dtype=None, *, mtp_own_embed=True, mtp_own_head=True) -> DsaModel:
+    return nnx.eval_shape(lambda: DsaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), mtp_own_embed=mtp_own_embed,
+                                           mtp_own_head=mtp_own_head))
+
+
+def _cast_tree(tree: dict, dtype, path=()):
+    return {k: (_cast_tree(v, dtype, path + (k,)) if isinstance(v, dict)
+                else np.asarray(v, np.float32 if _is_keep32(path + (k,)) else jnp.dtype(dtype)))
+            for k, v in tree.items()}
+
+
+def _is_keep32(path: tuple) -> bool:
+    return path[-1] == "e_score_correction_bias" or path[-2:-1] == ("weights_proj",)
+
+
+# ---- HF -> parts (shared by in-memory load and conversion) ------------------------------------------------
+
+def hf_mtp_flags(reader: SafetensorsReader, cfg: ModelConfig) -> tuple[bool, bool]:
+    n = cfg.num_hidden_layers
+    return (f"model.layers.{n}.embed_tokens.weight" in reader.keys(),
+            f"model.layers.{n}.shared_head.head.weight" in reader.keys())
+
+
+def iter_hf_parts(reader: SafetensorsReader, cfg: ModelConfig, model_abs: DsaModel, dtype) -> Iterator[tuple[str, dict]]:
+    """Yield ('top', tree), ('layer:{i}', tree) for every target layer, then ('mtp', tree): our pure-dict
+    pieces built from the HF checkpoint, one layer at a time. Unexpected HF keys raise first."""
+    pure_abs = nnx.to_pure_dict(nnx.state(model_abs))
+    expected = set()
+    n = cfg.num_hidden_layers
+    for i in range(n):
+        m, ix = cfg.layer_kind(i)
+        expected |= {f"model.layers.{i}.{k}" for k in _layer_keys(cfg, m, ix == "full")}
+    expected |= {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        expected.add("lm_head.weight")
+    own_embed, own_head = hf_mtp_flags(reader, cfg)
+    if cfg.num_nextn_predict_layers:
+        p = f"model.layers.{n}."
+        expected |= {p + k for k in _layer_keys(cfg, mtp_mlp_kind(cfg), True)}
+        expected |= {p + k for k in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+        if own_embed:
+            expected.add(p + "embed_tokens.weight")
+        if own_head:
+            expected.add(p + "shared_head.head.weight")
+    present = {k for k in reader.keys() if not k.endswith("weight_scale_inv")}
+    unexpected = sorted(present - expected)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor(s) in checkpoint: {unexpected[:5]}"
+                              + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+    missing = sorted(expected - present)
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensor(s): {missing[:5]}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+    def plain(key, target, transpose=False, keep32=False):
+        arr = reader.get(key)
+        arr = arr.T if transpose else arr
+        _expect_shape(key, arr, target.shape)
+        return arr.astype(np.float32 if keep32 else jnp.dtype(dtype))
+
+    top = {"embed_tokens": plain("model.embed_tokens.weight", pure_abs["embed_tokens"]),
+           "norm": {"weight": plain("model.norm.weight", pure_abs["norm"]["weight"])}}
+    if not cfg.tie_word_embeddings:
+        top["lm_head"] = {"kernel": plain("lm_head.weight", pure_abs["lm_head"]["kernel"], True)}
+    yield "top", top
+
+    layer_abs = {}
+    for g, group in enumerate(model_abs.groups_plan):
+        for j in range(len(group.unit)):
+            for row in group.layer_ids:
+                layer_abs[row[j]] = _strip_stack(pure_abs["groups"][g]["unit"][j])
+    for i in range(n):
+        m, ix = cfg.layer_kind(i)
+        tree = hf_layer_tree(reader, cfg, f"model.layers.{i}.", m, ix == "full", layer_abs[i], dtype)
+        yield f"layer:{i}", tree
+
+    if cfg.num_nextn_predict_layers:
+        p = f"model.layers.{n}."
+        mabs = pure_abs["mtp"]
+        tree = {"layer": hf_layer_tree(reader, cfg, p, mtp_mlp_kind(cfg), True, mabs["layer"], dtype),
+                "eh_proj": {"kernel": plain(p + "eh_proj.weight", mabs["eh_proj"]["kernel"], True)},
+                "enorm": {"weight": plain(p + "enorm.weight", mabs["enorm"]["weight"])},
+                "hnorm": {"weight": plain(p + "hnorm.weight", mabs["hnorm"]["weight"])},
+                "norm": {"weight": plain(p + "shared_head.norm.weight", mabs["norm"]["weight"])}}
+        if own_embed:
+            tree["embed_tokens"] = plain(p + "embed_tokens.weight", mabs["embed_tokens"])
+        if own_head:
+            tree["head"] = {"kernel": plain(p + "shared_head.head.weight", mabs["head"]["kernel"], True)}
+        yield "mtp", _cast_tree(tree, dtype)
+
+
+def assemble(model_abs: DsaModel, parts: Iterator[tuple[str, dict]], put: Callable | None = None) -> DsaModel:
+    """Build a concrete model from per-layer parts: each group's leaves are allocated stacked and every
+    layer is written into its slot (`put(path, array)` places an unstacked host array on device, e.g.
+    with a sharding; the default is jnp.asarray)."""
+    graphdef, state = nnx.split(model_abs)
+    pure_abs = nnx.to_pure_dict(state)
+    put = put or (lambda path, a: jnp.asarray(a))
+    where = {}
+    for g, group in enumerate(model_abs.groups_plan):
+        for r, row in enumerate(group.layer_ids):
+            for j, layer in enumerate(row):
+                where[layer] = (g, j, r)
+    stacked = {g: {j: None for j in range(len(grp.unit))} for g, grp in enumerate(model_abs.groups_plan)}
+    out: dict = {}
+    set_slot = jax.jit(lambda s, x, r: s.at[r].set(x), donate_argnums=0)
+    for name, tree in parts:
+        if name == "top":
+            out.update(_put_tree(tree, (), put))
+        elif name == "mtp":
+            out["mtp"] = _put_tree(tree, ("mtp",), put)
+        else:
+            g, j, r = where[int(name.split(":")[1])]
+            path = ("groups", g, "unit", j)
+            layer = _put_tree(tree, path, put)
+            if stacked[g][j] is None:
+                abs_leaves = _get_path(pure_abs, path)
+                stacked[g][j] = jax.tree.map(lambda s, x: jnp.zeros(s.shape, x.dtype, device=_stacked_sharding(x)),
+                                             abs_leaves, layer)
+            stacked[g][j] = jax.tree.map(lambda s, x: set_slot(s, x, r), stacked[g][j], layer)
+    out["groups"] = {g: {"unit": stacked[g]} for g in stacked}
+    missing = [f"groups/{g}/unit/{j}" for g in stacked for j, v in stacked[g].items() if v is None]
+    if missing:
+        raise CheckpointError(f"no weights for {missing}")
+    nnx.replace_by_pure_dict(state, out)
+    return nnx.merge(graphdef, state)
+
+
+def _stacked_sharding(x):
+    """The sharding of a stacked group leaf whose per-layer slices are sharded like x."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, NamedSharding):
+        return NamedSharding(sh.mesh, P(None, *sh.spec), memory_kind=sh.memory_kind)
+    return sh
+
+
+def _put_tree(tree, path, put):
+    return {k: (_put_tree(v, path + (k,), put) if isinstance(v, dict) else put(path + (k,), v))
+            for k, v in tree.items()}
+
+
+def load_hf(hf_dir, dtype=None, cfg: ModelConfig | None = None) -> DsaModel:
+    """HF safetensors directory -> a concrete model in memory (small models, tests)."""
+    cfg = cfg or ModelConfig.from_json_file(hf_dir)
+    reader = SafetensorsReader(hf_dir)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    own_embed, own_head = hf_mtp_flags(reader, cfg)
+    model_abs = abstract_model(cfg, dtype, mtp_own_embed=own_embed, mtp_own_head=own_head)
+    return assemble(model_abs, iter_hf_parts(reader, cfg, model_abs, dtype))
+
+
+# ---- orbax checkpoint: save (streaming) and restore (sharded) -----------------------------------------
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+    return ocp.StandardCheckpointer()
+
+
+def save_checkpoint(out_dir, cfg_json: dict, parts: Iterator[tuple[str, dict]], *, extra_files=(),
+                    progress: Callable | None = None) -> Path:
+    """Write parts (see iter_hf_parts) as our orbax checkpoint directory. Everything goes to
+    `<out>.partial-<pid>` first; the manifest is written last and the directory renamed into place, so
+    an interrupted save leaves no directory at `out_dir` that loads."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists():
+        raise CheckpointError(f"output directory {out_dir} already exists")
+    tmp = out_dir.with_name(out_dir.name + f".partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ckptr = _checkpointer()
+    names = []
+    try:
+        for name, tree in parts:
+            sub = tmp / name.replace(":", "_")
+            ckptr.save(sub, tree)
+            ckptr.wait_until_finished()
+            names.append(name)
+            if progress:
+                progress(name)
+        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+        for f in extra_files:
+            shutil.copy(f, tmp / Path(f).name)
+        (tmp / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "parts": names}, indent=2))
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        ckptr.close()
+    return out_dir
+
+
+def is_checkpoint(path) -> bool:
+    return (Path(path) / MANIFEST).exists()
+
+
+def load_checkpoint(path, dtype=None, mesh=None) -> DsaModel:
+    """Restore our orbax checkpoint; with `mesh`, every array is restored straight into its sharding
+    (models/sharding.py) and layers are written into the stacked group arrays in place."""
+    from models.sharding import param_sharding
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not is_checkpoint(path):
+        raise CheckpointError(f"{path} is not a complete cpkv checkpoint (no {MANIFEST}; an interrupted "
+                              f"conversion, or an HF directory: run `cpkv-jax convert` first)")
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format_version')} unsupported "
+                              f"(expected {FORMAT_VERSION})")
+    cfg = ModelConfig.from_json_file(path / "config.json")
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    mtp_meta = _part_tree_metadata(path / "mtp") if "mtp" in manifest["parts"] else {}
+    model_abs = abstract_model(cfg, dtype, mtp_own_embed="embed_tokens" in mtp_meta,
+                               mtp_own_head="head" in mtp_meta)
+    pure_abs = nnx.to_pure_dict(nnx.state(model_abs))
+    layer_path = {}
+    for g, group in enumerate(model_abs.groups_plan):
+        for row in group.layer_ids:
+            for j, layer in enumerate(row):
+                layer_path[layer] = ("groups", g, "unit", j)
+    ckptr = _checkpointer()
+
+    def target(abs_tree, path_prefix, stacked):
+        def leaf(p, s):
+            keys = path_prefix + tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p)
+            shape = s.shape[1:] if stacked else s.shape
+            sh = param_sharding(keys, len(s.shape), mesh, stacked)
+            if stacked:  # the per-layer slice of a stacked leaf: drop the leading repeat axis
+                from jax.sharding import NamedSharding, PartitionSpec as P
+                sh = NamedSharding(mesh, P(*sh.spec[1:]))
+            return jax.ShapeDtypeStruct(shape, s.dtype, sharding=sh) if mesh is not None else \
+                jax.ShapeDtypeStruct(shape, s.dtype)
+        return jax.tree_util.tree_map_with_path(leaf, abs_tree)
+
+    def parts():
+        for name in manifest["parts"]:
+            sub = path / name.replace(":", "_")
+            if name == "top":
+                abs_tree = {k: pure_abs[k] for k in ("embed_tokens", "norm", "lm_head") if k in pure_abs
+                            and pure_abs[k] is not None}
+                tgt = target(abs_tree, (), False) if mesh is not None else _no_shard(abs_tree)
+            elif name == "mtp":
+                tgt = target(pure_abs["mtp"], ("mtp",), False) if mesh is not None else _no_shard(pure_abs["mtp"])
+            else:
+                lp = layer_path[int(name.split(":")[1])]
+                abs_layer = _get_path(pure_abs, lp)
+                tgt = target(abs_layer, lp, True) if mesh is not None else _strip_stack(abs_layer)
+            yield name, ckptr.restore(sub, tgt)
+
+    def put(p, a):
+        return a  # already placed by orbax
+
+    try:
+        model = assemble(model_abs, parts(), put)
+    finally:
+        ckptr.close()
+    return model
+
+
+def _no_shard(tree):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tree)
+
+
+def _part_tree_metadata(sub: Path) -> dict:
+    ckptr = _checkpointer()
+    try:
+        meta = ckptr.metadata(sub)
+    finally:
+        ckptr.close()
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return dict(tree)
+
+
+def load_model(spec, dtype=None, mesh=None) -> DsaModel:
+    """'tiny' (shipped config, deterministic random weights), one of our orbax checkpoints, or an HF
+    safetensors directory (converted in memory; fine for small models)."""
+    if spec == "tiny":
+        from models.config import ModelConfig as MC
+        cfg = MC.named("tiny")
+        return DsaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    path = Path(spec)
+    if not path.exists():
+        raise CheckpointError(f"model path {path} does not exist (expected 'tiny', a cpkv checkpoint "
+                              f"directory or an HF safetensors directory)")
+    if is_checkpoint(path):
+        return load_checkpoint(path, dtype, mesh)
+    if (path / "config.json").exists() and (list(path.glob("*.safetensors")) or
+                                            (path / "model.safetensors.index.json").exists()):
+        return load_hf(path, dtype)
+    raise CheckpointError(f"{path} is neither a cpkv checkpoint (no {MANIFEST}) nor an HF checkpoint "
+                          f"(config.json + *.safetensors)")
