@@ -1,0 +1,199 @@
+"""HF safetensors -> params, fp8 dequantization, orbax conversion round trip, sharded restore, errors."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from safetensors.numpy import load_file, save_file
+
+from models.config import ModelConfig
+from models.weights import (CheckpointError, SafetensorsReader, abstract_model, iter_hf_parts, load_checkpoint,
+                            load_hf, load_model, save_checkpoint)
+from tests.helpers import FIXTURES, hf_model
+
+
+def pure(model):
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+def assert_trees_equal(a, b):
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (p, x), (_, y) in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, p
+        assert np.array_equal(x, y), p
+
+
+def convert(src, out, dtype=None):
+    cfg = ModelConfig.from_json_file(src)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    reader = SafetensorsReader(src)
+    return save_checkpoint(out, json.loads((src / "config.json").read_text()),
+                           iter_hf_parts(reader, cfg, abstract_model(cfg, dtype), dtype))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ck") / "glm_indexcache"
+    convert(FIXTURES / "glm_indexcache", out)
+    return out
+
+
+def test_hf_params_are_the_checkpoint_tensors():
+    """Spot-check the key mapping against the raw safetensors (transposes, expert stacking, MTP)."""
+    raw = load_file(FIXTURES / "glm_indexcache" / "model.safetensors")
+    m = hf_model("glm_indexcache")
+    # layer 3 is a full MoE layer; the plan puts it in group 1 (unit [F, S] x 2), repeat 1, position 0
+    g, j, r = 1, 0, 1
+    assert m.groups_plan[g].layer_ids[r][j] == 3
+    layer = m.groups[g].unit[j]
+    np.testing.assert_array_equal(layer.self_attn.q_b_proj.kernel[...][r], raw["model.layers.3.self_attn.q_b_proj.weight"].T)
+    np.testing.assert_array_equal(layer.mlp.experts_down[...][r, 5], raw["model.layers.3.mlp.experts.5.down_proj.weight"].T)
+    np.testing.assert_array_equal(layer.mlp.e_score_correction_bias[...][r], raw["model.layers.3.mlp.gate.e_score_correction_bias"])
+    np.testing.assert_array_equal(layer.self_attn.indexer.k_norm.bias[...][r], raw["model.layers.3.self_attn.indexer.k_norm.bias"])
+    assert m.groups[1].unit[1].self_attn.indexer is None  # shared layer: no indexer weights
+    np.testing.assert_array_equal(m.mtp.eh_proj.kernel[...], raw["model.layers.5.eh_proj.weight"].T)
+    np.testing.assert_array_equal(m.mtp.head.kernel[...], raw["model.layers.5.shared_head.head.weight"].T)
+
+
+def test_fp8_block_dequantization():
+    raw = load_file(FIXTURES / "glm_tiny" / "model.safetensors")
+    reader = SafetensorsReader(FIXTURES / "glm_tiny_fp8")
+    key = "model.layers.1.self_attn.q_b_proj.weight"  # [192, 64]: 2 x 1 blocks of 128 x 128
+    w = reader.get(key)
+    rel = np.abs(w - raw[key]) / np.abs(raw[key]).max()
+    assert 0 < rel.max() <= 2 ** -4  # e4m3 rounding, relative to the block max
+    # by hand: fp8 bytes x the block's scale
+    import ml_dtypes
+    from models.weights import _safetensors_header
+    header, start = _safetensors_header(reader.dir / reader.weight_map[key])
+    b, e = header[key]["data_offsets"]
+    q = np.fromfile(reader.dir / reader.weight_map[key], np.uint8, e - b, offset=start + b)
+    q = q.view(ml_dtypes.float8_e4m3fn).reshape(192, 64).astype(np.float32)
+    scale = reader._raw(key.replace("weight", "weight_scale_inv"))
+    assert scale.shape == (2, 1)
+    np.testing.assert_array_equal(w[:128], q[:128] * scale[0, 0])
+    np.testing.assert_array_equal(w[128:], q[128:] * scale[1, 0])
+
+
+def test_conversion_round_trip(converted):
+    assert_trees_equal(pure(load_checkpoint(converted)), pure(hf_model("glm_indexcache")))
+    parts = sorted(p.name for p in converted.iterdir())
+    assert "layer_0" in parts and "layer_4" in parts and "mtp" in parts and "top" in parts
+
+
+def test_conversion_streams_one_layer_at_a_time():
+    """Between two yielded parts the converter reads only that part's tensors: peak host memory is one
+    layer (plus the one being written), never the model."""
+    src = FIXTURES / "glm_indexcache"
+    cfg = ModelConfig.from_json_file(src)
+    reader = SafetensorsReader(src)
+    reads = []
+    orig = reader.get
+    reader.get = lambda k: (reads.append(k), orig(k))[1]
+    for name, _ in iter_hf_parts(reader, cfg, abstract_model(cfg, jnp.float32), jnp.float32):
+        if name.startswith("layer:"):
+            i = int(name.split(":")[1])
+            assert reads and all(k.startswith(f"model.layers.{i}.") for k in reads), (name, reads[:3])
+        reads.clear()
+
+
+def test_sharded_restore_on_8_device_mesh(converted):
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(AxisType.Auto,))
+    model = load_checkpoint(converted, mesh=mesh)
+    experts = model.groups[1].unit[0].mlp.experts_gate[...]
+    assert isinstance(experts.sharding, NamedSharding)
+    assert experts.sharding.spec == jax.sharding.PartitionSpec(None, "ep", None, None)
+    assert len({s.device for s in experts.addressable_shards}) == 8
+    assert experts.addressable_shards[0].data.shape == (2, 1, 64, 32)  # 8 experts / 8 devices
+    assert model.embed_tokens[...].sharding.is_fully_replicated
+    assert_trees_equal(pure(model), pure(hf_model("glm_indexcache")))
+
+
+def test_restore_with_dtype_override(converted):
+    model = load_checkpoint(converted, dtype="bfloat16")
+    assert model.embed_tokens[...].dtype == jnp.bfloat16
+    assert model.groups[1].unit[0].mlp.e_score_correction_bias[...].dtype == jnp.float32  # selection bias stays fp32
+
+
+def test_interrupted_conversion_leaves_nothing_loadable(tmp_path):
+    src = FIXTURES / "glm_tiny"
+    cfg = ModelConfig.from_json_file(src)
+
+    def dying_parts():
+        for n, (name, tree) in enumerate(iter_hf_parts(SafetensorsReader(src), cfg, abstract_model(cfg), jnp.float32)):
+            if n == 2:
+                raise KeyboardInterrupt
+            yield name, tree
+
+    out = tmp_path / "ck"
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(out, {}, dying_parts())
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+    # a directory without the manifest (e.g. killed -9 mid-rename target) is refused
+    (tmp_path / "half").mkdir()
+    with pytest.raises(CheckpointError, match="not a complete cpkv checkpoint"):
+        load_checkpoint(tmp_path / "half")
+
+
+def _broken_copy(tmp_path, edit):
+    dst = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "glm_tiny", dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"), r"missing tensor.*experts\.3\.up_proj"),
+    (lambda t: t.update({"model.layers.0.self_attn.bogus.weight": np.zeros(3, np.float32)}), r"unexpected.*bogus"),
+    (lambda t: t.update({"model.layers.2.self_attn.o_proj.weight": np.zeros((64, 100), np.float32)}),
+     r"model\.layers\.2\.self_attn\.o_proj\.weight.*shape"),
+    (lambda t: t.pop("model.layers.3.eh_proj.weight"), r"missing.*model\.layers\.3\.eh_proj"),
+])
+def test_checkpoint_errors_name_the_key(tmp_path, edit, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_hf(_broken_copy(tmp_path, edit))
+
+
+def test_fp8_errors(tmp_path):
+    dst = tmp_path / "fp8"
+    shutil.copytree(FIXTURES / "glm_tiny_fp8", dst)
+    st = dst / "model.safetensors"
+    from models.weights import _FP8_DTYPES, _safetensors_header
+    header, _ = _safetensors_header(st)
+    reader = SafetensorsReader(dst)
+    tensors = {k: reader._raw(k) for k in header}
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = np.ones((3, 3), np.float32)
+    import jax.numpy as jnp_  # noqa: F401  (fp8 arrays are saved through the flax framework)
+    from safetensors.flax import save_file as save_flax
+    save_flax({k: jnp.asarray(v) for k, v in tensors.items()}, st)
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight_scale_inv has shape \(3, 3\)"):
+        load_hf(dst)
+    tensors.pop("model.layers.0.self_attn.o_proj.weight_scale_inv")
+    save_flax({k: jnp.asarray(v) for k, v in tensors.items()}, st)
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight is fp8 but has no .*weight_scale_inv"):
+        load_hf(dst)
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="neither a cpkv checkpoint"):
+        load_model(tmp_path)
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_checkpoint(tmp_path, {}, iter([]))
+
+
+def test_tiny_is_deterministic():
+    a, b = load_model("tiny"), load_model("tiny")
+    assert_trees_equal(pure(a), pure(b))
+    assert a.cfg.num_nextn_predict_layers == 1 and a.mtp is not None
