@@ -1,11 +1,12 @@
 """The JAX model against HF transformers 5.23.0 (fixtures from scripts/make_hf_fixtures.py), fp32."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models.kv import contiguous_batch, empty_kv_cache
-from models.model import jit_forward, prefill_logits
+from models.model import jit_forward, matmul_precision, prefill_logits
 from tests.helpers import hf_model, reference, rel_err
 
 TOL = 1e-5
@@ -66,7 +67,9 @@ def test_mtp_layer_matches_definition(name):
     hidden, _ = jit_forward(model, with_logits=False)(batch, empty_kv_cache(model.cfg, 1 + B * T, model.dtype))
     draft_cache = empty_kv_cache(model.cfg, 1 + B * T, model.dtype, num_layers=1, num_full=1)
     for path in PATHS:
-        logits, _, _ = model.mtp_forward(hidden, jnp.asarray(toks[:, 1:]), batch, draft_cache, attn_path=path)
+        with jax.default_matmul_precision(matmul_precision(model.dtype)):
+            logits, _, _ = model.mtp_forward(hidden, jnp.asarray(toks[:, 1:]), batch, draft_cache,
+                                             attn_path=path)
         err = rel_err(logits, ref["mtp_logits"])
         _record(f"mtp/{name}/{path}", err)
         assert err <= TOL, f"{name} {path}: rel err {err:.3e}"
