@@ -21,7 +21,6 @@ def _parse_tokens(text: str) -> list[int]:
 
 
 def cmd_score(args) -> int:
-    import jax.numpy as jnp
     import numpy as np
 
     from models.model import prefill_logits

@@ -1,5 +1,6 @@
 """Where each parameter lives on a mesh — decided here and nowhere else. Rules are written for the
-unstacked (per-layer) shape; stacked group leaves get a leading unsharded repeat axis."""
+unstacked (per-layer) shape; stacked group leaves get a leading unsharded repeat axis
+(models/weights.py:_stacked_sharding)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,5 @@ def layer_partition_spec(path: tuple, ndim: int, mesh: Mesh) -> P:
     return P(*([None] * ndim))
 
 
-def param_sharding(path: tuple, ndim: int, mesh: Mesh, stacked: bool = False) -> NamedSharding:
-    spec = layer_partition_spec(path, ndim - 1 if stacked else ndim, mesh)
-    return NamedSharding(mesh, P(None, *spec) if stacked else spec)
+def param_sharding(path: tuple, ndim: int, mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, layer_partition_spec(path, ndim, mesh))

@@ -420,15 +420,14 @@ def load_checkpoint(path, dtype=None, mesh=None) -> DsaModel:
     ckptr = _checkpointer()
 
     def target(abs_tree, path_prefix, stacked):
+        """Restore targets: per-layer shapes (a stacked leaf minus its repeat axis), placed by the
+        sharding rules when a mesh is given."""
         def leaf(p, s):
-            keys = path_prefix + tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p)
             shape = s.shape[1:] if stacked else s.shape
-            sh = param_sharding(keys, len(s.shape), mesh, stacked)
-            if stacked:  # the per-layer slice of a stacked leaf: drop the leading repeat axis
-                from jax.sharding import NamedSharding, PartitionSpec as P
-                sh = NamedSharding(mesh, P(*sh.spec[1:]))
-            return jax.ShapeDtypeStruct(shape, s.dtype, sharding=sh) if mesh is not None else \
-                jax.ShapeDtypeStruct(shape, s.dtype)
+            if mesh is None:
+                return jax.ShapeDtypeStruct(shape, s.dtype)
+            keys = path_prefix + tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p)
+            return jax.ShapeDtypeStruct(shape, s.dtype, sharding=param_sharding(keys, len(shape), mesh))
         return jax.tree_util.tree_map_with_path(leaf, abs_tree)
 
     def parts():
@@ -437,27 +436,19 @@ def load_checkpoint(path, dtype=None, mesh=None) -> DsaModel:
             if name == "top":
                 abs_tree = {k: pure_abs[k] for k in ("embed_tokens", "norm", "lm_head") if k in pure_abs
                             and pure_abs[k] is not None}
-                tgt = target(abs_tree, (), False) if mesh is not None else _no_shard(abs_tree)
+                tgt = target(abs_tree, (), False)
             elif name == "mtp":
-                tgt = target(pure_abs["mtp"], ("mtp",), False) if mesh is not None else _no_shard(pure_abs["mtp"])
+                tgt = target(pure_abs["mtp"], ("mtp",), False)
             else:
                 lp = layer_path[int(name.split(":")[1])]
-                abs_layer = _get_path(pure_abs, lp)
-                tgt = target(abs_layer, lp, True) if mesh is not None else _strip_stack(abs_layer)
+                tgt = target(_get_path(pure_abs, lp), lp, True)
             yield name, ckptr.restore(sub, tgt)
 
-    def put(p, a):
-        return a  # already placed by orbax
-
     try:
-        model = assemble(model_abs, parts(), put)
+        model = assemble(model_abs, parts(), put=lambda path, a: a)  # orbax already placed each array
     finally:
         ckptr.close()
     return model
-
-
-def _no_shard(tree):
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tree)
 
 
 def _part_tree_metadata(sub: Path) -> dict:
