@@ -1,0 +1,64 @@
+"""The jitted step: one forward of the model over a batch, with the KV pool donated (updated in place,
+never copied) and, by default, only each request's last-token hidden turned into logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cpkv_jax.kv_pool import KVPool
+from models.kv import Batch
+from models.model import DsaModel, matmul_precision
+
+ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
+
+
+def choose_attn_path(tokens_per_request: int) -> str:
+    """Absorbed attention (over the gathered top-k latents) for decode and short extends; expanded
+    (kv_b_proj over every visible latent, amortized over many queries) for long prefill chunks."""
+    return "absorbed" if tokens_per_request <= ABSORBED_MAX_TOKENS else "expanded"
+
+
+class ModelRunner:
+    def __init__(self, model: DsaModel, pool: KVPool):
+        self.model = model
+        self.graphdef, self.state = nnx.split(model)
+        self.pool = pool
+        self._precision = matmul_precision(model.dtype)
+        self._step = jax.jit(self._forward, static_argnames=("attn_path", "all_logits"), donate_argnums=(1,))
+
+    def _forward(self, state, cache, batch: Batch, last_index, *, attn_path: str, all_logits: bool):
+        with jax.default_matmul_precision(self._precision):
+            m = nnx.merge(self.graphdef, state)
+            h, cache = m(batch, cache, attn_path=attn_path)
+            if not all_logits:
+                h = h[jnp.arange(h.shape[0]), last_index]  # [B, D]: the last token of each request
+            return m.logits(h), cache
+
+    def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False):
+        return self._step.lower(self.state, self.pool.cache, batch, last_index, attn_path=attn_path,
+                                all_logits=all_logits)
+
+    def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, all_logits: bool = False):
+        """Runs one step; the pool is consumed and replaced. Returns fp32 logits [B, V] at
+        `last_index` (per request lane index), or [B, T, V] with all_logits."""
+        B, T = batch.tokens.shape
+        if last_index is None:
+            last_index = np.full((B,), T - 1, np.int32)
+        attn_path = attn_path or choose_attn_path(T)
+        logits, self.pool.cache = self._step(self.state, self.pool.cache, batch, jnp.asarray(last_index, jnp.int32),
+                                             attn_path=attn_path, all_logits=all_logits)
+        return logits
+
+    @property
+    def compilations(self) -> int:
+        return self._step._cache_size()
+
+
+def paged_slot_table(page_table: np.ndarray, page_size: int, width: int) -> np.ndarray:
+    """[B, width] token slots from per-request page lists [B, pages] (unused entries: page 0)."""
+    j = np.arange(width)
+    pages = np.take_along_axis(page_table, np.broadcast_to(j // page_size, (len(page_table), width)), axis=1)
+    return (pages * page_size + j % page_size).astype(np.int32)
