@@ -6,18 +6,13 @@ import pytest
 
 from cpkv_jax.kv_pool import KVPool, PageAllocator, page_slots
 from cpkv_jax.runner import ModelRunner, paged_slot_table
-from models.kv import Batch
+from models.kv import contiguous_batch
 from models.model import prefill_logits
 from tests.helpers import hf_model, rel_err
 
 
 def make_batch(tokens, starts, page_table, page_size, width):
-    tokens = np.asarray(tokens, np.int32)
-    B, T = tokens.shape
-    positions = np.asarray(starts, np.int32)[:, None] + np.arange(T, dtype=np.int32)[None]
-    table = paged_slot_table(page_table, page_size, width)
-    write = np.take_along_axis(table, positions, axis=1)
-    return Batch(*(jax.numpy.asarray(a) for a in (tokens, positions, write, table)))
+    return contiguous_batch(tokens, np.asarray(starts), paged_slot_table(page_table, page_size, width))
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
