@@ -112,7 +112,7 @@ class BigramRadixMachine(RadixMachine):
     bigram = True
 
 
-SETTINGS = settings(max_examples=150, stateful_step_count=100, deadline=None)  # >10k steps each (~13k seen)
+SETTINGS = settings(max_examples=150, stateful_step_count=100, deadline=None)  # >10k steps each (11.6k plain, 13.2k bigram measured)
 TestRadixCache = RadixMachine.TestCase
 TestRadixCache.settings = SETTINGS
 TestBigramRadixCache = BigramRadixMachine.TestCase
