@@ -10,7 +10,7 @@ from flax import nnx
 
 from cpkv_jax.kv_pool import KVPool
 from models.kv import Batch
-from models.model import DsaModel, matmul_precision
+from models.model import DsaModel, run_model
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
 
@@ -26,16 +26,11 @@ class ModelRunner:
         self.model = model
         self.graphdef, self.state = nnx.split(model)
         self.pool = pool
-        self._precision = matmul_precision(model.dtype)
         self._step = jax.jit(self._forward, static_argnames=("attn_path", "all_logits"), donate_argnums=(1,))
 
     def _forward(self, state, cache, batch: Batch, last_index, *, attn_path: str, all_logits: bool):
-        with jax.default_matmul_precision(self._precision):
-            m = nnx.merge(self.graphdef, state)
-            h, cache = m(batch, cache, attn_path=attn_path)
-            if not all_logits:
-                h = h[jnp.arange(h.shape[0]), last_index]  # [B, D]: the last token of each request
-            return m.logits(h), cache
+        return run_model(self.graphdef, state, batch, cache, attn_path=attn_path,
+                         output="logits" if all_logits else "last_logits", last_index=last_index)
 
     def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False):
         return self._step.lower(self.state, self.pool.cache, batch, last_index, attn_path=attn_path,

@@ -175,20 +175,28 @@ def matmul_precision(dtype) -> str:
     return "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
 
 
+def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
+              last_index=None):
+    """The pure function every jitted step wraps: merge the params, run the target forward at the
+    model's matmul precision, and return (out, cache). output: "logits" [B, T, V], "hidden" [B, T, D],
+    or "last_logits" [B, V] at lane `last_index` of each request (only those rows reach lm_head)."""
+    m = nnx.merge(graphdef, state)
+    with jax.default_matmul_precision(matmul_precision(m.dtype)):
+        h, cache = m(batch, cache, attn_path=attn_path)
+        if output == "hidden":
+            return h, cache
+        if output == "last_logits":
+            h = h[jnp.arange(h.shape[0]), last_index]
+        return m.logits(h), cache
+
+
 def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True):
-    """A jitted pure function (state, batch, cache) -> (logits or hidden, cache) for this model's graph,
-    the cache donated. The model's parameters are passed as state, so one compilation serves any
-    weights of the same shapes."""
+    """A jitted pure function (state, batch, cache) -> (logits or hidden, cache) for this model's graph.
+    The model's parameters are passed as state, so one compilation serves any weights of the same
+    shapes."""
     graphdef, _ = nnx.split(model)
-    precision = matmul_precision(model.dtype)
-
-    @jax.jit
-    def run(state, batch, cache):
-        with jax.default_matmul_precision(precision):
-            m = nnx.merge(graphdef, state)
-            h, cache = m(batch, cache, attn_path=attn_path)
-            return (m.logits(h) if with_logits else h), cache
-
+    run = jax.jit(lambda state, batch, cache: run_model(graphdef, state, batch, cache, attn_path=attn_path,
+                                                        output="logits" if with_logits else "hidden"))
     return lambda batch, cache: run(nnx.state(model), batch, cache)
 
 
