@@ -1,4 +1,4 @@
-"""`cpkv-jax` command line: score | convert."""
+"""`cpkv-jax` command line: generate | bench | score | convert."""
 
 from __future__ import annotations
 
@@ -74,9 +74,197 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _engine_config(args, **over):
+    from cpkv_jax.engine import EngineConfig
+    kw = dict(page_size=args.page_size, kv_pages=args.kv_pages, dtype=args.dtype)
+    kw.update(over)
+    return EngineConfig(**kw)
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    from cpkv_jax.engine import Engine
+    from cpkv_jax.sampling import SamplingParams
+
+    prompts = []
+    for kind, value in args.requests:
+        prompts.append(value if kind == "prompt" else _parse_tokens(value))
+    if not prompts:
+        raise SystemExit("error: give at least one --prompt TEXT or --tokens IDS")
+    engine = Engine(args.model, _engine_config(args))
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - t
+    n_out = sum(len(o.token_ids) for o in outs)
+    timing = {"wall_s": wall, "output_tokens": n_out, "output_tokens_per_s": n_out / wall if wall else None,
+              "ttft_s": [o.timing["ttft_s"] for o in outs], "steps": engine.metrics["steps"],
+              "compilations": engine.compilations()}
+    if args.json:
+        print(json.dumps({"outputs": [o.to_json() for o in outs], "timing": timing}))
+    else:
+        for i, o in enumerate(outs):
+            text = f" {o.text!r}" if o.text is not None else ""
+            print(f"[{i}] {o.finish_reason}: {o.token_ids}{text}")
+        print(f"{n_out} tokens in {wall:.2f} s ({timing['output_tokens_per_s']:.1f} tok/s, "
+              f"{timing['compilations']} compilations)", file=sys.stderr)
+    return 0
+
+
+class _Request(argparse.Action):
+    """--prompt/--tokens keep their relative order in one list (one request each)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, "requests", None) or [])
+        items.append(("prompt" if option_string == "--prompt" else "tokens", values))
+        namespace.requests = items
+
+
+def bench_model(args):
+    """'random:NAME' -> a shipped config with random weights (few layers/experts allowed)."""
+    from flax import nnx
+    import jax.numpy as jnp
+
+    from models.config import ModelConfig
+    from models.model import DsaModel
+    from models.weights import load_model
+
+    if not args.model.startswith("random:"):
+        return load_model(args.model, dtype=args.dtype)
+    over = {}
+    if args.num_layers:
+        over.update(num_hidden_layers=args.num_layers, first_k_dense_replace=min(args.num_layers - 1, 1))
+    if args.num_experts:
+        over["n_routed_experts"] = args.num_experts
+    cfg = ModelConfig.named(args.model.split(":", 1)[1], **over)
+    return DsaModel(cfg, dtype=jnp.dtype(args.dtype or cfg.dtype), rngs=nnx.Rngs(0))
+
+
+def cmd_bench(args) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from cpkv_jax.engine import Engine
+    from cpkv_jax.perf import decode_step_bytes, forward_flops, measure_ceilings
+    from cpkv_jax.sampling import SamplingParams
+    from cpkv_jax.scheduler import pages_for
+    from models.model import matmul_precision
+
+    model = bench_model(args)
+    cfg = model.cfg
+    B, L, N = args.batch, args.prompt_len, args.decode_tokens
+    kv_pages = args.kv_pages or B * pages_for(L + N, args.page_size) + 2
+    budget = args.prefill_budget or min(B * L, 8192)
+    config = _engine_config(args, kv_pages=kv_pages, max_running=B, max_prefill_tokens=budget,
+                            prefix_cache=False, dtype=None)
+    engine = Engine(model, config)
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    rng = np.random.default_rng(args.seed)
+    prompts = lambda: [rng.integers(0, cfg.vocab_size, L).tolist() for _ in range(B)]  # noqa: E731
+    runs = []
+    with tqdm(total=1 + args.repeat, desc="bench (warm-up, then timed runs)", unit="run",
+              disable=args.quiet, file=sys.stderr) as bar:
+        engine.generate(prompts(), params)  # compiles every bucket the timed runs use
+        bar.update(1)
+        for _ in range(args.repeat):
+            for k in ("prefill_s", "decode_s", "prefill_tokens", "decode_tokens", "decode_steps"):
+                engine.metrics[k] = 0
+            engine.generate(prompts(), params)
+            runs.append(dict(engine.metrics))
+            bar.update(1)
+    best = min(runs, key=lambda m: m["prefill_s"] + m["decode_s"])
+    with jax.default_matmul_precision(matmul_precision(model.dtype)):
+        ceilings = measure_ceilings(model.dtype)  # the matmul rate at the model's own dtype and precision
+
+    prefill_flops = B * forward_flops(cfg, np.arange(L), sampled=1)
+    steps = max(best["decode_steps"], 1)
+    mean_ctx = L + N // 2
+    param_bytes = jnp.dtype(model.dtype).itemsize
+    cache = engine.pool.cache
+    idx_bytes = cache.index_k.dtype.itemsize * cfg.index_head_dim + (4 if cache.index_fp8 else 0)
+    decode_flops = steps * forward_flops(cfg, np.full(B, mean_ctx), sampled=B)
+    decode_bytes = steps * decode_step_bytes(cfg, B, mean_ctx, param_bytes, param_bytes, idx_bytes)
+    p_s, d_s = best["prefill_s"], best["decode_s"]
+    result = {
+        "model": args.model, "dtype": str(model.dtype), "layers": cfg.num_hidden_layers,
+        "experts": cfg.n_routed_experts, "batch": B, "prompt_len": L, "decode_tokens": N,
+        "page_size": args.page_size, "prefill_budget": budget, "device": ceilings["device"],
+        "prefill": {"tokens": best["prefill_tokens"], "seconds": p_s, "tokens_per_s": best["prefill_tokens"] / p_s,
+                    "flops": prefill_flops, "flops_per_s": prefill_flops / p_s,
+                    "mfu": prefill_flops / p_s / ceilings["matmul_flops_per_s"]},
+        "decode": {"tokens": best["decode_tokens"], "steps": steps, "seconds": d_s,
+                   "tokens_per_s": best["decode_tokens"] / d_s if d_s else None,
+                   "ms_per_step": 1e3 * d_s / steps, "bytes": decode_bytes,
+                   "bytes_per_s": decode_bytes / d_s if d_s else None,
+                   "bandwidth_util": decode_bytes / d_s / ceilings["copy_bytes_per_s"] if d_s else None,
+                   "flops_per_s": decode_flops / d_s if d_s else None},
+        "ceilings": ceilings, "compilations": engine.compilations(), "repeat": args.repeat,
+        "jax": jax.__version__,
+    }
+    rows = [("phase", "tokens", "seconds", "tokens/s", "counted rate", "utilisation"),
+            ("prefill", result["prefill"]["tokens"], f"{p_s:.4f}", f"{result['prefill']['tokens_per_s']:.1f}",
+             f"{result['prefill']['flops_per_s'] / 1e12:.2f} TFLOP/s", f"MFU {result['prefill']['mfu']:.1%}"),
+            ("decode", result["decode"]["tokens"], f"{d_s:.4f}", f"{result['decode']['tokens_per_s'] or 0:.1f}",
+             f"{(result['decode']['bytes_per_s'] or 0) / 1e9:.1f} GB/s",
+             f"BW {result['decode']['bandwidth_util'] or 0:.1%}")]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    print(f"ceilings ({ceilings['device']}): matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s "
+          f"({ceilings['matmul_dtype']}), copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpkv-jax", description=__doc__)
     sub = p.add_subparsers(dest="verb", required=True)
+
+    def engine_args(q):
+        q.add_argument("--model", default="tiny", help="'tiny' (default), a cpkv (orbax) checkpoint dir, or an HF dir")
+        q.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+        q.add_argument("--kv-pages", type=int, default=256, help="device KV pool size in pages (default 256)")
+        q.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: checkpoint's)")
+
+    g = sub.add_parser("generate", help="generate tokens for one or more prompts (one batch)",
+                       description="Run prompts through the engine (continuous batching, paged KV, prefix "
+                                   "cache). --prompt/--tokens may repeat: one request each, outputs in order.")
+    engine_args(g)
+    g.add_argument("--prompt", action=_Request, dest="requests", metavar="TEXT", help="a text prompt (repeatable)")
+    g.add_argument("--tokens", action=_Request, dest="requests", metavar="IDS",
+                   help="a prompt as comma-separated token ids (repeatable)")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos token")
+    g.add_argument("--logprobs", action="store_true", help="include each token's log-probability")
+    g.add_argument("--json", action="store_true", help='print one JSON object {"outputs": [...], "timing": {...}}')
+    g.set_defaults(fn=cmd_generate, requests=[])
+
+    b = sub.add_parser("bench", help="prefill / decode throughput with counted FLOPs and bytes",
+                       description="Batch of random prompts through the engine: a warm-up run (compiles), then "
+                                   "timed runs; prints prefill and decode tokens/s, MFU and bandwidth "
+                                   "utilisation against ceilings measured in the same run.")
+    engine_args(b)
+    b.set_defaults(model="tiny", kv_pages=None)
+    b.add_argument("--num-layers", type=int, default=None, help="with --model random:NAME: layers")
+    b.add_argument("--num-experts", type=int, default=None, help="with --model random:NAME: routed experts")
+    b.add_argument("--batch", type=int, default=8)
+    b.add_argument("--prompt-len", type=int, default=256)
+    b.add_argument("--decode-tokens", type=int, default=32)
+    b.add_argument("--prefill-budget", type=int, default=None, help="prefill tokens per step (default min(B*L, 8192))")
+    b.add_argument("--repeat", type=int, default=2)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", default=None, help="write the results as JSON to this path")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("score", help="per-position fp32 logits of a teacher-forced prefill",
                        description="Teacher-forced prefill of one token sequence; writes the per-position "
@@ -104,9 +292,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from models.config import ModelConfigError
     from models.weights import CheckpointError
+    from cpkv_jax.engine import EngineConfigError, EngineInputError
+    from cpkv_jax.sampling import SamplingError
     try:
         return args.fn(args)
-    except (ModelConfigError, CheckpointError, FileNotFoundError) as e:
+    except (ModelConfigError, CheckpointError, FileNotFoundError, EngineConfigError, EngineInputError,
+            SamplingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

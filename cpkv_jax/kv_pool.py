@@ -62,7 +62,11 @@ class KVPool:
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, index_dtype: str = "fp8",
                **kw) -> "KVPool":
-        return cls(empty_kv_cache(cfg, num_pages * page_size, dtype, index_dtype, **kw), page_size)
+        # committed to its device like every step's output, so the first step does not compile a
+        # variant of its own for an uncommitted input
+        cache = jax.device_put(empty_kv_cache(cfg, num_pages * page_size, dtype, index_dtype, **kw),
+                               jax.devices()[0])
+        return cls(cache, page_size)
 
     @property
     def num_pages(self) -> int:

@@ -45,6 +45,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.evictable_pages = 0
         self.protected_pages = 0
+        self.evicted_pages = 0  # total over the cache's life
 
     # ---- keys ------------------------------------------------------------------------------------
     def key_of(self, tokens: Sequence[int]) -> tuple:
@@ -153,6 +154,7 @@ class RadixCache:
             free(leaf.pages)
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
+            self.evicted_pages += len(leaf.pages)
             parent = leaf.parent
             del parent.children[self._page_key(leaf.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
@@ -183,4 +185,5 @@ class RadixCache:
 
     def stats(self) -> dict:
         return {"nodes": sum(1 for _ in self._nodes()), "pages": int(len(self.all_pages())),
-                "evictable_pages": self.evictable_pages, "protected_pages": self.protected_pages}
+                "evictable_pages": self.evictable_pages, "protected_pages": self.protected_pages,
+                "evicted_pages": self.evicted_pages}

@@ -21,20 +21,22 @@ def choose_attn_path(tokens_per_request: int) -> str:
     return "absorbed" if tokens_per_request <= ABSORBED_MAX_TOKENS else "expanded"
 
 
+# The step every runner dispatches: the pool (argument 3) is donated; the graph definition is static,
+# so runners over the same model graph and pool shape share compiled executables.
+_step = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output"), donate_argnums=(3,))
+
+
 class ModelRunner:
     def __init__(self, model: DsaModel, pool: KVPool):
         self.model = model
         self.graphdef, self.state = nnx.split(model)
         self.pool = pool
-        self._step = jax.jit(self._forward, static_argnames=("attn_path", "all_logits"), donate_argnums=(1,))
-
-    def _forward(self, state, cache, batch: Batch, last_index, *, attn_path: str, all_logits: bool):
-        return run_model(self.graphdef, state, batch, cache, attn_path=attn_path,
-                         output="logits" if all_logits else "last_logits", last_index=last_index)
+        self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output) dispatched
 
     def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False):
-        return self._step.lower(self.state, self.pool.cache, batch, last_index, attn_path=attn_path,
-                                all_logits=all_logits)
+        return _step.lower(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
+                           output="logits" if all_logits else "last_logits",
+                           last_index=jnp.asarray(last_index, jnp.int32))
 
     def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, all_logits: bool = False):
         """Runs one step; the pool is consumed and replaced. Returns fp32 logits [B, V] at
@@ -43,13 +45,17 @@ class ModelRunner:
         if last_index is None:
             last_index = np.full((B,), T - 1, np.int32)
         attn_path = attn_path or choose_attn_path(T)
-        logits, self.pool.cache = self._step(self.state, self.pool.cache, batch, jnp.asarray(last_index, jnp.int32),
-                                             attn_path=attn_path, all_logits=all_logits)
+        output = "logits" if all_logits else "last_logits"
+        self.variants.add((batch.tokens.shape, batch.slot_table.shape, attn_path, output))
+        logits, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
+                                        output=output, last_index=jnp.asarray(last_index, jnp.int32))
         return logits
 
     @property
     def compilations(self) -> int:
-        return self._step._cache_size()
+        """Distinct step variants this runner has dispatched: each is one compiled executable (shared
+        with other runners of the same model graph and pool shape)."""
+        return len(self.variants)
 
 
 def paged_slot_table(page_table: np.ndarray, page_size: int, width: int) -> np.ndarray:

@@ -23,6 +23,8 @@ class SamplingParams:
     top_k: int = 0                 # 0 -> no top-k cut
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False       # do not stop at the model's eos token(s)
+    logprobs: bool = False         # return each sampled token's log-probability
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -33,6 +35,8 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 32:
+            raise SamplingError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise SamplingError(f"stop_token_ids {list(self.stop_token_ids)} outside [0, {vocab_size})")
         return self

@@ -225,13 +225,16 @@ class ModelConfig:
         return cls.from_hf_dict(hf)
 
     @classmethod
-    def named(cls, name: str) -> "ModelConfig":
-        """One of the shipped configs: 'tiny', 'glm-5', 'deepseek-v3.2'."""
+    def named(cls, name: str, **overrides) -> "ModelConfig":
+        """One of the shipped configs ('tiny', 'glm-5', 'glm-5.2', 'deepseek-v3.2'), with optional HF
+        config.json field overrides (e.g. num_hidden_layers=4 for a few-layer model of real dims)."""
         path = CONFIG_DIR / f"{name}.json"
         if not path.exists():
             known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
             raise ModelConfigError(f"no shipped config named {name!r}; known: {known}")
-        return cls.from_json_file(path)
+        if not overrides:
+            return cls.from_json_file(path)
+        return cls.from_hf_dict({**json.loads(path.read_text()), **overrides})
 
     def validate(self) -> None:
         pos = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",

@@ -77,10 +77,10 @@ class LayerStack(nnx.Module):
         self.unit = nnx.List([DecoderLayer(cfg, m, ix, dtype=dtype, rngs=rngs, stack=(group.repeats,))
                               for m, ix in group.unit])
 
-    def __call__(self, x, topk, batch, cache, full_index: dict, *, attn_path: str):
+    def __call__(self, x, topk, batch, cache, full_index: tuple[int, ...], *, attn_path: str):
         graphdefs, states = zip(*(nnx.split(layer) for layer in self.unit))
         layer_ids = jnp.asarray(self.group.layer_ids, jnp.int32)
-        full_ids = jnp.asarray([[full_index.get(i, 0) for i in row] for row in self.group.layer_ids], jnp.int32)
+        full_ids = jnp.asarray([[full_index[i] for i in row] for row in self.group.layer_ids], jnp.int32)
 
         def body(carry, xs):
             x, topk, cache = carry
@@ -118,7 +118,10 @@ class DsaModel(nnx.Module):
         self.dtype = dtype
         kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
         self.groups_plan = plan_layer_groups(kinds)
-        self.full_index = {layer: f for f, layer in enumerate(cfg.full_layers)}
+        # per layer: its slot in the index-K cache (0 for shared layers, which never touch it); a tuple
+        # so the graph definition stays hashable (it is a static jit argument)
+        self.full_index = tuple(cfg.full_layers.index(i) if i in cfg.full_layers else 0
+                                for i in range(cfg.num_hidden_layers))
         self.embed_tokens = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1.0)
         self.groups = nnx.List([LayerStack(cfg, g, dtype=dtype, rngs=rngs) for g in self.groups_plan])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -190,14 +193,17 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
         return m.logits(h), cache
 
 
+# One jitted step for every model object of a graph: the graph definition is a static argument, the
+# params are traced, so models and engines of the same shapes share compilations.
+run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output"))
+
+
 def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True):
-    """A jitted pure function (state, batch, cache) -> (logits or hidden, cache) for this model's graph.
-    The model's parameters are passed as state, so one compilation serves any weights of the same
-    shapes."""
+    """(batch, cache) -> (logits or hidden, cache) for this model, through the shared jitted step."""
     graphdef, _ = nnx.split(model)
-    run = jax.jit(lambda state, batch, cache: run_model(graphdef, state, batch, cache, attn_path=attn_path,
-                                                        output="logits" if with_logits else "hidden"))
-    return lambda batch, cache: run(nnx.state(model), batch, cache)
+    output = "logits" if with_logits else "hidden"
+    return lambda batch, cache: run_model_jit(graphdef, nnx.state(model), batch, cache, attn_path=attn_path,
+                                              output=output)
 
 
 def prefill_logits(model: DsaModel, tokens, *, attn_path: str = "expanded", index_dtype: str = "same"):

@@ -462,13 +462,92 @@ def _part_tree_metadata(sub: Path) -> dict:
     return dict(tree)
 
 
+def model_parts(model: DsaModel) -> Iterator[tuple[str, dict]]:
+    """The checkpoint parts (as iter_hf_parts yields them) of a live model: its stacked groups cut back
+    into one tree per layer."""
+    pure_state = nnx.to_pure_dict(nnx.state(model))
+    yield "top", {k: pure_state[k] for k in ("embed_tokens", "norm", "lm_head") if pure_state.get(k) is not None}
+    rows = {}
+    for g, group in enumerate(model.groups_plan):
+        for r, row in enumerate(group.layer_ids):
+            for j, layer in enumerate(row):
+                rows[layer] = (g, j, r)
+    for layer in sorted(rows):
+        g, j, r = rows[layer]
+        yield f"layer:{layer}", jax.tree.map(lambda x: np.asarray(x[r]), pure_state["groups"][g]["unit"][j])
+    if model.mtp is not None:
+        yield "mtp", jax.tree.map(np.asarray, pure_state["mtp"])
+
+
+TINY_SEED = 0
+
+
+def cache_dir() -> Path:
+    """Where derived artifacts (the tiny checkpoint) are cached: $CPKV_CACHE_DIR or ~/.cache/cpkv_jax."""
+    return Path(os.environ.get("CPKV_CACHE_DIR") or Path.home() / ".cache" / "cpkv_jax")
+
+
+def tiny_tokenizer_json(vocab_size: int, bos_id: int, eos_id: int) -> str:
+    """A byte-level tokenizer for the tiny model: ids 2..257 are the 256 bytes (no merges), so any text
+    round-trips; bos/eos and the unused tail of the vocabulary are special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models as tok_models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    byte_chars = sorted(ByteLevel.alphabet(), key=lambda c: ord(c))
+    specials = {bos_id: "<bos>", eos_id: "<eos>"}
+    vocab, next_id = {}, 0
+    for ch in byte_chars:
+        while next_id in specials:
+            next_id += 1
+        vocab[ch] = next_id
+        next_id += 1
+    used = set(vocab.values())
+    names = {**specials, **{i: f"<unused_{i}>" for i in range(vocab_size) if i not in used and i not in specials}}
+    vocab.update({name: i for i, name in names.items()})
+    tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(names[i], special=True) for i in sorted(names)])
+    for i, name in names.items():
+        if tok.token_to_id(name) != i:
+            raise AssertionError(f"tiny tokenizer: {name} got id {tok.token_to_id(name)}, expected {i}")
+    return tok.to_str()
+
+
+def tiny_checkpoint() -> Path:
+    """The embedded default model as an orbax checkpoint, created deterministically on first use and
+    cached under cache_dir() (keyed by the shipped config and seed, so a changed config never loads
+    stale weights)."""
+    import hashlib
+
+    cfg_text = (Path(__file__).parent / "configs" / "tiny.json").read_text()
+    digest = hashlib.sha256(f"{cfg_text}|seed={TINY_SEED}|v{FORMAT_VERSION}".encode()).hexdigest()[:12]
+    path = cache_dir() / f"tiny-{digest}"
+    if is_checkpoint(path):
+        return path
+    cfg = ModelConfig.named("tiny")
+    model = DsaModel(cfg, dtype=jnp.dtype(cfg.dtype), rngs=nnx.Rngs(TINY_SEED))
+    staging = path.with_name(path.name + f".tokenizer-{os.getpid()}")
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        tok_file = staging / "tokenizer.json"
+        hf = json.loads(cfg_text)
+        tok_file.write_text(tiny_tokenizer_json(cfg.vocab_size, hf["bos_token_id"], hf["eos_token_id"]))
+        try:
+            save_checkpoint(path, json.loads(cfg_text), model_parts(model), extra_files=[tok_file])
+        except (CheckpointError, OSError):
+            if not is_checkpoint(path):  # another process won the race and renamed its copy into place
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
 def load_model(spec, dtype=None, mesh=None) -> DsaModel:
-    """'tiny' (shipped config, deterministic random weights), one of our orbax checkpoints, or an HF
-    safetensors directory (converted in memory; fine for small models)."""
+    """'tiny' (shipped config, deterministic random weights, cached as a checkpoint on first use), one
+    of our orbax checkpoints, or an HF safetensors directory (converted in memory; small models)."""
     if spec == "tiny":
-        from models.config import ModelConfig as MC
-        cfg = MC.named("tiny")
-        return DsaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        spec = tiny_checkpoint()
     path = Path(spec)
     if not path.exists():
         raise CheckpointError(f"model path {path} does not exist (expected 'tiny', a cpkv checkpoint "

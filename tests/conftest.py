@@ -7,9 +7,13 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+# The tiny model is created and cached on first use: tests exercise that from an empty cache.
+os.environ.setdefault("CPKV_CACHE_DIR", tempfile.mkdtemp(prefix="cpkv-test-cache-"))
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_MODELS = ("glm_tiny", "glm_indexcache", "dsv32_tiny")

@@ -1,0 +1,105 @@
+"""Counted FLOPs and HBM bytes of the model's math (what the algorithm needs, not what a padded batch
+happens to execute), and ceilings measured on the running device, for MFU and bandwidth utilisation
+in benchmarks. Attention is counted as the absorbed sparse path: k = min(index_topk, visible) keys per
+query, plus the indexer's scoring of every visible key on full-indexer layers."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+
+def _linear_params(cfg: ModelConfig, mlp_kind: str, full: bool) -> tuple[int, int]:
+    """(params touched per token, params of the layer) of one decoder layer's matmuls (W_UK/W_UV of
+    kv_b_proj are applied per query in the absorbed path, so they count per token)."""
+    D, H, C, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    attn = (D * cfg.q_lora_rank + cfg.q_lora_rank * H * cfg.qk_head_dim + D * (C + R)
+            + C * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + H * cfg.v_head_dim * D)
+    if full:
+        attn += cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + D * cfg.index_head_dim + D * cfg.index_n_heads
+    if mlp_kind == "dense":
+        return attn + 3 * D * cfg.intermediate_size, attn + 3 * D * cfg.intermediate_size
+    expert = 3 * D * cfg.moe_intermediate_size
+    router = D * cfg.n_routed_experts
+    shared = cfg.n_shared_experts * expert
+    return (attn + router + shared + cfg.num_experts_per_tok * expert,
+            attn + router + shared + cfg.n_routed_experts * expert)
+
+
+def _attention_flops(cfg: ModelConfig, visible: np.ndarray, full: bool) -> float:
+    """Score + value FLOPs summed over queries that each see `visible` keys."""
+    k = np.minimum(cfg.index_topk, visible).astype(np.float64)
+    C, R, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
+    f = 2 * H * k * (C + R) + 2 * H * k * C
+    if full:
+        f = f + 2 * cfg.index_n_heads * visible * (cfg.index_head_dim + 1)
+    return float(f.sum())
+
+
+def forward_flops(cfg: ModelConfig, query_positions: np.ndarray, sampled: int) -> float:
+    """FLOPs of one forward over queries at the given absolute positions, with `sampled` rows through
+    lm_head."""
+    q = np.asarray(query_positions, np.int64).reshape(-1)
+    total = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        mlp_kind, ix = cfg.layer_kind(layer)
+        per_tok, _ = _linear_params(cfg, mlp_kind, ix == "full")
+        total += 2.0 * per_tok * len(q) + _attention_flops(cfg, q + 1, ix == "full")
+    return total + 2.0 * cfg.hidden_size * cfg.vocab_size * sampled
+
+
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, param_bytes: int, kv_bytes: int,
+                      index_bytes_per_token: int) -> float:
+    """HBM bytes of one decode step of `batch` requests each at `context` visible tokens: every weight a
+    step touches once (routed experts: the expected number of distinct experts hit by batch x top-k
+    picks), each request's selected KV rows, and the indexer keys of every visible token on full
+    layers."""
+    total = cfg.hidden_size * cfg.vocab_size * param_bytes  # lm_head
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    for layer in range(cfg.num_hidden_layers):
+        mlp_kind, ix = cfg.layer_kind(layer)
+        per_tok, full_params = _linear_params(cfg, mlp_kind, ix == "full")
+        if mlp_kind == "dense":
+            total += full_params * param_bytes
+        else:
+            expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+            distinct = E * (1 - (1 - k / E) ** batch)
+            total += (full_params - E * expert + distinct * expert) * param_bytes
+        sel = min(cfg.index_topk, context)
+        total += batch * sel * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_bytes
+        if ix == "full":
+            total += batch * context * index_bytes_per_token
+    return float(total)
+
+
+def _time(fn, *args, repeat: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_ceilings(dtype=jnp.bfloat16, matmul_n: int | None = None, copy_mib: int | None = None) -> dict:
+    """Matmul FLOP rate (square matmul in `dtype`) and copy bandwidth (read + write of one array),
+    measured now on the default device: the denominators of MFU and bandwidth utilisation."""
+    gpu = jax.default_backend() == "gpu"
+    n = matmul_n or (8192 if gpu else 1024)
+    mib = copy_mib or (2048 if gpu else 256)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    mm = jax.jit(lambda x, y: x @ y)
+    t_mm = _time(mm, a, b)
+    x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
+    cp = jax.jit(lambda v: v + 1.0)
+    t_cp = _time(cp, x)
+    return {"matmul_flops_per_s": 2.0 * n ** 3 / t_mm, "matmul_n": n, "matmul_dtype": str(jnp.dtype(dtype)),
+            "copy_bytes_per_s": 2.0 * x.nbytes / t_cp, "copy_mib": mib, "backend": jax.default_backend(),
+            "device": str(jax.devices()[0].device_kind)}

@@ -1,0 +1,209 @@
+"""Continuous batching on the host: admission against the page pool, prefix-cache reuse, chunked
+prefill under a token budget, decode batches, and the page bookkeeping of finished requests.
+
+Pages are reserved for a request's whole lifetime at admission (prompt + max_new_tokens - 1 KV
+positions, less its cached prefix), so a running request never runs short and nothing is ever
+preempted or overwritten; a request that does not fit waits (FIFO, no overtaking) until finished
+requests or cache eviction free enough pages. The scheduler never touches the device: it hands the
+engine step plans and is told what was sampled.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from cpkv_jax.kv_pool import PageAllocator
+from cpkv_jax.radix_cache import RadixCache, TreeNode
+from cpkv_jax.sampling import SamplingParams
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    node: TreeNode | None = None        # locked radix node covering pages[:shared_pages]
+    shared_pages: int = 0               # leading pages owned by the radix tree (not freed by us)
+    cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
+    computed: int = 0                   # positions whose KV is in the pool
+    finish_reason: str | None = None
+    t_arrival: float = 0.0
+    t_admitted: float | None = None
+    t_first_token: float | None = None
+    t_finish: float | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV positions the request can ever write: the last sampled token's KV is never needed."""
+        return len(self.prompt) + self.params.max_new_tokens - 1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One request's lanes in a step: tokens at positions start .. start+len(tokens)-1."""
+    req: Request
+    start: int
+    tokens: list[int]
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, radix: RadixCache | None, *, page_size: int,
+                 max_running: int, max_prefill_tokens: int):
+        self.allocator = allocator
+        self.radix = radix
+        self.page_size = page_size
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+
+    # ---- admission -------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests (in arrival order) into the running set while pages and lanes last."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if not self._reserve(req):
+                break
+            self.waiting.popleft()
+            req.t_admitted = time.perf_counter()
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def _reserve(self, req: Request) -> bool:
+        ps = self.page_size
+        prefix, node = np.zeros(0, np.int32), None
+        if self.radix is not None:
+            # at least the last prompt token is computed: its logits give the first output token
+            prefix, node = self.radix.match_prefix(req.prompt[:-1])
+            self.radix.lock(node)
+        need = pages_for(req.kv_capacity, ps) - len(prefix)
+        short = need - self.allocator.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short, self.allocator.free)
+        if need > self.allocator.num_free:
+            if node is not None:
+                self.radix.unlock(node)
+            return False
+        req.pages = np.concatenate([prefix, self.allocator.alloc(need)]).astype(np.int32)
+        req.node, req.shared_pages = node, len(prefix)
+        req.cached_tokens = req.computed = len(prefix) * ps
+        return True
+
+    # ---- step plans ------------------------------------------------------------------------------
+    def plan_prefill(self) -> list[Chunk]:
+        """Chunks of prompts still being prefilled, oldest first, within the token budget. The padded
+        area (requests x longest chunk, both bucketed by the engine) is kept near the budget too."""
+        chunks, budget, longest = [], self.max_prefill_tokens, 0
+        for req in self.running:
+            if not req.prefilling or budget <= 0:
+                continue
+            n = min(len(req.prompt) - req.computed, budget)
+            if chunks and (len(chunks) + 1) * max(longest, n) > 2 * self.max_prefill_tokens:
+                break
+            chunks.append(Chunk(req, req.computed, req.prompt[req.computed:req.computed + n]))
+            budget -= n
+            longest = max(longest, n)
+        return chunks
+
+    def plan_decode(self) -> list[Chunk]:
+        """One lane per request that has sampled at least one token and is not finished."""
+        return [Chunk(r, r.seq_len - 1, [r.output[-1]]) for r in self.running
+                if r.output and r.finish_reason is None]
+
+    # ---- results ---------------------------------------------------------------------------------
+    def prefill_done(self, req: Request) -> None:
+        """The whole prompt's KV is in the pool: publish its full pages to the prefix cache now, so
+        requests admitted while this one decodes already share them."""
+        if self.radix is not None:
+            self._publish(req, req.prompt[:req.computed])
+
+    def append_token(self, req: Request, token: int, logprob: float) -> None:
+        now = time.perf_counter()
+        if not req.output:
+            req.t_first_token = now
+        req.output.append(int(token))
+        req.logprobs.append(float(logprob))
+        if int(token) in req.stop_ids:
+            req.finish_reason = "stop"
+        elif len(req.output) >= req.params.max_new_tokens:
+            req.finish_reason = "length"
+
+    def finish(self, req: Request, reason: str | None = None) -> None:
+        """Release a finished (or aborted) request: its computed full pages go to the prefix cache, the
+        rest back to the allocator, and its lock on the tree is dropped."""
+        if reason is not None:
+            req.finish_reason = reason
+        req.t_finish = time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+            return
+        if self.radix is not None and req.finish_reason != "abort":
+            self._publish(req, req.tokens()[:req.computed])
+        self.allocator.free(req.pages[req.shared_pages:])
+        req.pages = req.pages[:0]
+        if req.node is not None:
+            self.radix.unlock(req.node)
+            req.node = None
+        req.shared_pages = 0
+
+    def _publish(self, req: Request, tokens: list[int]) -> None:
+        """Insert the full pages of `tokens` (whose KV the request holds in req.pages). Pages the tree
+        already had are freed and replaced by the tree's own, and the request's lock moves to the new
+        node, so from here on the tree owns pages[:shared_pages] and the request the rest."""
+        ps = self.page_size
+        n_full = len(tokens) // ps
+        if n_full <= req.shared_pages:
+            return
+        present = self.radix.insert(tokens, req.pages) // ps
+        dup = req.pages[req.shared_pages:present]
+        self.allocator.free(dup)
+        tree_pages, node = self.radix.match_prefix(tokens)
+        if len(tree_pages) != n_full:
+            raise AssertionError(f"radix holds {len(tree_pages)} pages after inserting {n_full}")
+        self.radix.lock(node)
+        if req.node is not None:
+            self.radix.unlock(req.node)
+        req.pages = np.concatenate([tree_pages, req.pages[n_full:]]).astype(np.int32)
+        req.node, req.shared_pages = node, n_full
+
+    # ---- inspection ------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> dict:
+        out = {"waiting": len(self.waiting), "running": len(self.running),
+               "free_pages": self.allocator.num_free, "total_pages": self.allocator.num_pages - 1,
+               "request_pages": int(sum(len(r.pages) - r.shared_pages for r in self.running))}
+        if self.radix is not None:
+            out["radix"] = self.radix.stats()
+        return out
