@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/cpkv-jax score --model tiny --tokens 11,42,7,300,5,19,64,128,255,3,77,12 --out $(VENV)/tiny_logits.npy
+	JAX_PLATFORMS=cpu $(VENV)/bin/cpkv-jax generate --model tiny --prompt "The quick brown fox" --tokens 11,42,7,300,5,19,64,128 --max-new-tokens 16 --page-size 16 --json
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q

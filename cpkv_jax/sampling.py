@@ -42,13 +42,8 @@ class SamplingParams:
         return self
 
 
-@jax.jit
-def sample_tokens(logits, temperature, top_p, top_k, seed, position):
-    """logits [B, V] fp32; per-request temperature/top_p/top_k/seed/position [B]. Returns token ids [B]
-    and their log-probabilities under the unmodified distribution."""
+def _sample_rows(logits, temperature, top_p, top_k, seed, position):
     V = logits.shape[-1]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1, stable=True)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -60,6 +55,17 @@ def sample_tokens(logits, temperature, top_p, top_k, seed, position):
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
     choice = jax.vmap(jax.random.categorical)(keys, masked)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+@jax.jit
+def sample_tokens(logits, temperature, top_p, top_k, seed, position):
+    """logits [B, V] fp32; per-request temperature/top_p/top_k/seed/position [B]. Returns token ids [B]
+    and their log-probabilities under the unmodified distribution. An all-greedy batch skips the
+    vocabulary sort (lax.cond runs one branch)."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    sampled = jax.lax.cond(jnp.any(temperature > 0), _sample_rows, lambda *a: greedy,
+                           logits, temperature, top_p, top_k, seed, position)
     tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

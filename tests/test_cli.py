@@ -1,4 +1,4 @@
-"""`cpkv-jax score | convert` from outside: the checked numbers come back through files and stdout."""
+"""`cpkv-jax generate | bench | score | convert` from outside: the checked numbers come back through files and stdout."""
 
 import json
 import subprocess
@@ -56,6 +56,13 @@ def test_convert_fp8_dequantizes_and_matches_hf(tmp_path, capsys):
     (["score", "--model", "tiny", "--tokens", "1,a", "--out", "x.npy"], "comma-separated integers"),
     (["score", "--model", "tiny", "--tokens", "1,99999", "--out", "x.npy"], "outside the vocabulary"),
     (["convert", "--hf", "/nonexistent", "--out", "x"], "no config.json"),
+    (["generate", "--model", "/nonexistent", "--tokens", "1,2"], "does not exist"),
+    (["generate", "--tokens", "1,99999"], "outside the vocabulary"),
+    (["generate", "--tokens", "1,2", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["generate", "--tokens", "1,2", "--temperature", "-1"], "temperature"),
+    (["generate", "--tokens", "1,2", "--kv-pages", "1"], "kv_pages"),
+    (["generate", "--tokens", "1,2", "--max-new-tokens", "5000"], "exceeds the model's context"),
+    (["generate"], "at least one --prompt"),
 ])
 def test_cli_errors_exit_nonzero_with_message(tmp_path, args, message):
     r = run_cli(*args)
@@ -64,6 +71,34 @@ def test_cli_errors_exit_nonzero_with_message(tmp_path, args, message):
 
 
 def test_every_verb_has_help():
-    for verb in ("score", "convert"):
+    for verb in ("generate", "bench", "score", "convert"):
         r = run_cli(verb, "--help")
         assert r.returncode == 0 and "usage: cpkv-jax" in r.stdout
+
+
+def test_generate_json_outputs_in_request_order_equal_the_engine(capsys):
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+
+    args = ["generate", "--tokens", "5,6,7,8", "--prompt", "Hello there", "--tokens", "300,2",
+            "--max-new-tokens", "5", "--page-size", "16", "--kv-pages", "64", "--json", "--ignore-eos"]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)
+    eng = Engine("tiny", EngineConfig(page_size=16, kv_pages=64))
+    ref = eng.generate([[5, 6, 7, 8], "Hello there", [300, 2]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert [o["token_ids"] for o in got["outputs"]] == [o.token_ids for o in ref]
+    assert [o["text"] for o in got["outputs"]] == [o.text for o in ref]
+    assert all(o["finish_reason"] == "length" for o in got["outputs"])
+    assert got["timing"]["output_tokens"] == 15 and got["timing"]["wall_s"] > 0
+
+
+def test_bench_writes_table_and_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--batch", "2", "--prompt-len", "40", "--decode-tokens", "4", "--page-size", "16",
+                 "--repeat", "1", "--quiet", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "prefill" in table and "decode" in table and "MFU" in table
+    r = json.loads(out.read_text())
+    assert r["prefill"]["tokens"] == 80 and r["decode"]["tokens"] == 6 and r["decode"]["steps"] == 3
+    assert r["prefill"]["tokens_per_s"] > 0 and 0 < r["prefill"]["mfu"] < 1
+    assert r["decode"]["bytes"] > 0 and r["ceilings"]["copy_bytes_per_s"] > 0
