@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpkv_jax.kv_pool import KVPool, PageAllocator, page_slots
+from cpkv_jax.cp import CPPlan, CPRequest, build_batch as build_cp_batch, plan as cp_plan
+from cpkv_jax.kv_pool import KVPool, PageAllocator
 from cpkv_jax.radix_cache import RadixCache
 from cpkv_jax.runner import ModelRunner, choose_attn_path
 from cpkv_jax.sampling import SamplingParams, sample_tokens
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, pages_for
-from models.kv import Batch
 from models.model import DsaModel
 
 
@@ -49,6 +49,9 @@ class EngineConfig:
     index_dtype: str = "fp8"         # indexer key cache: 'fp8' (e4m3 + per-token fp32 scale) or 'same'
     attn_path: str | None = None     # force 'expanded' / 'absorbed'; None -> by tokens per request
     min_prefill_lanes: int = 16      # smallest prefill token bucket
+    cp_size: int = 1                 # context-parallel ranks (mesh axis 'cp'); the pool's pages are split over them
+    cp_mode: str = "zigzag"          # 'zigzag' (page-aligned) or 'round_robin'
+    cp_short_policy: str = "owner"   # requests with < 2*cp new pages: 'owner' (page-aligned) or 'token_balanced'
 
     def validate(self) -> "EngineConfig":
         def positive(name, minimum=1):
@@ -65,6 +68,15 @@ class EngineConfig:
                                     f"got {self.index_dtype!r}")
         if self.attn_path not in (None, "expanded", "absorbed"):
             raise EngineConfigError(f"attn_path must be None, 'expanded' or 'absorbed', got {self.attn_path!r}")
+        positive("cp_size")
+        from cpkv_jax.cp import MODES, SHORT_POLICIES
+        if self.cp_mode not in MODES:
+            raise EngineConfigError(f"cp_mode must be one of {MODES}, got {self.cp_mode!r}")
+        if self.cp_short_policy not in SHORT_POLICIES:
+            raise EngineConfigError(f"cp_short_policy must be one of {SHORT_POLICIES}, got {self.cp_short_policy!r}")
+        if self.kv_pages % self.cp_size or self.kv_pages // self.cp_size < 2:
+            raise EngineConfigError(f"kv_pages ({self.kv_pages}) must be a multiple of cp_size ({self.cp_size}) "
+                                    f"with at least 2 pages per rank (each rank keeps a dummy page)")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise EngineConfigError(f"dtype must be None, 'float32' or 'bfloat16', got {self.dtype!r}")
         return self
@@ -147,13 +159,21 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
         self.eos_ids = frozenset(self.cfg.eos_token_id) | _generation_eos(model)
         ps = config.page_size
-        self.pool = KVPool.create(self.cfg, config.kv_pages, ps, self.model.dtype, config.index_dtype)
-        self.runner = ModelRunner(self.model, self.pool)
-        self.allocator = PageAllocator(config.kv_pages)
+        self.mesh = None
+        if config.cp_size > 1:
+            from jax.sharding import Mesh
+            if config.cp_size > len(jax.devices()):
+                raise EngineConfigError(f"cp_size {config.cp_size} needs {config.cp_size} devices, "
+                                        f"{len(jax.devices())} visible")
+            self.mesh = Mesh(np.array(jax.devices()[:config.cp_size]), ("cp",))
+        self.pool = KVPool.create(self.cfg, config.kv_pages, ps, self.model.dtype, config.index_dtype,
+                                  mesh=self.mesh)
+        self.runner = ModelRunner(self.model, self.pool, mesh=self.mesh)
+        self.allocator = PageAllocator(config.kv_pages, config.cp_size)
         self.radix = RadixCache(ps) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=ps, max_running=config.max_running,
                                    max_prefill_tokens=config.max_prefill_tokens)
-        self.max_context = min(self.cfg.max_position_embeddings, (config.kv_pages - 1) * ps)
+        self.max_context = min(self.cfg.max_position_embeddings, self.allocator.capacity * ps)
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
         self._capture_logits: dict[int, list[np.ndarray]] = {}
@@ -192,10 +212,10 @@ class Engine:
             raise EngineInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                                    f"{total} exceeds the model's context of {self.cfg.max_position_embeddings}")
         need = pages_for(total - 1, self.config.page_size)
-        if need > self.config.kv_pages - 1:
+        if need > self.allocator.capacity:
             raise EngineInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs "
                                    f"{need} KV pages of {self.config.page_size} tokens; the pool has "
-                                   f"{self.config.kv_pages - 1} (raise kv_pages)")
+                                   f"{self.allocator.capacity} (raise kv_pages)")
         return ids, params
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, return_logits: bool = False) -> int:
@@ -237,52 +257,49 @@ class Engine:
         self.metrics["steps"] += 1
         return events
 
-    def _shape(self, chunks: list[Chunk], prefill: bool) -> tuple[int, int, int]:
-        c = self.config
-        max_pages = pages_for(self.max_context, c.page_size)
-        B = bucket(len(chunks), 1, c.max_running)
-        T = bucket(max(len(ch.tokens) for ch in chunks), c.min_prefill_lanes, c.max_prefill_tokens) if prefill else 1
-        S = bucket(pages_for(max(ch.start + len(ch.tokens) for ch in chunks), c.page_size), 1, max_pages)
-        return B, T, S
-
     def max_compilations(self) -> int:
-        """Upper bound on compiled step variants (prefill B x T x S buckets, decode B x S) plus the
-        sampler's B buckets."""
+        """Upper bound on compiled step variants (prefill B x T x S buckets, decode B x S; twice that
+        under CP, where a plan is page-aligned or not) plus the sampler's B buckets."""
         c = self.config
         nB = len(bucket_set(1, c.max_running))
         nT = len(bucket_set(min(c.min_prefill_lanes, c.max_prefill_tokens), c.max_prefill_tokens))
         nS = len(bucket_set(1, pages_for(self.max_context, c.page_size)))
-        return nB * nT * nS + nB * nS + nB
+        return (nB * nT * nS + nB * nS) * (2 if c.cp_size > 1 else 1) + nB
 
     def compilations(self) -> int:
         """Distinct compiled variants this engine has used (step shapes + sampler batch sizes)."""
         return self.runner.compilations + len(self._sampler_batches)
 
-    def _build_batch(self, chunks: list[Chunk], B: int, T: int, S: int):
+    def _plan(self, chunks: list[Chunk]) -> tuple[CPPlan, list[CPRequest]]:
+        """Split the step's tokens over the CP ranks (one rank: all on rank 0) and allocate the pages
+        the chunks reach, from the ranks the plan names."""
         ps = self.config.page_size
-        tokens = np.zeros((B, T), np.int32)
-        positions = np.full((B, T), -1, np.int32)
-        write_slots = np.zeros((B, T), np.int32)
-        slot_table = np.zeros((B, S * ps), np.int32)
-        last_index = np.zeros((B,), np.int32)
-        for i, ch in enumerate(chunks):
-            n = len(ch.tokens)
-            table = page_slots(ch.req.pages[:S], ps)
-            slot_table[i, :len(table)] = table
-            tokens[i, :n] = ch.tokens
-            positions[i, :n] = ch.start + np.arange(n)
-            write_slots[i, :n] = slot_table[i, positions[i, :n]]
-            last_index[i] = n - 1
-        batch = Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(write_slots),
-                      jnp.asarray(slot_table))
-        return batch, last_index
+        reqs = []
+        for ch in chunks:
+            head = ch.start % ps != 0
+            if len(ch.req.pages) != ch.start // ps + head:
+                raise AssertionError(f"request {ch.req.rid}: {len(ch.req.pages)} pages at position {ch.start}")
+            reqs.append(CPRequest(ch.start, len(ch.tokens),
+                                  int(self.allocator.owner(ch.req.pages[-1])) if head else None))
+        plan = cp_plan(reqs, ps, self.config.cp_size, self.allocator.free_per_rank(), mode=self.config.cp_mode,
+                       short_policy=self.config.cp_short_policy)
+        for ch, owners in zip(chunks, plan.new_page_owner):
+            self.scheduler.allocate(ch.req, owners)
+        return plan, reqs
 
     def _run(self, chunks: list[Chunk], prefill: bool) -> list[TokenEvent]:
         t0 = time.perf_counter()
-        B, T, S = self._shape(chunks, prefill)
-        batch, last_index = self._build_batch(chunks, B, T, S)
-        attn_path = self.config.attn_path or choose_attn_path(T)
-        logits = self.runner.forward(batch, last_index, attn_path=attn_path)
+        c = self.config
+        plan, reqs = self._plan(chunks)
+        B = bucket(len(chunks), 1, c.max_running)
+        longest = int(plan.local_lengths.max())
+        T = bucket(longest, c.min_prefill_lanes, c.max_prefill_tokens) if prefill else bucket(longest, 1, 1 << 30)
+        S = bucket(pages_for(max(ch.start + len(ch.tokens) for ch in chunks), c.page_size), 1,
+                   pages_for(self.max_context, c.page_size))
+        batch, last_lane, last_rank = build_cp_batch(plan, reqs, [ch.tokens for ch in chunks],
+                                                     [ch.req.pages for ch in chunks], rows=B, lanes=T, table_pages=S)
+        logits = self.runner.forward(batch, last_lane, attn_path=c.attn_path or choose_attn_path(T),
+                                     last_rank=last_rank, page_aligned=plan.page_aligned)
         n_tok = sum(len(ch.tokens) for ch in chunks)
         self.metrics["prefill_steps" if prefill else "decode_steps"] += 1
         self.metrics["prefill_tokens" if prefill else "decode_tokens"] += n_tok

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.kv import KVCache, empty_kv_cache
+from models.kv import KVCache, kv_cache_shapes
 
 
 class OutOfPages(RuntimeError):
@@ -18,25 +19,53 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """Free list of pages 1..num_pages-1 (page 0 is the dummy). Double frees and frees of the dummy or
-    of unknown pages raise: a corrupted free list would hand one page to two requests."""
+    """Free lists of pages, per CP rank: the pool's pages are split into `ranks` equal shards, global
+    page g living on rank g // pages_per_rank, and the first page of every shard is that rank's dummy
+    (never allocated). Double frees and frees of dummies or unknown pages raise: a corrupted free list
+    would hand one page to two requests."""
 
-    def __init__(self, num_pages: int):
-        if num_pages < 2:
-            raise ValueError(f"a pool needs at least 2 pages (one is the dummy), got {num_pages}")
+    def __init__(self, num_pages: int, ranks: int = 1):
+        if ranks < 1 or num_pages % ranks:
+            raise ValueError(f"{num_pages} pages cannot be split over {ranks} CP ranks")
+        self.pages_per_rank = num_pages // ranks
+        if self.pages_per_rank < 2:
+            raise ValueError(f"a pool needs at least 2 pages per rank (one is the dummy), got "
+                             f"{self.pages_per_rank}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))
+        self.ranks = ranks
+        P = self.pages_per_rank
+        self._free = [list(range((r + 1) * P - 1, r * P, -1)) for r in range(ranks)]
         self._is_free = np.ones(num_pages, bool)
-        self._is_free[0] = False
+        self._is_free[::P] = False
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
 
-    def alloc(self, n: int) -> np.ndarray:
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free of {self.num_pages - 1}")
-        pages = np.array([self._free.pop() for _ in range(n)], np.int32)
+    @property
+    def capacity(self) -> int:
+        """Allocatable pages (all but the dummies)."""
+        return self.num_pages - self.ranks
+
+    def free_per_rank(self) -> np.ndarray:
+        return np.array([len(f) for f in self._free], np.int64)
+
+    def owner(self, pages) -> np.ndarray:
+        return np.asarray(pages, np.int64) // self.pages_per_rank
+
+    def alloc(self, n: int, rank: int | None = None) -> np.ndarray:
+        """n pages from `rank`, or (rank None) from the ranks with the most free pages."""
+        if rank is None:
+            if n > self.num_free:
+                raise OutOfPages(f"asked for {n} pages, {self.num_free} free of {self.capacity}")
+            out = []
+            for _ in range(n):
+                out.extend(self.alloc(1, int(np.argmax(self.free_per_rank()))))
+            return np.array(out, np.int32)
+        free = self._free[rank]
+        if n > len(free):
+            raise OutOfPages(f"asked for {n} pages on rank {rank}, {len(free)} free there")
+        pages = np.array([free.pop() for _ in range(n)], np.int32)
         self._is_free[pages] = False
         return pages
 
@@ -44,12 +73,15 @@ class PageAllocator:
         pages = np.asarray(pages, np.int64).reshape(-1)
         if pages.size == 0:
             return
-        if (pages <= 0).any() or (pages >= self.num_pages).any():
-            raise ValueError(f"free of invalid page ids {pages[(pages <= 0) | (pages >= self.num_pages)][:5]}")
+        bad = (pages < 0) | (pages >= self.num_pages)
+        bad[~bad] |= pages[~bad] % self.pages_per_rank == 0
+        if bad.any():
+            raise ValueError(f"free of invalid page ids {pages[bad][:5]}")
         if self._is_free[pages].any() or len(np.unique(pages)) != len(pages):
             raise ValueError(f"double free of pages {pages[self._is_free[pages]][:5]}")
         self._is_free[pages] = True
-        self._free.extend(int(p) for p in pages[::-1])
+        for p in pages[::-1]:
+            self._free[int(p) // self.pages_per_rank].append(int(p))
 
 
 @dataclasses.dataclass
@@ -61,11 +93,14 @@ class KVPool:
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, index_dtype: str = "fp8",
-               **kw) -> "KVPool":
-        # committed to its device like every step's output, so the first step does not compile a
-        # variant of its own for an uncommitted input
-        cache = jax.device_put(empty_kv_cache(cfg, num_pages * page_size, dtype, index_dtype, **kw),
-                               jax.devices()[0])
+               mesh=None, axis: str = "cp", **kw) -> "KVPool":
+        """With a mesh, the slot axis is sharded over `axis` (each rank stores num_pages / cp pages).
+        Placed (committed) like every step's output, so the first step does not compile a variant of
+        its own for an uncommitted input."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        shapes = kv_cache_shapes(cfg, num_pages * page_size, dtype, index_dtype, **kw)
+        where = jax.devices()[0] if mesh is None else NamedSharding(mesh, P(None, axis))
+        cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=where), shapes)
         return cls(cache, page_size)
 
     @property

@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from cpkv_jax.kv_pool import KVPool
-from models.kv import Batch
+from models.kv import SINGLE_DEVICE, Batch, KVAccess
 from models.model import DsaModel, run_model
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
@@ -23,32 +23,59 @@ def choose_attn_path(tokens_per_request: int) -> str:
 
 # The step every runner dispatches: the pool (argument 3) is donated; the graph definition is static,
 # so runners over the same model graph and pool shape share compiled executables.
-_step = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output"), donate_argnums=(3,))
+_step = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh"),
+                donate_argnums=(3,))
 
 
 class ModelRunner:
-    def __init__(self, model: DsaModel, pool: KVPool):
+    """Dispatches the step. With a mesh, the parameters are replicated over it, the pool is sharded
+    over its 'cp' axis and every step runs under shard_map (models.model.run_model)."""
+
+    def __init__(self, model: DsaModel, pool: KVPool, mesh=None, axis: str = "cp"):
         self.model = model
         self.graphdef, self.state = nnx.split(model)
         self.pool = pool
-        self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output) dispatched
+        self.mesh, self.axis = mesh, axis
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+            self.state = jax.device_put(self.state, NamedSharding(mesh, P()))
+            self._rows = NamedSharding(mesh, P(axis))
+            self._replicated = NamedSharding(mesh, P())
+        self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output, access)
 
-    def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False):
-        return _step.lower(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
-                           output="logits" if all_logits else "last_logits",
-                           last_index=jnp.asarray(last_index, jnp.int32))
+    def place(self, batch: Batch) -> Batch:
+        """Put a CP batch on the mesh: token rows split over the axis, the slot table replicated."""
+        if self.mesh is None:
+            return batch
+        rows, rep = self._rows, self._replicated
+        return Batch(jax.device_put(batch.tokens, rows), jax.device_put(batch.positions, rows),
+                     jax.device_put(batch.write_slots, rows), jax.device_put(batch.slot_table, rep))
 
-    def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, all_logits: bool = False):
-        """Runs one step; the pool is consumed and replaced. Returns fp32 logits [B, V] at
-        `last_index` (per request lane index), or [B, T, V] with all_logits."""
+    def _args(self, batch, last_index, attn_path, all_logits, last_rank, page_aligned):
         B, T = batch.tokens.shape
         if last_index is None:
             last_index = np.full((B,), T - 1, np.int32)
-        attn_path = attn_path or choose_attn_path(T)
-        output = "logits" if all_logits else "last_logits"
-        self.variants.add((batch.tokens.shape, batch.slot_table.shape, attn_path, output))
-        logits, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
-                                        output=output, last_index=jnp.asarray(last_index, jnp.int32))
+        access = KVAccess(self.axis, page_aligned) if self.mesh is not None else SINGLE_DEVICE
+        kw = dict(attn_path=attn_path or choose_attn_path(T), output="logits" if all_logits else "last_logits",
+                  last_index=jnp.asarray(last_index, jnp.int32), access=access, mesh=self.mesh)
+        if self.mesh is not None:
+            kw["last_rank"] = jax.device_put(np.asarray(last_rank, np.int32), self._replicated)
+            kw["last_index"] = jax.device_put(np.asarray(last_index, np.int32), self._replicated)
+        return self.place(batch), kw
+
+    def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False, last_rank=None,
+              page_aligned: bool = True):
+        batch, kw = self._args(batch, last_index, attn_path, all_logits, last_rank, page_aligned)
+        return _step.lower(self.graphdef, self.state, batch, self.pool.cache, **kw)
+
+    def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, all_logits: bool = False,
+                last_rank=None, page_aligned: bool = True):
+        """Runs one step; the pool is consumed and replaced. Returns fp32 logits [B, V] at
+        `last_index` (per request lane index; under CP on rank `last_rank`), or every position's
+        ([B, T, V]; under CP [cp, B, T, V]) with all_logits."""
+        batch, kw = self._args(batch, last_index, attn_path, all_logits, last_rank, page_aligned)
+        self.variants.add((batch.tokens.shape, batch.slot_table.shape, kw["attn_path"], kw["output"], kw["access"]))
+        logits, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, **kw)
         return logits
 
     @property

@@ -4,7 +4,9 @@ prefill under a token budget, decode batches, and the page bookkeeping of finish
 Pages are reserved for a request's whole lifetime at admission (prompt + max_new_tokens - 1 KV
 positions, less its cached prefix), so a running request never runs short and nothing is ever
 preempted or overwritten; a request that does not fit waits (FIFO, no overtaking) until finished
-requests or cache eviction free enough pages. The scheduler never touches the device: it hands the
+requests or cache eviction free enough pages. A reservation is a count: pages are allocated step by
+step as positions are reached, from the rank the CP plan names (the free pages always cover the
+outstanding reservations, so an allocation never fails). The scheduler never touches the device: it hands the
 engine step plans and is told what was sampled.
 """
 
@@ -34,6 +36,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     pages: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    reserved: int = 0                   # pages reserved but not yet allocated
     node: TreeNode | None = None        # locked radix node covering pages[:shared_pages]
     shared_pages: int = 0               # leading pages owned by the radix tree (not freed by us)
     cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
@@ -79,6 +82,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.reserved_pages = 0  # sum of running requests' reservations
 
     # ---- admission -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -105,17 +109,30 @@ class Scheduler:
             prefix, node = self.radix.match_prefix(req.prompt[:-1])
             self.radix.lock(node)
         need = pages_for(req.kv_capacity, ps) - len(prefix)
-        short = need - self.allocator.num_free
+        short = need - (self.allocator.num_free - self.reserved_pages)
         if short > 0 and self.radix is not None:
             self.radix.evict(short, self.allocator.free)
-        if need > self.allocator.num_free:
+        if need > self.allocator.num_free - self.reserved_pages:
             if node is not None:
                 self.radix.unlock(node)
             return False
-        req.pages = np.concatenate([prefix, self.allocator.alloc(need)]).astype(np.int32)
+        req.pages = prefix.astype(np.int32)
+        req.reserved = need
+        self.reserved_pages += need
         req.node, req.shared_pages = node, len(prefix)
         req.cached_tokens = req.computed = len(prefix) * ps
         return True
+
+    def allocate(self, req: Request, owners) -> None:
+        """Allocate the request's next pages from its reservation, one per entry of `owners` (the CP
+        rank to take it from)."""
+        owners = list(owners)
+        if len(owners) > req.reserved:
+            raise AssertionError(f"request {req.rid} asks for {len(owners)} pages with {req.reserved} reserved")
+        new = [int(self.allocator.alloc(1, int(r))[0]) for r in owners]
+        req.pages = np.concatenate([req.pages, np.asarray(new, np.int32)]).astype(np.int32)
+        req.reserved -= len(owners)
+        self.reserved_pages -= len(owners)
 
     # ---- step plans ------------------------------------------------------------------------------
     def plan_prefill(self) -> list[Chunk]:
@@ -126,6 +143,9 @@ class Scheduler:
             if not req.prefilling or budget <= 0:
                 continue
             n = min(len(req.prompt) - req.computed, budget)
+            end = req.computed + n
+            if end < len(req.prompt) and end % self.page_size and end - end % self.page_size > req.computed:
+                n = end - end % self.page_size - req.computed  # a chunk that stops early stops on a page
             if chunks and (len(chunks) + 1) * max(longest, n) > 2 * self.max_prefill_tokens:
                 break
             chunks.append(Chunk(req, req.computed, req.prompt[req.computed:req.computed + n]))
@@ -171,6 +191,8 @@ class Scheduler:
             self._publish(req, req.tokens()[:req.computed])
         self.allocator.free(req.pages[req.shared_pages:])
         req.pages = req.pages[:0]
+        self.reserved_pages -= req.reserved
+        req.reserved = 0
         if req.node is not None:
             self.radix.unlock(req.node)
             req.node = None
@@ -202,7 +224,8 @@ class Scheduler:
 
     def stats(self) -> dict:
         out = {"waiting": len(self.waiting), "running": len(self.running),
-               "free_pages": self.allocator.num_free, "total_pages": self.allocator.num_pages - 1,
+               "free_pages": self.allocator.num_free, "total_pages": self.allocator.capacity,
+               "reserved_pages": self.reserved_pages,
                "request_pages": int(sum(len(r.pages) - r.shared_pages for r in self.running))}
         if self.radix is not None:
             out["radix"] = self.radix.stats()

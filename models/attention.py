@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.kv import Batch, KVCache, dequantize_index_k, quantize_index_k
+from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache, dequantize_index_k, quantize_index_k
 from models.layers import (Dense, LayerNorm, RMSNorm, apply_rope_half, apply_rope_interleaved,
                            rope_cos_sin)
 
@@ -53,23 +53,27 @@ class Indexer(nnx.Module):
         rot = apply_rope_interleaved if self.cfg.indexer_rope_interleaved else apply_rope_half
         return jnp.concatenate([rot(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
-    def __call__(self, x, q_resid, cos, sin, batch: Batch, cache: KVCache, full_id, k_sel: int):
-        """Writes this layer's indexer keys, returns (top-k positions [B, T, k_sel], cache)."""
+    def __call__(self, x, q_resid, cos, sin, batch: Batch, cache: KVCache, full_id, k_sel: int,
+                 access: KVAccess = SINGLE_DEVICE):
+        """Writes this layer's indexer keys, returns (top-k positions [B, T, k_sel], cache). Scores
+        this rank's queries against every visible key (gathered from the owners under CP)."""
         cfg = self.cfg
         B, T, _ = x.shape
         q = self.wq_b(q_resid).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
         q = self._rope(q, cos[:, :, None, :], sin[:, :, None, :])
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [B, T, D]
 
+        n_local = cache.index_k.shape[1]
         if cache.index_fp8:
             kq, ks = quantize_index_k(k)
-            index_k = cache.index_k.at[full_id, batch.write_slots].set(kq)
-            index_scale = cache.index_scale.at[full_id, batch.write_slots].set(ks)
-            keys = dequantize_index_k(index_k[full_id][batch.slot_table], index_scale[full_id][batch.slot_table])
+            index_k = access.write(cache.index_k, full_id, batch.write_slots, kq)
+            index_scale = access.write(cache.index_scale, full_id, batch.write_slots, ks)
+            keys = access.gather(lambda s: dequantize_index_k(index_k[full_id][s], index_scale[full_id][s]),
+                                 batch.slot_table, n_local)
         else:
-            index_k = cache.index_k.at[full_id, batch.write_slots].set(k.astype(cache.index_k.dtype))
+            index_k = access.write(cache.index_k, full_id, batch.write_slots, k)
             index_scale = None
-            keys = index_k[full_id][batch.slot_table].astype(jnp.float32)
+            keys = access.gather(lambda s: index_k[full_id][s].astype(jnp.float32), batch.slot_table, n_local)
         cache = KVCache(cache.latent, cache.k_rope, index_k, index_scale)
 
         scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys) * cfg.index_head_dim ** -0.5
@@ -95,7 +99,8 @@ class MLA(nnx.Module):
         self.o_proj = Dense(H * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
         self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, stack=stack) if has_indexer else None
 
-    def __call__(self, x, prev_topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str):
+    def __call__(self, x, prev_topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
+                 access: KVAccess = SINGLE_DEVICE):
         """x: input_layernorm output [B, T, D]. Writes this layer's KV (and indexer keys on a full layer),
         then attends each token to its top-k positions. Returns (out [B, T, D], topk, cache)."""
         cfg = self.cfg
@@ -112,21 +117,26 @@ class MLA(nnx.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(ckv[..., :C])
         k_rope = apply_rope_interleaved(ckv[..., C:], cos, sin)
-        cache = KVCache(cache.latent.at[layer_id, batch.write_slots].set(latent.astype(cache.latent.dtype)),
-                        cache.k_rope.at[layer_id, batch.write_slots].set(k_rope.astype(cache.k_rope.dtype)),
+        cache = KVCache(access.write(cache.latent, layer_id, batch.write_slots, latent),
+                        access.write(cache.k_rope, layer_id, batch.write_slots, k_rope),
                         cache.index_k, cache.index_scale)
 
         if self.indexer is not None:
-            topk, cache = self.indexer(x, q_resid, cos, sin, batch, cache, full_id, prev_topk.shape[-1])
+            topk, cache = self.indexer(x, q_resid, cos, sin, batch, cache, full_id, prev_topk.shape[-1], access)
         else:
             topk = prev_topk
+        n_local = cache.latent.shape[1]
+        lat_pool, rope_pool = cache.latent[layer_id], cache.k_rope[layer_id]
+
+        def kv_rows(s):  # latent and rope key of local slots, as one array (one collective under CP)
+            return jnp.concatenate([lat_pool[s].astype(x.dtype), rope_pool[s].astype(x.dtype)], axis=-1)
 
         w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(C, H, dn + dv)
         w_uk, w_uv = w_kv[..., :dn], w_kv[..., dn:]
         scale = cfg.softmax_scale
         if attn_path == "expanded":
-            lat_all = cache.latent[layer_id][batch.slot_table].astype(x.dtype)   # [B, S, C]
-            rope_all = cache.k_rope[layer_id][batch.slot_table].astype(x.dtype)  # [B, S, dr]
+            kv_all = access.gather(kv_rows, batch.slot_table, n_local)         # [B, S, C + dr]
+            lat_all, rope_all = kv_all[..., :C], kv_all[..., C:]
             k_nope = jnp.einsum("bsc,chd->bshd", lat_all, w_uk)
             v = jnp.einsum("bsc,chd->bshd", lat_all, w_uv)
             s = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope)
@@ -140,8 +150,8 @@ class MLA(nnx.Module):
             out = jnp.einsum("bhts,bshd->bthd", p, v)
         elif attn_path == "absorbed":
             slots = jnp.take_along_axis(batch.slot_table[:, None, :], jnp.maximum(topk, 0), axis=2)  # [B,T,K]
-            lat_sel = cache.latent[layer_id][slots].astype(x.dtype)     # [B, T, K, C]
-            rope_sel = cache.k_rope[layer_id][slots].astype(x.dtype)    # [B, T, K, dr]
+            kv_sel = access.fetch(kv_rows, slots, n_local)               # [B, T, K, C + dr]
+            lat_sel, rope_sel = kv_sel[..., :C], kv_sel[..., C:]
             q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
             s = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel)
                  + jnp.einsum("bthr,btkr->bthk", q_rope, rope_sel)) * scale

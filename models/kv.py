@@ -106,3 +106,60 @@ def contiguous_batch(tokens: np.ndarray, start: np.ndarray | int = 0, slot_table
     write_slots = np.take_along_axis(slot_table, positions, axis=1)
     return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(write_slots, jnp.int32),
                  jnp.asarray(slot_table, jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVAccess:
+    """How a forward reaches the KV pool: on one device (axis None), or inside a shard_map over the CP
+    axis where the pool's slot axis is sharded and each global slot has one owner rank
+    (owner = slot // local slots). Static (hashable): it selects the code, not the data.
+
+    write  — store rows at global slots. page_aligned: every valid local token's slot is owned by this
+             rank (the planner guarantees it), so it writes directly; otherwise the new rows are
+             all-gathered and each owner writes its own (off-owner tokens shipped to the page owner).
+    gather — rows of the same global slots on every rank (a request's visible keys): each owner
+             contributes its rows, zeros elsewhere, summed over the axis (exact: x + 0 = x).
+    fetch  — rows of global slots that differ per rank (each rank's selected top-k rows): slots are
+             all-gathered, owners look up what every rank asked for, and a reduce-scatter returns to
+             each rank only its own request."""
+
+    axis: str | None = None
+    page_aligned: bool = True
+
+    def _local(self, slots, n_local: int):
+        """(local slot or 0, owned mask) of global slots on this rank."""
+        me = jax.lax.axis_index(self.axis)
+        mine = (slots // n_local) == me
+        return jnp.where(mine, slots - me * n_local, 0), mine
+
+    def write(self, arr, layer, slots, rows):
+        """arr [L, n_local, ...] (this rank's shard); slots [B, T] global; rows [B, T, ...]."""
+        if self.axis is None:
+            return arr.at[layer, slots].set(rows.astype(arr.dtype))
+        if not self.page_aligned:
+            slots = jax.lax.all_gather(slots, self.axis)
+            rows = jax.lax.all_gather(rows, self.axis)
+        local, _ = self._local(slots, arr.shape[1])
+        return arr.at[layer, local].set(rows.astype(arr.dtype))
+
+    def gather(self, rows_at, slots, n_local: int):
+        """rows_at(local_slots) -> rows; slots global, identical on every rank."""
+        if self.axis is None:
+            return rows_at(slots)
+        local, mine = self._local(slots, n_local)
+        rows = rows_at(local)
+        rows = jnp.where(mine.reshape(mine.shape + (1,) * (rows.ndim - mine.ndim)), rows, 0)
+        return jax.lax.psum(rows, self.axis)
+
+    def fetch(self, rows_at, slots, n_local: int):
+        """rows_at(local_slots) -> rows; slots global, different on every rank."""
+        if self.axis is None:
+            return rows_at(slots)
+        every = jax.lax.all_gather(slots, self.axis)          # [cp, ...]
+        local, mine = self._local(every, n_local)
+        rows = rows_at(local)
+        rows = jnp.where(mine.reshape(mine.shape + (1,) * (rows.ndim - mine.ndim)), rows, 0)
+        return jax.lax.psum_scatter(rows, self.axis, scatter_dimension=0, tiled=False)
+
+
+SINGLE_DEVICE = KVAccess()

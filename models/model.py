@@ -16,7 +16,7 @@ from flax import nnx
 
 from models.attention import MLA
 from models.config import ModelConfig
-from models.kv import Batch, KVCache
+from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache
 from models.layers import Dense, RMSNorm, normal_param
 from models.moe import MLP, MoE
 
@@ -61,11 +61,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, stack=stack) if mlp_kind == "sparse"
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, stack=stack))
 
-    def __call__(self, x, topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str):
+    def __call__(self, x, topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
+                 access: KVAccess = SINGLE_DEVICE):
         a, topk, cache = self.self_attn(self.input_layernorm(x), topk, batch, cache, layer_id, full_id,
-                                        attn_path=attn_path)
+                                        attn_path=attn_path, access=access)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h, batch.valid) if isinstance(self.mlp, MoE) else self.mlp(h))
         return x, topk, cache
 
 
@@ -77,7 +79,8 @@ class LayerStack(nnx.Module):
         self.unit = nnx.List([DecoderLayer(cfg, m, ix, dtype=dtype, rngs=rngs, stack=(group.repeats,))
                               for m, ix in group.unit])
 
-    def __call__(self, x, topk, batch, cache, full_index: tuple[int, ...], *, attn_path: str):
+    def __call__(self, x, topk, batch, cache, full_index: tuple[int, ...], *, attn_path: str,
+                 access: KVAccess = SINGLE_DEVICE):
         graphdefs, states = zip(*(nnx.split(layer) for layer in self.unit))
         layer_ids = jnp.asarray(self.group.layer_ids, jnp.int32)
         full_ids = jnp.asarray([[full_index[i] for i in row] for row in self.group.layer_ids], jnp.int32)
@@ -87,7 +90,7 @@ class LayerStack(nnx.Module):
             st, lid, fid = xs
             for j, gd in enumerate(graphdefs):
                 x, topk, cache = nnx.merge(gd, st[j])(x, topk, batch, cache, lid[j], fid[j],
-                                                       attn_path=attn_path)
+                                                       attn_path=attn_path, access=access)
             return (x, topk, cache), None
 
         (x, topk, cache), _ = jax.lax.scan(body, (x, topk, cache), (states, layer_ids, full_ids))
@@ -144,13 +147,15 @@ class DsaModel(nnx.Module):
         return self.lm_head(h).astype(jnp.float32)
 
     # ---- forward ---------------------------------------------------------------------------------
-    def __call__(self, batch: Batch, cache: KVCache, *, attn_path: str = "expanded"):
-        """Target forward. Returns (final-normed hidden [B, T, D], updated cache)."""
+    def __call__(self, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
+                 access: KVAccess = SINGLE_DEVICE):
+        """Target forward. Returns (final-normed hidden [B, T, D], updated cache). Under CP (inside the
+        shard_map, `access.axis` set) the batch holds this rank's tokens and the cache its shard."""
         x = self.embed(batch.tokens)
         B, T = batch.tokens.shape
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         for stack in self.groups:
-            x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path)
+            x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path, access=access)
         return self.norm(x), cache
 
     def mtp_forward(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded"):
@@ -178,24 +183,51 @@ def matmul_precision(dtype) -> str:
     return "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
 
 
+def collect_last_hidden(h, last_rank, last_lane, axis: str):
+    """Narrow tail collection under CP: each rank contributes the last-token hidden of the requests
+    whose last token it computed (zeros otherwise); only [cp, B, D] crosses ranks, never the tokens."""
+    B = h.shape[0]
+    mine = last_rank == jax.lax.axis_index(axis)
+    local = jnp.where(mine[:, None], h[jnp.arange(B), last_lane], 0)
+    every = jax.lax.all_gather(local, axis)          # [cp, B, D]
+    return every[last_rank, jnp.arange(B)]
+
+
 def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
-              last_index=None):
+              last_index=None, access: KVAccess = SINGLE_DEVICE, mesh=None, last_rank=None):
     """The pure function every jitted step wraps: merge the params, run the target forward at the
     model's matmul precision, and return (out, cache). output: "logits" [B, T, V], "hidden" [B, T, D],
-    or "last_logits" [B, V] at lane `last_index` of each request (only those rows reach lm_head)."""
-    m = nnx.merge(graphdef, state)
-    with jax.default_matmul_precision(matmul_precision(m.dtype)):
-        h, cache = m(batch, cache, attn_path=attn_path)
-        if output == "hidden":
-            return h, cache
-        if output == "last_logits":
-            h = h[jnp.arange(h.shape[0]), last_index]
-        return m.logits(h), cache
+    or "last_logits" [B, V] at lane `last_index` of each request (only those rows reach lm_head).
+
+    With `access.axis` set the forward runs under shard_map over `mesh`: batch rows [cp*B, T] are
+    split over the axis (rank r gets its own lanes of every request), `slot_table` [B, S] is
+    replicated, the cache's slot axis is sharded. "last_logits" then takes each request's last token
+    from rank `last_rank[b]`, lane `last_index[b]` (narrow collection); "logits"/"hidden" gather every
+    position ([cp, B, T, ...]) — the flag for batches that need all of them."""
+    def forward(state, batch, cache, last_index, last_rank):
+        m = nnx.merge(graphdef, state)
+        with jax.default_matmul_precision(matmul_precision(m.dtype)):
+            h, cache = m(batch, cache, attn_path=attn_path, access=access)
+            if output == "last_logits":
+                h = (h[jnp.arange(h.shape[0]), last_index] if access.axis is None
+                     else collect_last_hidden(h, last_rank, last_index, access.axis))
+            elif access.axis is not None:
+                h = jax.lax.all_gather(h, access.axis)
+            return (h if output == "hidden" else m.logits(h)), cache
+
+    if access.axis is None:
+        return forward(state, batch, cache, last_index, last_rank)
+    from jax.sharding import PartitionSpec as P
+    ax = access.axis
+    cache_spec = jax.tree.map(lambda _: P(None, ax), cache)
+    batch_spec = Batch(P(ax), P(ax), P(ax), P())
+    return jax.shard_map(forward, mesh=mesh, in_specs=(P(), batch_spec, cache_spec, P(), P()),
+                         out_specs=(P(), cache_spec), check_vma=False)(state, batch, cache, last_index, last_rank)
 
 
 # One jitted step for every model object of a graph: the graph definition is a static argument, the
 # params are traced, so models and engines of the same shapes share compilations.
-run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output"))
+run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh"))
 
 
 def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True):

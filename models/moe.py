@@ -39,20 +39,40 @@ def route(cfg: ModelConfig, logits32, bias):
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def grouped_expert_mlp(x, idx, w, gate, up, down):
+def compact_rows(x, valid):
+    """Valid rows first (in order), then zeros: (compacted [N, D], permutation, number valid). Under
+    compute padding valid rows are interleaved with dummy lane slots, so a prefix/suffix count is not
+    enough; the dummies' content never reaches what follows."""
+    perm = jnp.argsort(~valid, stable=True)
+    n_valid = valid.sum().astype(jnp.int32)
+    keep = jnp.arange(x.shape[0]) < n_valid
+    return jnp.where(keep[:, None], x[perm], 0), perm, n_valid
+
+
+def restore_rows(y, perm, n_valid):
+    """Inverse of compact_rows: compacted rows back to their padded positions; dummy rows get zeros."""
+    keep = jnp.arange(y.shape[0]) < n_valid
+    return jnp.zeros_like(y).at[perm].set(jnp.where(keep[:, None], y, 0))
+
+
+def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None):
     """Sum over each row's k experts of w * down(silu(gate x) * up x). Rows are replicated k times,
-    sorted by expert and pushed through ragged_dot (one grouped matmul per projection)."""
+    sorted by expert and pushed through ragged_dot (one grouped matmul per projection). Rows at or
+    beyond n_valid (compacted dummies) join no expert group and come out zero."""
     N, D = x.shape
     E = gate.shape[0]
     k = idx.shape[1]
     flat_e = idx.reshape(-1)
+    if n_valid is not None:
+        flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)  # E: no expert, sorts last
     order = jnp.argsort(flat_e, stable=True)
     row = order // k
     xs = x[row]
-    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    sizes = jnp.bincount(flat_e, length=E + 1)[:E].astype(jnp.int32)
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
     y = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
-    y = y * w.reshape(-1)[order][:, None].astype(y.dtype)
+    used = jnp.arange(N * k) < sizes.sum()  # rows past the groups: ragged_dot leaves them unspecified
+    y = jnp.where(used[:, None], y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
     return jnp.zeros((N, D), y.dtype).at[row].add(y).astype(x.dtype)
 
 
@@ -68,13 +88,17 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype=dtype, rngs=rngs, stack=stack)
                                if cfg.n_shared_experts else None)
 
-    def __call__(self, x):
+    def __call__(self, x, valid=None):
+        """x [..., D]; valid [...] marks real tokens (padding lanes are False). Valid rows are compacted
+        before the router and experts and restored after, so padding never takes part in routing."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        logits = jnp.dot(xf.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
+        valid = jnp.ones(xf.shape[0], bool) if valid is None else valid.reshape(-1)
+        xc, perm, n_valid = compact_rows(xf, valid)
+        logits = jnp.dot(xc.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
         idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
-        out = grouped_expert_mlp(xf, idx, w, self.experts_gate[...], self.experts_up[...],
-                                 self.experts_down[...])
+        out = grouped_expert_mlp(xc, idx, w, self.experts_gate[...], self.experts_up[...],
+                                 self.experts_down[...], n_valid)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(xf)
-        return out.reshape(shape)
+            out = out + self.shared_experts(xc)
+        return restore_rows(out, perm, n_valid).reshape(shape)

@@ -1,0 +1,168 @@
+"""Context-parallel split planning (pure numpy): which CP rank computes each new token of a batch and
+which rank owns (stores) each new KV page.
+
+The pool's page axis is sharded over the 'cp' mesh axis; global page g lives on rank g // pages_per_rank.
+Every logical page of a request has exactly one owner. When every token is computed by the owner of
+its page the plan is `page_aligned` and ranks write their KV directly; otherwise off-owner rows are
+shipped to their owners inside the forward (models.kv.KVAccess).
+
+Per request (tokens at positions start .. start+n-1; a partial page at `start` already has an owner):
+- zigzag: with >= 2*cp new pages, the new pages are cut into 2*cp contiguous page segments as evenly
+  as possible (the first P % 2cp segments one page longer) and rank r computes and owns segments r and
+  2cp-1-r (balanced causal work; token counts per rank may differ by up to two pages). A partial head
+  page is computed by its owner.
+- short requests (fewer than 2*cp new pages), policy 'owner' (default): each new page goes whole to
+  one rank, ranks rotating per request, so the plan stays page-aligned; policy 'token_balanced': the
+  upstream split (2*cp token segments, T // 2cp each, the first T % 2cp one longer), each new page
+  owned by the rank computing its first token, off-owner tokens shipped (not page-aligned).
+- round_robin: token at position p -> rank p % cp; new page j owned by rank j % cp (not page-aligned
+  unless page_size == 1).
+A page's owner is moved to the rank with the most free pages when its planned rank has none left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+MODES = ("zigzag", "round_robin")
+SHORT_POLICIES = ("owner", "token_balanced")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPRequest:
+    start: int                 # first new position (tokens before it are in the pool)
+    num_tokens: int            # new tokens
+    head_owner: int | None     # owner of the partial page holding `start` (None when start % page_size == 0)
+
+
+@dataclasses.dataclass
+class CPPlan:
+    cp: int
+    page_size: int
+    page_aligned: bool
+    token_rank: list[np.ndarray]        # per request [n]: the rank that computes each new token
+    new_page_owner: list[np.ndarray]    # per request: owner rank of each new page, in page order
+    first_new_page: list[int]           # per request: logical index of its first new page
+
+    @property
+    def local_lengths(self) -> np.ndarray:
+        """[cp, B] tokens each rank computes for each request (possibly unequal)."""
+        return np.stack([np.bincount(r, minlength=self.cp) for r in self.token_rank], axis=1) \
+            if self.token_rank else np.zeros((self.cp, 0), np.int64)
+
+    def local_tokens(self, rank: int, b: int) -> np.ndarray:
+        """Indices (0..n-1, in order) of request b's new tokens computed on `rank`."""
+        return np.flatnonzero(self.token_rank[b] == rank)
+
+    def page_owner(self, b: int, start: int, head_owner: int | None) -> np.ndarray:
+        """Owner rank of the page of each new token of request b."""
+        n = len(self.token_rank[b])
+        pages = (start + np.arange(n)) // self.page_size
+        owners = np.empty(n, np.int64)
+        new = pages >= self.first_new_page[b]
+        owners[new] = self.new_page_owner[b][pages[new] - self.first_new_page[b]]
+        if (~new).any():
+            owners[~new] = head_owner
+        return owners
+
+
+def _segments(total: int, parts: int) -> np.ndarray:
+    """Boundaries of `parts` contiguous segments of `total` units, the first total % parts one longer."""
+    sizes = np.full(parts, total // parts) + (np.arange(parts) < total % parts)
+    return np.concatenate([[0], np.cumsum(sizes)])
+
+
+def _zigzag_rank(segment: np.ndarray, cp: int) -> np.ndarray:
+    """Rank of zigzag segment s: r for s < cp, 2cp-1-s otherwise."""
+    return np.where(segment < cp, segment, 2 * cp - 1 - segment)
+
+
+def plan(requests: list[CPRequest], page_size: int, cp: int, free_per_rank, *, mode: str = "zigzag",
+         short_policy: str = "owner") -> CPPlan:
+    if mode not in MODES:
+        raise ValueError(f"CP mode must be one of {MODES}, got {mode!r}")
+    if short_policy not in SHORT_POLICIES:
+        raise ValueError(f"short_policy must be one of {SHORT_POLICIES}, got {short_policy!r}")
+    free = np.array(free_per_rank, np.int64).copy()
+    token_rank, owners, first_pages = [], [], []
+    for b, req in enumerate(requests):
+        ps, n = page_size, req.num_tokens
+        pos = req.start + np.arange(n)
+        page = pos // ps
+        head = req.start % ps != 0
+        first_new = req.start // ps + (1 if head else 0)
+        n_new = max(0, (req.start + n - 1) // ps + 1 - first_new) if n else 0
+        new_idx = np.arange(n_new)
+        if mode == "round_robin":
+            ranks = pos % cp
+            planned = (first_new + new_idx) % cp
+        elif n_new >= 2 * cp:
+            seg = np.searchsorted(_segments(n_new, 2 * cp), new_idx, side="right") - 1
+            planned = _zigzag_rank(seg, cp)
+            ranks = None  # tokens follow their page's owner
+        elif short_policy == "owner":
+            planned = (b + new_idx) % cp
+            ranks = None
+        else:
+            seg = np.searchsorted(_segments(n, 2 * cp), np.arange(n), side="right") - 1
+            ranks = (_zigzag_rank(seg, cp) + b) % cp
+            first_tok = np.searchsorted(page, first_new + new_idx)
+            planned = ranks[first_tok] if n_new else np.zeros(0, np.int64)
+        owner = np.empty(n_new, np.int64)
+        for j, r in enumerate(planned):
+            if free[r] <= 0:
+                r = int(np.argmax(free))
+                if free[r] <= 0:
+                    raise RuntimeError("CP plan: no free page on any rank (the scheduler's reservation "
+                                       "should have prevented this)")
+            owner[j] = r
+            free[r] -= 1
+        if ranks is None:  # page-aligned: every token is computed by its page's owner
+            ranks = np.empty(n, np.int64)
+            on_new = page >= first_new
+            ranks[on_new] = owner[page[on_new] - first_new]
+            ranks[~on_new] = req.head_owner if head else 0
+        token_rank.append(np.asarray(ranks, np.int64))
+        owners.append(owner)
+        first_pages.append(first_new)
+    out = CPPlan(cp, page_size, True, token_rank, owners, first_pages)
+    # page-aligned = every token computed on its page's owner (by construction in zigzag/owner; by
+    # coincidence possible elsewhere), checked rather than assumed: it licenses direct writes
+    out.page_aligned = all((out.page_owner(b, r.start, r.head_owner) == out.token_rank[b]).all()
+                           for b, r in enumerate(requests))
+    return out
+
+
+def build_batch(cp_plan: CPPlan, requests: list[CPRequest], tokens: list, page_tables: list, *, rows: int,
+                lanes: int, table_pages: int):
+    """Host arrays of one CP step: rank r's lanes of request b at row r*rows + b (tokens, positions,
+    global write slots; -1 / 0 padding), the replicated slot table [rows, table_pages*page_size], and
+    where each request's last token sits (rank, lane) for the narrow collection."""
+    from cpkv_jax.kv_pool import page_slots
+    from models.kv import Batch
+
+    cp, ps = cp_plan.cp, cp_plan.page_size
+    tok = np.zeros((cp, rows, lanes), np.int32)
+    pos = np.full((cp, rows, lanes), -1, np.int32)
+    write = np.zeros((cp, rows, lanes), np.int32)
+    table = np.zeros((rows, table_pages * ps), np.int32)
+    last_rank = np.zeros(rows, np.int32)
+    last_lane = np.zeros(rows, np.int32)
+    for b, req in enumerate(requests):
+        slots = page_slots(np.asarray(page_tables[b][:table_pages]), ps)
+        table[b, :len(slots)] = slots
+        toks = np.asarray(tokens[b], np.int32)
+        for r in range(cp):
+            idx = cp_plan.local_tokens(r, b)
+            k = len(idx)
+            tok[r, b, :k] = toks[idx]
+            pos[r, b, :k] = req.start + idx
+            write[r, b, :k] = table[b, req.start + idx]
+        if req.num_tokens:
+            last_rank[b] = cp_plan.token_rank[b][-1]
+            last_lane[b] = int((cp_plan.token_rank[b] == last_rank[b]).sum()) - 1
+    batch = Batch(tok.reshape(cp * rows, lanes), pos.reshape(cp * rows, lanes), write.reshape(cp * rows, lanes),
+                  table)
+    return batch, last_lane, last_rank
