@@ -76,7 +76,8 @@ def cmd_convert(args) -> int:
 
 def _engine_config(args, **over):
     from cpkv_jax.engine import EngineConfig
-    kw = dict(page_size=args.page_size, kv_pages=args.kv_pages, dtype=args.dtype)
+    kw = dict(page_size=args.page_size, kv_pages=args.kv_pages, dtype=args.dtype, cp_size=args.cp,
+              cp_mode=args.cp_mode)
     kw.update(over)
     return EngineConfig(**kw)
 
@@ -157,7 +158,7 @@ def cmd_bench(args) -> int:
     model = bench_model(args)
     cfg = model.cfg
     B, L, N = args.batch, args.prompt_len, args.decode_tokens
-    kv_pages = args.kv_pages or B * pages_for(L + N, args.page_size) + 2
+    kv_pages = args.kv_pages or args.cp * -(-(B * pages_for(L + N, args.page_size) + 2) // args.cp + 1)
     budget = args.prefill_budget or min(B * L, 8192)
     config = _engine_config(args, kv_pages=kv_pages, max_running=B, max_prefill_tokens=budget,
                             prefix_cache=False, dtype=None)
@@ -192,7 +193,8 @@ def cmd_bench(args) -> int:
     result = {
         "model": args.model, "dtype": str(model.dtype), "layers": cfg.num_hidden_layers,
         "experts": cfg.n_routed_experts, "batch": B, "prompt_len": L, "decode_tokens": N,
-        "page_size": args.page_size, "prefill_budget": budget, "device": ceilings["device"],
+        "page_size": args.page_size, "prefill_budget": budget, "device": ceilings["device"], "cp": args.cp,
+        "pool_bytes_per_rank": int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(engine.pool.cache))),
         "prefill": {"tokens": best["prefill_tokens"], "seconds": p_s, "tokens_per_s": best["prefill_tokens"] / p_s,
                     "flops": prefill_flops, "flops_per_s": prefill_flops / p_s,
                     "mfu": prefill_flops / p_s / ceilings["matmul_flops_per_s"]},
@@ -230,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
         q.add_argument("--kv-pages", type=int, default=256, help="device KV pool size in pages (default 256)")
         q.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: checkpoint's)")
+        q.add_argument("--cp", type=int, default=1, help="context-parallel ranks (devices); the KV pool is "
+                                                        "split over them (default 1)")
+        q.add_argument("--cp-mode", choices=("zigzag", "round_robin"), default="zigzag",
+                       help="CP token split (default: page-aligned zigzag)")
 
     g = sub.add_parser("generate", help="generate tokens for one or more prompts (one batch)",
                        description="Run prompts through the engine (continuous batching, paged KV, prefix "

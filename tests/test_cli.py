@@ -102,3 +102,13 @@ def test_bench_writes_table_and_json(tmp_path, capsys):
     assert r["prefill"]["tokens"] == 80 and r["decode"]["tokens"] == 6 and r["decode"]["steps"] == 3
     assert r["prefill"]["tokens_per_s"] > 0 and 0 < r["prefill"]["mfu"] < 1
     assert r["decode"]["bytes"] > 0 and r["ceilings"]["copy_bytes_per_s"] > 0
+
+
+def test_generate_with_cp_matches_single_device(capsys):
+    base = ["generate", "--tokens", ",".join(str(t) for t in range(3, 140)), "--tokens", "9,8,7",
+            "--max-new-tokens", "4", "--page-size", "16", "--kv-pages", "64", "--json", "--ignore-eos"]
+    assert main(base) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert main(base + ["--cp", "4"]) == 0
+    cp = json.loads(capsys.readouterr().out)
+    assert [o["token_ids"] for o in cp["outputs"]] == [o["token_ids"] for o in single["outputs"]]
