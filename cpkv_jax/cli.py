@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -93,7 +94,8 @@ def cmd_generate(args) -> int:
         prompts.append(value if kind == "prompt" else _parse_tokens(value))
     if not prompts:
         raise SystemExit("error: give at least one --prompt TEXT or --tokens IDS")
-    engine = Engine(args.model, _engine_config(args))
+    engine = Engine(args.model, _engine_config(args, speculative=args.speculative,
+                                               num_draft_tokens=args.num_draft_tokens))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
     t = time.perf_counter()
@@ -102,7 +104,8 @@ def cmd_generate(args) -> int:
     n_out = sum(len(o.token_ids) for o in outs)
     timing = {"wall_s": wall, "output_tokens": n_out, "output_tokens_per_s": n_out / wall if wall else None,
               "ttft_s": [o.timing["ttft_s"] for o in outs], "steps": engine.metrics["steps"],
-              "compilations": engine.compilations()}
+              "compilations": engine.compilations(),
+              **{k: v for k, v in engine.stats().items() if k.startswith("spec_")}}
     if args.json:
         print(json.dumps({"outputs": [o.to_json() for o in outs], "timing": timing}))
     else:
@@ -166,18 +169,28 @@ def cmd_bench(args) -> int:
     params = SamplingParams(max_new_tokens=N, ignore_eos=True)
     rng = np.random.default_rng(args.seed)
     prompts = lambda: [rng.integers(0, cfg.vocab_size, L).tolist() for _ in range(B)]  # noqa: E731
-    runs = []
-    with tqdm(total=1 + args.repeat, desc="bench (warm-up, then timed runs)", unit="run",
-              disable=args.quiet, file=sys.stderr) as bar:
-        engine.generate(prompts(), params)  # compiles every bucket the timed runs use
+    engines = [engine]
+    if args.speculative:
+        engines.append(Engine(model, dataclasses.replace(config, speculative=args.speculative,
+                                                         num_draft_tokens=args.num_draft_tokens)))
+
+    def timed(eng, bar):
+        """Warm-up run (compiles every bucket the timed runs use), then the best of the timed runs."""
+        eng.generate(prompts(), params)
         bar.update(1)
+        runs = []
         for _ in range(args.repeat):
-            for k in ("prefill_s", "decode_s", "prefill_tokens", "decode_tokens", "decode_steps"):
-                engine.metrics[k] = 0
-            engine.generate(prompts(), params)
-            runs.append(dict(engine.metrics))
+            for k in eng.metrics:
+                eng.metrics[k] = 0
+            eng.generate(prompts(), params)
+            runs.append(dict(eng.metrics, **{k: v for k, v in eng.stats().items() if k.startswith("spec_")}))
             bar.update(1)
-    best = min(runs, key=lambda m: m["prefill_s"] + m["decode_s"])
+        return min(runs, key=lambda m: m["prefill_s"] + m["decode_s"])
+
+    with tqdm(total=len(engines) * (1 + args.repeat), desc="bench (warm-up, then timed runs)", unit="run",
+              disable=args.quiet, file=sys.stderr) as bar:
+        bests = [timed(e, bar) for e in engines]
+    best = bests[0]
     with jax.default_matmul_precision(matmul_precision(model.dtype)):
         ceilings = measure_ceilings(model.dtype)  # the matmul rate at the model's own dtype and precision
 
@@ -205,6 +218,12 @@ def cmd_bench(args) -> int:
                    "bandwidth_util": decode_bytes / d_s / ceilings["copy_bytes_per_s"] if d_s else None,
                    "flops_per_s": decode_flops / d_s if d_s else None},
         "ceilings": ceilings, "compilations": engine.compilations(), "repeat": args.repeat,
+        "speculative": None if len(bests) == 1 else {
+            "method": args.speculative, "num_draft_tokens": args.num_draft_tokens,
+            "decode_tokens_per_s": bests[1]["decode_tokens"] / bests[1]["decode_s"],
+            "speedup_vs_plain": (bests[1]["decode_tokens"] / bests[1]["decode_s"]) / (best["decode_tokens"] / d_s),
+            "acceptance_length": bests[1].get("spec_acceptance_length"),
+            "accept_rate": bests[1].get("spec_accept_rate"), "rounds": bests[1]["spec_rounds"]},
         "jax": jax.__version__,
     }
     rows = [("phase", "tokens", "seconds", "tokens/s", "counted rate", "utilisation"),
@@ -216,6 +235,11 @@ def cmd_bench(args) -> int:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    if result["speculative"]:
+        sp = result["speculative"]
+        print(f"speculative {sp['method']} n={sp['num_draft_tokens']}: decode {sp['decode_tokens_per_s']:.1f} tok/s "
+              f"({sp['speedup_vs_plain']:.2f}x plain), acceptance length {sp['acceptance_length']:.2f}, "
+              f"accept rate {sp['accept_rate']:.1%}")
     print(f"ceilings ({ceilings['device']}): matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s "
           f"({ceilings['matmul_dtype']}), copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     if args.json:
@@ -226,6 +250,11 @@ def cmd_bench(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpkv-jax", description=__doc__)
     sub = p.add_subparsers(dest="verb", required=True)
+
+    def spec_args(q):
+        q.add_argument("--speculative", choices=("nextn",), default=None,
+                       help="EAGLE/NextN speculative decoding with the checkpoint's MTP layer")
+        q.add_argument("--num-draft-tokens", type=int, default=2, help="draft tokens per round (default 2)")
 
     def engine_args(q):
         q.add_argument("--model", default="tiny", help="'tiny' (default), a cpkv (orbax) checkpoint dir, or an HF dir")
@@ -252,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos token")
     g.add_argument("--logprobs", action="store_true", help="include each token's log-probability")
     g.add_argument("--json", action="store_true", help='print one JSON object {"outputs": [...], "timing": {...}}')
+    spec_args(g)
     g.set_defaults(fn=cmd_generate, requests=[])
 
     b = sub.add_parser("bench", help="prefill / decode throughput with counted FLOPs and bytes",
@@ -269,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=2)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", default=None, help="write the results as JSON to this path")
+    spec_args(b)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(fn=cmd_bench)
 

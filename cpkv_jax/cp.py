@@ -6,11 +6,12 @@ Every logical page of a request has exactly one owner. When every token is compu
 its page the plan is `page_aligned` and ranks write their KV directly; otherwise off-owner rows are
 shipped to their owners inside the forward (models.kv.KVAccess).
 
-Per request (tokens at positions start .. start+n-1; a partial page at `start` already has an owner):
+Per request (tokens at positions start .. start+n-1; pages that already exist there — a partial page at
+`start`, or pages allocated ahead for speculative tokens — keep their owners):
 - zigzag: with >= 2*cp new pages, the new pages are cut into 2*cp contiguous page segments as evenly
   as possible (the first P % 2cp segments one page longer) and rank r computes and owns segments r and
-  2cp-1-r (balanced causal work; token counts per rank may differ by up to two pages). A partial head
-  page is computed by its owner.
+  2cp-1-r (balanced causal work; token counts per rank may differ by up to two pages). Existing pages
+  are computed by their owners.
 - short requests (fewer than 2*cp new pages), policy 'owner' (default): each new page goes whole to
   one rank, ranks rotating per request, so the plan stays page-aligned; policy 'token_balanced': the
   upstream split (2*cp token segments, T // 2cp each, the first T % 2cp one longer), each new page
@@ -34,7 +35,8 @@ SHORT_POLICIES = ("owner", "token_balanced")
 class CPRequest:
     start: int                 # first new position (tokens before it are in the pool)
     num_tokens: int            # new tokens
-    head_owner: int | None     # owner of the partial page holding `start` (None when start % page_size == 0)
+    known_owners: tuple[int, ...] = ()  # owners of the pages from start // page_size on that already
+                                        # exist (a partial page at `start`; speculative pages ahead)
 
 
 @dataclasses.dataclass
@@ -52,20 +54,29 @@ class CPPlan:
         return np.stack([np.bincount(r, minlength=self.cp) for r in self.token_rank], axis=1) \
             if self.token_rank else np.zeros((self.cp, 0), np.int64)
 
+    def truncated(self, requests: list["CPRequest"], keep: list[int]) -> tuple["CPPlan", list["CPRequest"]]:
+        """The same split restricted to each request's first keep[b] tokens (same owners; kept tokens
+        stay in the same rank lanes, since a rank's lanes are in position order)."""
+        plan = dataclasses.replace(self, token_rank=[r[:k] for r, k in zip(self.token_rank, keep)])
+        return plan, [dataclasses.replace(r, num_tokens=k) for r, k in zip(requests, keep)]
+
+    def lanes(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rank, lane) of each new token of request b in the rows build_batch makes."""
+        ranks = self.token_rank[b]
+        lane = np.zeros(len(ranks), np.int64)
+        for r in np.unique(ranks):
+            lane[ranks == r] = np.arange(int((ranks == r).sum()))
+        return ranks, lane
+
     def local_tokens(self, rank: int, b: int) -> np.ndarray:
         """Indices (0..n-1, in order) of request b's new tokens computed on `rank`."""
         return np.flatnonzero(self.token_rank[b] == rank)
 
-    def page_owner(self, b: int, start: int, head_owner: int | None) -> np.ndarray:
+    def page_owner(self, b: int, req: CPRequest) -> np.ndarray:
         """Owner rank of the page of each new token of request b."""
-        n = len(self.token_rank[b])
-        pages = (start + np.arange(n)) // self.page_size
-        owners = np.empty(n, np.int64)
-        new = pages >= self.first_new_page[b]
-        owners[new] = self.new_page_owner[b][pages[new] - self.first_new_page[b]]
-        if (~new).any():
-            owners[~new] = head_owner
-        return owners
+        page = (req.start + np.arange(len(self.token_rank[b]))) // self.page_size
+        every = np.concatenate([np.asarray(req.known_owners, np.int64), self.new_page_owner[b]])
+        return every[page - req.start // self.page_size]
 
 
 def _segments(total: int, parts: int) -> np.ndarray:
@@ -91,8 +102,8 @@ def plan(requests: list[CPRequest], page_size: int, cp: int, free_per_rank, *, m
         ps, n = page_size, req.num_tokens
         pos = req.start + np.arange(n)
         page = pos // ps
-        head = req.start % ps != 0
-        first_new = req.start // ps + (1 if head else 0)
+        known = np.asarray(req.known_owners, np.int64)
+        first_new = req.start // ps + len(known)
         n_new = max(0, (req.start + n - 1) // ps + 1 - first_new) if n else 0
         new_idx = np.arange(n_new)
         if mode == "round_robin":
@@ -120,17 +131,14 @@ def plan(requests: list[CPRequest], page_size: int, cp: int, free_per_rank, *, m
             owner[j] = r
             free[r] -= 1
         if ranks is None:  # page-aligned: every token is computed by its page's owner
-            ranks = np.empty(n, np.int64)
-            on_new = page >= first_new
-            ranks[on_new] = owner[page[on_new] - first_new]
-            ranks[~on_new] = req.head_owner if head else 0
+            ranks = np.concatenate([known, owner])[page - req.start // ps]
         token_rank.append(np.asarray(ranks, np.int64))
         owners.append(owner)
         first_pages.append(first_new)
     out = CPPlan(cp, page_size, True, token_rank, owners, first_pages)
     # page-aligned = every token computed on its page's owner (by construction in zigzag/owner; by
     # coincidence possible elsewhere), checked rather than assumed: it licenses direct writes
-    out.page_aligned = all((out.page_owner(b, r.start, r.head_owner) == out.token_rank[b]).all()
+    out.page_aligned = all((out.page_owner(b, r) == out.token_rank[b]).all()
                            for b, r in enumerate(requests))
     return out
 

@@ -25,7 +25,7 @@ from cpkv_jax.cp import CPPlan, CPRequest, build_batch as build_cp_batch, plan a
 from cpkv_jax.kv_pool import KVPool, PageAllocator
 from cpkv_jax.radix_cache import RadixCache
 from cpkv_jax.runner import ModelRunner, choose_attn_path
-from cpkv_jax.sampling import SamplingParams, sample_tokens
+from cpkv_jax.sampling import SamplingParams, propose_tokens, sample_tokens, verify_tokens
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, pages_for
 from models.model import DsaModel
 
@@ -52,6 +52,8 @@ class EngineConfig:
     cp_size: int = 1                 # context-parallel ranks (mesh axis 'cp'); the pool's pages are split over them
     cp_mode: str = "zigzag"          # 'zigzag' (page-aligned) or 'round_robin'
     cp_short_policy: str = "owner"   # requests with < 2*cp new pages: 'owner' (page-aligned) or 'token_balanced'
+    speculative: str | None = None   # 'nextn': EAGLE/NextN speculative decoding with the checkpoint's MTP layer
+    num_draft_tokens: int = 2        # draft tokens proposed per decode round (chain)
 
     def validate(self) -> "EngineConfig":
         def positive(name, minimum=1):
@@ -77,6 +79,9 @@ class EngineConfig:
         if self.kv_pages % self.cp_size or self.kv_pages // self.cp_size < 2:
             raise EngineConfigError(f"kv_pages ({self.kv_pages}) must be a multiple of cp_size ({self.cp_size}) "
                                     f"with at least 2 pages per rank (each rank keeps a dummy page)")
+        if self.speculative not in (None, "nextn"):
+            raise EngineConfigError(f"speculative must be None or 'nextn', got {self.speculative!r}")
+        positive("num_draft_tokens")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise EngineConfigError(f"dtype must be None, 'float32' or 'bfloat16', got {self.dtype!r}")
         return self
@@ -166,20 +171,27 @@ class Engine:
                 raise EngineConfigError(f"cp_size {config.cp_size} needs {config.cp_size} devices, "
                                         f"{len(jax.devices())} visible")
             self.mesh = Mesh(np.array(jax.devices()[:config.cp_size]), ("cp",))
+        self.spec = config.speculative is not None
+        if self.spec and self.model.mtp is None:
+            raise EngineConfigError("speculative='nextn' needs a model with an MTP layer "
+                                    "(num_nextn_predict_layers >= 1)")
         self.pool = KVPool.create(self.cfg, config.kv_pages, ps, self.model.dtype, config.index_dtype,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, draft=self.spec)
         self.runner = ModelRunner(self.model, self.pool, mesh=self.mesh)
         self.allocator = PageAllocator(config.kv_pages, config.cp_size)
-        self.radix = RadixCache(ps) if config.prefix_cache else None
+        # spec mode: bigram keys, since the draft KV at position i depends on token i+1
+        self.radix = RadixCache(ps, bigram=self.spec) if config.prefix_cache else None
+        self.spec_tokens = config.num_draft_tokens if self.spec else 0
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=ps, max_running=config.max_running,
-                                   max_prefill_tokens=config.max_prefill_tokens)
+                                   max_prefill_tokens=config.max_prefill_tokens, lookahead=self.spec_tokens)
         self.max_context = min(self.cfg.max_position_embeddings, self.allocator.capacity * ps)
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
         self._capture_logits: dict[int, list[np.ndarray]] = {}
         self._sampler_batches: set[int] = set()
         self.metrics = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0,
-                        "decode_tokens": 0, "padded_lanes": 0, "prefill_s": 0.0, "decode_s": 0.0}
+                        "decode_tokens": 0, "padded_lanes": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                        "spec_rounds": 0, "spec_request_rounds": 0, "spec_drafts": 0, "spec_accepted": 0}
 
     # ---- requests --------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -207,10 +219,11 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise EngineInputError(f"token id(s) {bad[:5]} outside the vocabulary [0, {V})")
-        total = len(ids) + params.max_new_tokens
+        total = len(ids) + params.max_new_tokens + self.spec_tokens
         if total > self.cfg.max_position_embeddings:
-            raise EngineInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                                   f"{total} exceeds the model's context of {self.cfg.max_position_embeddings}")
+            raise EngineInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens})"
+                                   + (f" + draft tokens ({self.spec_tokens})" if self.spec else "")
+                                   + f" = {total} exceeds the model's context of {self.cfg.max_position_embeddings}")
         need = pages_for(total - 1, self.config.page_size)
         if need > self.allocator.capacity:
             raise EngineInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs "
@@ -253,7 +266,7 @@ class Engine:
         if prefill:
             events += self._run(prefill, prefill=True)
         if decode:
-            events += self._run(decode, prefill=False)
+            events += self._spec_round([ch.req for ch in decode]) if self.spec else self._run(decode, prefill=False)
         self.metrics["steps"] += 1
         return events
 
@@ -276,50 +289,63 @@ class Engine:
         ps = self.config.page_size
         reqs = []
         for ch in chunks:
-            head = ch.start % ps != 0
-            if len(ch.req.pages) != ch.start // ps + head:
+            if len(ch.req.pages) < ch.start // ps + (ch.start % ps != 0):
                 raise AssertionError(f"request {ch.req.rid}: {len(ch.req.pages)} pages at position {ch.start}")
-            reqs.append(CPRequest(ch.start, len(ch.tokens),
-                                  int(self.allocator.owner(ch.req.pages[-1])) if head else None))
+            ahead = ch.req.pages[ch.start // ps:pages_for(ch.start + len(ch.tokens), ps)]
+            reqs.append(CPRequest(ch.start, len(ch.tokens), tuple(int(o) for o in self.allocator.owner(ahead))))
         plan = cp_plan(reqs, ps, self.config.cp_size, self.allocator.free_per_rank(), mode=self.config.cp_mode,
                        short_policy=self.config.cp_short_policy)
         for ch, owners in zip(chunks, plan.new_page_owner):
             self.scheduler.allocate(ch.req, owners)
         return plan, reqs
 
+    def _layout(self, chunks: list[Chunk], prefill: bool, plan=None, reqs=None, tokens=None, lanes=None):
+        """Plan (allocating the pages the chunks reach; or reuse `plan`) and the padded host batch of
+        one step (`lanes` forces the lane count, to line up with an earlier step's rows)."""
+        c = self.config
+        if plan is None:
+            plan, reqs = self._plan(chunks)
+        B = bucket(len(chunks), 1, c.max_running)
+        longest = max(int(plan.local_lengths.max()), 1)
+        T = lanes or (bucket(longest, c.min_prefill_lanes, c.max_prefill_tokens) if prefill
+                      else bucket(longest, 1, 1 << 30))
+        S = bucket(pages_for(max(ch.start + len(ch.tokens) for ch in chunks), c.page_size), 1,
+                   pages_for(self.max_context, c.page_size))
+        batch, last_lane, last_rank = build_cp_batch(plan, reqs, tokens or [ch.tokens for ch in chunks],
+                                                     [ch.req.pages for ch in chunks], rows=B, lanes=T, table_pages=S)
+        return plan, reqs, batch, last_lane, last_rank
+
+    def _sampling_args(self, reqs: list[Request], B: int):
+        params = [r.params for r in reqs] + [SamplingParams()] * (B - len(reqs))
+        return (jnp.asarray([p.temperature for p in params], jnp.float32),
+                jnp.asarray([p.top_p for p in params], jnp.float32),
+                jnp.asarray([p.top_k for p in params], jnp.int32),
+                jnp.asarray([p.seed for p in params], jnp.uint32))
+
     def _run(self, chunks: list[Chunk], prefill: bool) -> list[TokenEvent]:
         t0 = time.perf_counter()
         c = self.config
-        plan, reqs = self._plan(chunks)
-        B = bucket(len(chunks), 1, c.max_running)
-        longest = int(plan.local_lengths.max())
-        T = bucket(longest, c.min_prefill_lanes, c.max_prefill_tokens) if prefill else bucket(longest, 1, 1 << 30)
-        S = bucket(pages_for(max(ch.start + len(ch.tokens) for ch in chunks), c.page_size), 1,
-                   pages_for(self.max_context, c.page_size))
-        batch, last_lane, last_rank = build_cp_batch(plan, reqs, [ch.tokens for ch in chunks],
-                                                     [ch.req.pages for ch in chunks], rows=B, lanes=T, table_pages=S)
-        logits = self.runner.forward(batch, last_lane, attn_path=c.attn_path or choose_attn_path(T),
-                                     last_rank=last_rank, page_aligned=plan.page_aligned)
+        plan, reqs, batch, last_lane, last_rank = self._layout(chunks, prefill)
+        B, T = len(last_lane), batch.tokens.shape[1]
+        out = self.runner.forward(batch, last_lane, attn_path=c.attn_path or choose_attn_path(T),
+                                  output="last_logits_hidden" if self.spec else "last_logits",
+                                  last_rank=last_rank, page_aligned=plan.page_aligned)
+        logits, hidden = out if self.spec else (out, None)
         n_tok = sum(len(ch.tokens) for ch in chunks)
         self.metrics["prefill_steps" if prefill else "decode_steps"] += 1
         self.metrics["prefill_tokens" if prefill else "decode_tokens"] += n_tok
         self.metrics["padded_lanes"] += B * T - n_tok
 
-        params = [ch.req.params for ch in chunks] + [SamplingParams()] * (B - len(chunks))
         position = np.zeros(B, np.int32)
         for i, ch in enumerate(chunks):
             ch.req.computed = ch.start + len(ch.tokens)
             position[i] = ch.req.computed  # position of the token being sampled
         self._sampler_batches.add(B)
-        toks, lps = sample_tokens(logits, jnp.asarray([p.temperature for p in params], jnp.float32),
-                                  jnp.asarray([p.top_p for p in params], jnp.float32),
-                                  jnp.asarray([p.top_k for p in params], jnp.int32),
-                                  jnp.asarray([p.seed for p in params], jnp.uint32), jnp.asarray(position))
+        toks, lps = sample_tokens(logits, *self._sampling_args([ch.req for ch in chunks], B), jnp.asarray(position))
         toks, lps = np.asarray(toks), np.asarray(lps)
         host_logits = (np.asarray(logits) if any(ch.req.rid in self._capture_logits for ch in chunks) else None)
-        self.metrics["prefill_s" if prefill else "decode_s"] += time.perf_counter() - t0
 
-        events = []
+        events, done = [], []
         for i, ch in enumerate(chunks):
             req = ch.req
             if req.prefilling:
@@ -329,9 +355,119 @@ class Engine:
             self.scheduler.append_token(req, toks[i], lps[i])
             if host_logits is not None and req.rid in self._capture_logits:
                 self._capture_logits[req.rid].append(host_logits[i].copy())
+            done.append(req)
+            events.append(TokenEvent(req.rid, int(toks[i]), float(lps[i]), req.finish_reason))
+        if self.spec:
+            # draft extend over the same lanes: the MTP input at position i is (h_i, token i+1)
+            nxt = [(ch.req.prompt + ch.req.output)[ch.start + 1:ch.start + len(ch.tokens) + 1] for ch in chunks]
+            self._draft_extend(chunks, plan, reqs, hidden, nxt)
+        for req in done:
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
-            events.append(TokenEvent(req.rid, int(toks[i]), float(lps[i]), req.finish_reason))
+        self.metrics["prefill_s" if prefill else "decode_s"] += time.perf_counter() - t0
+        return events
+
+    # ---- speculative decoding --------------------------------------------------------------------
+    def _draft_extend(self, chunks, plan, reqs, hidden, next_tokens):
+        """MTP over the lanes of a target step (hidden rows stay where they were computed), then, for
+        requests that have a next token to draft for, the first proposal and n-1 chain steps."""
+        T = hidden.shape[1]
+        _, _, batch, last_lane, last_rank = self._layout(chunks, True, plan, reqs, next_tokens, lanes=T)
+        dlogits, x_last = self.runner.draft_forward(hidden, batch.tokens, batch, last_lane,
+                                                    attn_path=self.config.attn_path or choose_attn_path(T),
+                                                    last_rank=last_rank, page_aligned=plan.page_aligned)
+        live = [i for i, ch in enumerate(chunks) if not ch.req.prefilling and ch.req.finish_reason is None]
+        if live:
+            self._propose(chunks, live, dlogits, x_last)
+
+    def _propose(self, chunks, live, dlogits, x_last):
+        """Draw the first draft from the extend's logits, then chain: each MTP step takes its own last
+        hidden and the token it just proposed, one position further."""
+        n = self.config.num_draft_tokens
+        reqs = [chunks[i].req for i in live]
+        for r in reqs:
+            r.drafts, r.draft_q = [], []
+        idx = jnp.asarray(live)
+        dlogits, x_last = dlogits[idx], x_last[idx]
+        for k in range(n):
+            B = bucket(len(reqs), 1, self.config.max_running)
+            pad = B - len(reqs)
+            pos = np.array([r.seq_len + k for r in reqs] + [0] * pad, np.int32)  # position of the drafted token
+            dl = jnp.pad(dlogits, ((0, pad), (0, 0)))
+            d, q = propose_tokens(dl, *self._sampling_args(reqs, B), jnp.asarray(pos))
+            d = np.asarray(d)[:len(reqs)]
+            for i, r in enumerate(reqs):
+                r.drafts.append(int(d[i]))
+                r.draft_q.append(q[i])
+            if k == n - 1:
+                break
+            step = [Chunk(r, r.seq_len - 1 + k, [r.drafts[-1]]) for r in reqs]
+            plan, creqs, batch, last_lane, last_rank = self._layout(step, False)
+            xs = jnp.pad(x_last, ((0, len(last_lane) - len(reqs)), (0, 0)))
+            dlogits, x_last = self.runner.draft_forward(xs, batch.tokens, batch, last_lane, attn_path="absorbed",
+                                                        last_rank=last_rank, page_aligned=plan.page_aligned)
+            dlogits, x_last = dlogits[:len(reqs)], x_last[:len(reqs)]
+
+    def _spec_round(self, reqs: list[Request]) -> list[TokenEvent]:
+        """Verify every request's drafts in one target step, accept (greedy match or rejection
+        sampling), release the pages of rejected positions, re-extend the draft over the accepted
+        positions and propose the next drafts."""
+        t0 = time.perf_counter()
+        n = self.config.num_draft_tokens
+        chunks = [Chunk(r, r.seq_len - 1, [r.output[-1]] + r.drafts) for r in reqs]
+        plan, creqs, batch, last_lane, last_rank = self._layout(chunks, False)
+        B, T = len(last_lane), batch.tokens.shape[1]
+        logits, hidden = self.runner.forward(batch, last_lane, attn_path=self.config.attn_path or choose_attn_path(T),
+                                             output="logits_hidden", last_rank=last_rank,
+                                             page_aligned=plan.page_aligned)
+        rank_idx = np.zeros((B, n + 1), np.int32)
+        lane_idx = np.zeros((B, n + 1), np.int32)
+        for b in range(len(reqs)):
+            rank_idx[b], lane_idx[b] = plan.lanes(b)
+        rows = np.broadcast_to(np.arange(B)[:, None], (B, n + 1))
+        target = logits[rows, lane_idx] if logits.ndim == 3 else logits[rank_idx, rows, lane_idx]
+        q = jnp.stack([jnp.stack(r.draft_q) for r in reqs])
+        q = jnp.pad(q, ((0, B - len(reqs)), (0, 0), (0, 0)))
+        drafts = np.zeros((B, n), np.int32)
+        drafts[:len(reqs)] = [r.drafts for r in reqs]
+        position = np.array([r.seq_len for r in reqs] + [0] * (B - len(reqs)), np.int32)
+        self._sampler_batches.add(B)
+        a, tok, lps = verify_tokens(target, q, jnp.asarray(drafts), *self._sampling_args(reqs, B), jnp.asarray(position))
+        a, tok, lps = np.asarray(a), np.asarray(tok), np.asarray(lps)
+        host_target = np.asarray(target) if any(r.rid in self._capture_logits for r in reqs) else None
+
+        events, keep = [], []
+        for b, r in enumerate(reqs):
+            start = r.seq_len - 1
+            emitted = r.drafts[:a[b]] + [int(tok[b])]
+            k = 0
+            for j, t in enumerate(emitted):
+                self.scheduler.append_token(r, t, lps[b, j])
+                if host_target is not None and r.rid in self._capture_logits:
+                    self._capture_logits[r.rid].append(host_target[b, j].copy())
+                events.append(TokenEvent(r.rid, t, float(lps[b, j]), r.finish_reason))
+                k += 1
+                if r.finish_reason is not None:
+                    break
+            r.computed = start + k  # target KV is valid for the verified lanes that produced a kept token
+            keep.append(k)
+            self.metrics["spec_accepted"] += k - 1
+        self.metrics["spec_rounds"] += 1
+        self.metrics["spec_request_rounds"] += len(reqs)
+        self.metrics["spec_drafts"] += n * len(reqs)
+        self.metrics["decode_steps"] += 1
+        self.metrics["decode_tokens"] += sum(keep)
+        # draft KV over the kept positions (next token of each: the emitted tokens), from the verify's hidden
+        tplan, treqs = plan.truncated(creqs, keep)
+        nxt = [list(r.output[len(r.output) - k:]) for r, k in zip(reqs, keep)]
+        self._draft_extend([Chunk(r, ch.start, ch.tokens[:k]) for r, ch, k in zip(reqs, chunks, keep)],
+                           tplan, treqs, hidden, nxt)
+        for r in reqs:
+            if r.finish_reason is not None:
+                self.scheduler.finish(r)
+            else:
+                self.scheduler.release_pages_after(r, r.computed)
+        self.metrics["decode_s"] += time.perf_counter() - t0
         return events
 
     # ---- results ---------------------------------------------------------------------------------
@@ -406,5 +542,9 @@ class Engine:
         s = self.scheduler.stats()
         s.update(self.metrics)
         s["compilations"] = self.compilations()
+        if self.spec and self.metrics["spec_request_rounds"]:
+            rr = self.metrics["spec_request_rounds"]
+            s["spec_acceptance_length"] = (self.metrics["spec_accepted"] + rr) / rr  # tokens per request per round
+            s["spec_accept_rate"] = self.metrics["spec_accepted"] / self.metrics["spec_drafts"]
         s["pool_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(self.pool.cache)))
         return s

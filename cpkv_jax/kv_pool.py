@@ -90,26 +90,30 @@ class KVPool:
 
     cache: KVCache
     page_size: int
+    draft: KVCache | None = None   # the MTP layer's one-layer cache, addressed by the same slots
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, index_dtype: str = "fp8",
-               mesh=None, axis: str = "cp", **kw) -> "KVPool":
+               mesh=None, axis: str = "cp", draft: bool = False, **kw) -> "KVPool":
         """With a mesh, the slot axis is sharded over `axis` (each rank stores num_pages / cp pages).
+        With draft, a one-layer cache for the MTP layer beside the target's, same slots and sharding.
         Placed (committed) like every step's output, so the first step does not compile a variant of
         its own for an uncommitted input."""
         from jax.sharding import NamedSharding, PartitionSpec as P
-        shapes = kv_cache_shapes(cfg, num_pages * page_size, dtype, index_dtype, **kw)
         where = jax.devices()[0] if mesh is None else NamedSharding(mesh, P(None, axis))
-        cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=where), shapes)
-        return cls(cache, page_size)
+
+        def zeros(**shape_kw):
+            shapes = kv_cache_shapes(cfg, num_pages * page_size, dtype, index_dtype, **shape_kw)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=where), shapes)
+        return cls(zeros(**kw), page_size, zeros(num_layers=1, num_full=1) if draft else None)
 
     @property
     def num_pages(self) -> int:
         return self.cache.num_slots // self.page_size
 
     def bytes_per_token(self) -> int:
-        """Cache bytes per token slot over all layers (every leaf is [layers, slots, ...])."""
-        return sum(x.dtype.itemsize * x.size // x.shape[1] for x in jax.tree.leaves(self.cache))
+        """Cache bytes per token slot over all layers, target and draft (every leaf is [layers, slots, ...])."""
+        return sum(x.dtype.itemsize * x.size // x.shape[1] for x in jax.tree.leaves((self.cache, self.draft)))
 
 
 def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:

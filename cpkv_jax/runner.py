@@ -10,7 +10,7 @@ from flax import nnx
 
 from cpkv_jax.kv_pool import KVPool
 from models.kv import SINGLE_DEVICE, Batch, KVAccess
-from models.model import DsaModel, run_model
+from models.model import DsaModel, run_draft, run_model
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
 
@@ -25,6 +25,8 @@ def choose_attn_path(tokens_per_request: int) -> str:
 # so runners over the same model graph and pool shape share compiled executables.
 _step = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh"),
                 donate_argnums=(3,))
+_draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_path", "access", "mesh"),
+                      donate_argnums=(5,))
 
 
 class ModelRunner:
@@ -51,13 +53,12 @@ class ModelRunner:
         return Batch(jax.device_put(batch.tokens, rows), jax.device_put(batch.positions, rows),
                      jax.device_put(batch.write_slots, rows), jax.device_put(batch.slot_table, rep))
 
-    def _args(self, batch, last_index, attn_path, all_logits, last_rank, page_aligned):
+    def _common(self, batch, last_index, last_rank, page_aligned):
         B, T = batch.tokens.shape
         if last_index is None:
             last_index = np.full((B,), T - 1, np.int32)
         access = KVAccess(self.axis, page_aligned) if self.mesh is not None else SINGLE_DEVICE
-        kw = dict(attn_path=attn_path or choose_attn_path(T), output="logits" if all_logits else "last_logits",
-                  last_index=jnp.asarray(last_index, jnp.int32), access=access, mesh=self.mesh)
+        kw = dict(last_index=jnp.asarray(last_index, jnp.int32), access=access, mesh=self.mesh)
         if self.mesh is not None:
             kw["last_rank"] = jax.device_put(np.asarray(last_rank, np.int32), self._replicated)
             kw["last_index"] = jax.device_put(np.asarray(last_index, np.int32), self._replicated)
@@ -65,18 +66,37 @@ class ModelRunner:
 
     def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False, last_rank=None,
               page_aligned: bool = True):
-        batch, kw = self._args(batch, last_index, attn_path, all_logits, last_rank, page_aligned)
-        return _step.lower(self.graphdef, self.state, batch, self.pool.cache, **kw)
+        batch, kw = self._common(batch, last_index, last_rank, page_aligned)
+        return _step.lower(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
+                           output="logits" if all_logits else "last_logits", **kw)
 
-    def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, all_logits: bool = False,
+    def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, output: str = "last_logits",
                 last_rank=None, page_aligned: bool = True):
-        """Runs one step; the pool is consumed and replaced. Returns fp32 logits [B, V] at
-        `last_index` (per request lane index; under CP on rank `last_rank`), or every position's
-        ([B, T, V]; under CP [cp, B, T, V]) with all_logits."""
-        batch, kw = self._args(batch, last_index, attn_path, all_logits, last_rank, page_aligned)
-        self.variants.add((batch.tokens.shape, batch.slot_table.shape, kw["attn_path"], kw["output"], kw["access"]))
-        logits, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, **kw)
-        return logits
+        """Runs one target step; the pool is consumed and replaced. output (models.model.OUTPUTS):
+        "last_logits" fp32 [B, V] at `last_index` (per request lane; under CP on rank `last_rank`),
+        "logits" every position ([B, T, V]; under CP [cp, B, T, V]), "*_hidden" also this step's
+        hidden rows, kept on device for the draft model."""
+        batch, kw = self._common(batch, last_index, last_rank, page_aligned)
+        attn_path = attn_path or choose_attn_path(batch.tokens.shape[1])
+        self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output, kw["access"]))
+        out, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
+                                     output=output, **kw)
+        return out
+
+    def draft_forward(self, hidden, next_tokens, batch: Batch, last_index, *, attn_path: str | None = None,
+                      last_rank=None, page_aligned: bool = True):
+        """One MTP step over the draft pool (same slots as the target's). Returns (draft logits [B, V],
+        MTP hidden [B, D]) at each request's last lane."""
+        batch, kw = self._common(batch, last_index, last_rank, page_aligned)
+        attn_path = attn_path or choose_attn_path(batch.tokens.shape[1])
+        if self.mesh is not None:
+            next_tokens = jax.device_put(next_tokens, self._rows)
+            if hidden.ndim == 2:
+                hidden = jax.device_put(hidden, self._replicated)
+        self.variants.add(("draft", batch.tokens.shape, batch.slot_table.shape, hidden.ndim, attn_path, kw["access"]))
+        out, self.pool.draft = _draft_step(self.graphdef, self.state, hidden, jnp.asarray(next_tokens), batch,
+                                           self.pool.draft, attn_path=attn_path, **kw)
+        return out
 
     @property
     def compilations(self) -> int:

@@ -42,7 +42,8 @@ class SamplingParams:
         return self
 
 
-def _sample_rows(logits, temperature, top_p, top_k, seed, position):
+def _truncated(logits, temperature, top_p, top_k):
+    """(order, sorted logits / temperature with everything outside top-k / top-p at -inf) per row."""
     V = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1, stable=True)
@@ -52,8 +53,18 @@ def _sample_rows(logits, temperature, top_p, top_k, seed, position):
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
     keep = keep & (cum_before < top_p[:, None])  # always keeps the most likely token
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def _key(seed, position, salt: int):
+    """The random key of a request's draw at `position`; salts separate the draws of one position."""
+    k = jax.random.fold_in(jax.random.key(seed), position)
+    return k if salt == 0 else jax.random.fold_in(k, salt)
+
+
+def _sample_rows(logits, temperature, top_p, top_k, seed, position):
+    order, masked = _truncated(logits, temperature, top_p, top_k)
+    keys = jax.vmap(lambda s, p: _key(s, p, 0))(seed, position)
     choice = jax.vmap(jax.random.categorical)(keys, masked)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
@@ -69,3 +80,57 @@ def sample_tokens(logits, temperature, top_p, top_k, seed, position):
                            logits, temperature, top_p, top_k, seed, position)
     tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def token_probs(logits, temperature, top_p, top_k):
+    """The distribution a request samples from [B, V]: temperature, top-k, top-p; greedy rows
+    (temperature 0) one-hot at the argmax."""
+    order, masked = _truncated(logits, temperature, top_p, top_k)
+    B = logits.shape[0]
+    probs = jnp.zeros_like(logits).at[jnp.arange(B)[:, None], order].set(jax.nn.softmax(masked, axis=-1))
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=logits.dtype)
+    return jnp.where((temperature > 0)[:, None], probs, onehot)
+
+
+@jax.jit
+def propose_tokens(draft_logits, temperature, top_p, top_k, seed, position):
+    """Draft proposals [B] and the distributions q [B, V] they were drawn from (greedy: argmax)."""
+    q = token_probs(draft_logits, temperature, top_p, top_k)
+    keys = jax.vmap(lambda s, p: _key(s, p, 3))(seed, position)
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q))
+    return jnp.where(temperature > 0, drawn, jnp.argmax(draft_logits, axis=-1)).astype(jnp.int32), q
+
+
+@jax.jit
+def verify_tokens(target_logits, draft_probs, drafts, temperature, top_p, top_k, seed, position):
+    """Speculative acceptance. target_logits [B, n+1, V]: lane j predicts the token after drafts[:j];
+    draft_probs [B, n, V]: the distributions the drafts were drawn from; drafts [B, n]; position [B]:
+    the position of drafts[:, 0]. Greedy rows accept while the draft equals the target's argmax;
+    sampling rows accept draft j with probability min(1, p/q) and on the first rejection draw from
+    normalize(max(p - q, 0)) (after n acceptances: from p), which leaves the output distributed
+    exactly as plain sampling from p. Returns (accepted count a [B], the token after the accepted
+    drafts [B], target log-probabilities of drafts and that token [B, n+1])."""
+    B, n1, V = target_logits.shape
+    n = n1 - 1
+    rep = lambda x: jnp.repeat(x, n1)  # noqa: E731
+    p = token_probs(target_logits.reshape(B * n1, V), rep(temperature), rep(top_p), rep(top_k)).reshape(B, n1, V)
+    greedy = temperature <= 0
+    argmax = jnp.argmax(target_logits, axis=-1)
+    p_d = jnp.take_along_axis(p[:, :n], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+    pos = position[:, None] + jnp.arange(n)[None, :]
+    u = jax.vmap(jax.vmap(lambda s, q: jax.random.uniform(_key(s, q, 1))))(jnp.broadcast_to(seed[:, None], pos.shape), pos)
+    ok = jnp.where(greedy[:, None], drafts == argmax[:, :n], u * q_d < p_d)
+    a = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
+    rows = jnp.arange(B)
+    p_a = p[rows, a]
+    q_a = jnp.where((a < n)[:, None], draft_probs[rows, jnp.minimum(a, n - 1)], 0.0)
+    resid = jnp.maximum(p_a - q_a, 0.0)
+    total = resid.sum(-1, keepdims=True)
+    resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p_a)
+    keys = jax.vmap(lambda s, q: _key(s, q, 2))(seed, position + a)
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(resid))
+    token = jnp.where(greedy, argmax[rows, a], drawn).astype(jnp.int32)
+    chosen = jnp.concatenate([drafts, jnp.zeros((B, 1), drafts.dtype)], axis=1).at[rows, a].set(token)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(target_logits, axis=-1), chosen[..., None], axis=-1)[..., 0]
+    return a, token, logprobs

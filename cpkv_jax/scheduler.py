@@ -37,6 +37,8 @@ class Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     pages: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     reserved: int = 0                   # pages reserved but not yet allocated
+    drafts: list[int] = dataclasses.field(default_factory=list)   # speculative proposals for the next round
+    draft_q: list = dataclasses.field(default_factory=list)       # the distributions they were drawn from
     node: TreeNode | None = None        # locked radix node covering pages[:shared_pages]
     shared_pages: int = 0               # leading pages owned by the radix tree (not freed by us)
     cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
@@ -74,12 +76,13 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, radix: RadixCache | None, *, page_size: int,
-                 max_running: int, max_prefill_tokens: int):
+                 max_running: int, max_prefill_tokens: int, lookahead: int = 0):
         self.allocator = allocator
         self.radix = radix
         self.page_size = page_size
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
+        self.lookahead = lookahead  # speculative positions written beyond the sequence (draft tokens)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.reserved_pages = 0  # sum of running requests' reservations
@@ -108,7 +111,7 @@ class Scheduler:
             # at least the last prompt token is computed: its logits give the first output token
             prefix, node = self.radix.match_prefix(req.prompt[:-1])
             self.radix.lock(node)
-        need = pages_for(req.kv_capacity, ps) - len(prefix)
+        need = pages_for(req.kv_capacity + self.lookahead, ps) - len(prefix)
         short = need - (self.allocator.num_free - self.reserved_pages)
         if short > 0 and self.radix is not None:
             self.radix.evict(short, self.allocator.free)
@@ -133,6 +136,17 @@ class Scheduler:
         req.pages = np.concatenate([req.pages, np.asarray(new, np.int32)]).astype(np.int32)
         req.reserved -= len(owners)
         self.reserved_pages -= len(owners)
+
+    def release_pages_after(self, req: Request, position: int) -> None:
+        """Return the pages wholly after `position` (written only for rejected speculative tokens) to
+        the request's reservation."""
+        keep = position // self.page_size + 1
+        tail = req.pages[keep:]
+        if len(tail):
+            self.allocator.free(tail)
+            req.pages = req.pages[:keep]
+            req.reserved += len(tail)
+            self.reserved_pages += len(tail)
 
     # ---- step plans ------------------------------------------------------------------------------
     def plan_prefill(self) -> list[Chunk]:
@@ -203,7 +217,7 @@ class Scheduler:
         already had are freed and replaced by the tree's own, and the request's lock moves to the new
         node, so from here on the tree owns pages[:shared_pages] and the request the rest."""
         ps = self.page_size
-        n_full = len(tokens) // ps
+        n_full = len(self.radix.key_of(tokens)) // ps
         if n_full <= req.shared_pages:
             return
         present = self.radix.insert(tokens, req.pages) // ps

@@ -158,10 +158,11 @@ class DsaModel(nnx.Module):
             x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path, access=access)
         return self.norm(x), cache
 
-    def mtp_forward(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded"):
+    def mtp_hidden(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
+                   access: KVAccess = SINGLE_DEVICE):
         """MTP layer over target hidden states [B, T, D] (final-normed) and the token that follows each
-        position [B, T]; positions/slots come from `batch`; `cache` is the draft's one-layer cache.
-        Returns (logits [B, T, V] fp32, the layer's output hidden before shared_head.norm, cache)."""
+        position [B, T]; positions/slots come from `batch`; `cache` is the draft's one-layer cache (same
+        slots as the target's). Returns (the layer's output hidden before shared_head.norm, cache)."""
         m = self.mtp
         if m is None:
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers == 0)")
@@ -171,10 +172,18 @@ class DsaModel(nnx.Module):
         B, T = next_tokens.shape
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         zero = jnp.int32(0)
-        x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path)
-        h = m.norm(x)
-        logits = (m.head(h) if m.head is not None else self.logits(h)).astype(jnp.float32)
-        return logits, x, cache
+        x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path, access=access)
+        return x, cache
+
+    def mtp_logits(self, x):
+        """fp32 draft logits of MTP output hidden states (shared_head.norm, then its head or lm_head)."""
+        h = self.mtp.norm(x)
+        return (self.mtp.head(h) if self.mtp.head is not None else self.logits(h)).astype(jnp.float32)
+
+    def mtp_forward(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded"):
+        """Returns (logits [B, T, V] fp32, the layer's output hidden before shared_head.norm, cache)."""
+        x, cache = self.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path)
+        return self.mtp_logits(x), x, cache
 
 
 def matmul_precision(dtype) -> str:
@@ -193,36 +202,81 @@ def collect_last_hidden(h, last_rank, last_lane, axis: str):
     return every[last_rank, jnp.arange(B)]
 
 
+def pick_last(h, last_index, last_rank, access: KVAccess):
+    """Each request's last-token row [B, D] (narrow collection under CP)."""
+    if access.axis is None:
+        return h[jnp.arange(h.shape[0]), last_index]
+    return collect_last_hidden(h, last_rank, last_index, access.axis)
+
+
+OUTPUTS = ("logits", "hidden", "last_logits", "last_logits_hidden", "logits_hidden")
+
+
+def _specs(access: KVAccess, cache: KVCache):
+    """PartitionSpec, the axis, and the cache / batch specs of a CP shard_map."""
+    from jax.sharding import PartitionSpec as P
+    ax = access.axis
+    return P, ax, jax.tree.map(lambda _: P(None, ax), cache), Batch(P(ax), P(ax), P(ax), P())
+
+
 def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
               last_index=None, access: KVAccess = SINGLE_DEVICE, mesh=None, last_rank=None):
     """The pure function every jitted step wraps: merge the params, run the target forward at the
-    model's matmul precision, and return (out, cache). output: "logits" [B, T, V], "hidden" [B, T, D],
-    or "last_logits" [B, V] at lane `last_index` of each request (only those rows reach lm_head).
+    model's matmul precision, and return (out, cache). output:
+      "logits" [B, T, V] / "hidden" [B, T, D]          every position
+      "last_logits" [B, V]                             lane `last_index` of each request only
+      "last_logits_hidden", "logits_hidden"            (those logits, this rank's hidden rows) — the
+                                                       hidden feeds the draft model without leaving the rank.
 
     With `access.axis` set the forward runs under shard_map over `mesh`: batch rows [cp*B, T] are
     split over the axis (rank r gets its own lanes of every request), `slot_table` [B, S] is
-    replicated, the cache's slot axis is sharded. "last_logits" then takes each request's last token
-    from rank `last_rank[b]`, lane `last_index[b]` (narrow collection); "logits"/"hidden" gather every
-    position ([cp, B, T, ...]) — the flag for batches that need all of them."""
+    replicated, the cache's slot axis is sharded. Last-token outputs take each request's last token
+    from rank `last_rank[b]`, lane `last_index[b]` (narrow collection); every-position outputs gather
+    all of them ([cp, B, T, ...]) — the flag for batches that need them."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+
     def forward(state, batch, cache, last_index, last_rank):
         m = nnx.merge(graphdef, state)
         with jax.default_matmul_precision(matmul_precision(m.dtype)):
             h, cache = m(batch, cache, attn_path=attn_path, access=access)
-            if output == "last_logits":
-                h = (h[jnp.arange(h.shape[0]), last_index] if access.axis is None
-                     else collect_last_hidden(h, last_rank, last_index, access.axis))
-            elif access.axis is not None:
-                h = jax.lax.all_gather(h, access.axis)
-            return (h if output == "hidden" else m.logits(h)), cache
+            if output.startswith("last"):
+                out = m.logits(pick_last(h, last_index, last_rank, access))
+            else:
+                every = h if access.axis is None else jax.lax.all_gather(h, access.axis)
+                out = every if output == "hidden" else m.logits(every)
+            return ((out, h) if output.endswith("_hidden") else out), cache
 
     if access.axis is None:
         return forward(state, batch, cache, last_index, last_rank)
-    from jax.sharding import PartitionSpec as P
-    ax = access.axis
-    cache_spec = jax.tree.map(lambda _: P(None, ax), cache)
-    batch_spec = Batch(P(ax), P(ax), P(ax), P())
+    P, ax, cache_spec, batch_spec = _specs(access, cache)
+    out_spec = (P(), P(ax)) if output.endswith("_hidden") else P()
     return jax.shard_map(forward, mesh=mesh, in_specs=(P(), batch_spec, cache_spec, P(), P()),
-                         out_specs=(P(), cache_spec), check_vma=False)(state, batch, cache, last_index, last_rank)
+                         out_specs=(out_spec, cache_spec), check_vma=False)(state, batch, cache, last_index, last_rank)
+
+
+def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str,
+              last_index, access: KVAccess = SINGLE_DEVICE, mesh=None, last_rank=None):
+    """The draft (MTP) step: hidden is either the target's hidden rows [B(·cp), T, D] of the same
+    lanes (draft extend: under CP each rank's local slice, never gathered) or one row per request
+    [B, D] (chain steps, broadcast to the lanes). Returns ((draft logits [B, V], the MTP output hidden
+    [B, D]) at each request's last lane, draft cache)."""
+    def forward(state, hidden, next_tokens, batch, cache, last_index, last_rank):
+        m = nnx.merge(graphdef, state)
+        with jax.default_matmul_precision(matmul_precision(m.dtype)):
+            if hidden.ndim == 2:
+                hidden = jnp.broadcast_to(hidden[:, None, :], next_tokens.shape + hidden.shape[-1:])
+            x, cache = m.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path, access=access)
+            x_last = pick_last(x, last_index, last_rank, access)
+            return (m.mtp_logits(x_last), x_last), cache
+
+    if access.axis is None:
+        return forward(state, hidden, next_tokens, batch, cache, last_index, last_rank)
+    P, ax, cache_spec, batch_spec = _specs(access, cache)
+    hidden_spec = P(ax) if hidden.ndim == 3 else P()
+    return jax.shard_map(forward, mesh=mesh, in_specs=(P(), hidden_spec, P(ax), batch_spec, cache_spec, P(), P()),
+                         out_specs=((P(), P()), cache_spec), check_vma=False)(
+        state, hidden, next_tokens, batch, cache, last_index, last_rank)
 
 
 # One jitted step for every model object of a graph: the graph definition is a static argument, the

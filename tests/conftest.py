@@ -34,3 +34,22 @@ def pytest_terminal_summary(terminalreporter):
         for k, v in worst.items():
             kinds[k.split("/")[0]] = max(kinds.get(k.split("/")[0], 0.0), v)
         terminalreporter.write_line("HF parity worst rel err: " + ", ".join(f"{k} {v:.2e}" for k, v in kinds.items()))
+
+
+def _mapped_regions() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bound_compiled_code():
+    """Each XLA:CPU executable maps ~400 memory regions and stays cached for the process; Linux's
+    default vm.max_map_count (65530) is reached after ~160 of them and the next compilation aborts
+    the interpreter. Drop the compilation caches between tests once the count gets high."""
+    yield
+    if _mapped_regions() > 25000:
+        import jax
+        jax.clear_caches()

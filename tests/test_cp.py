@@ -12,6 +12,7 @@ checked bit for bit in test_kv_access_moves_rows_exactly."""
 
 from tests.helpers import rel_err
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -85,6 +86,8 @@ def test_cp_engine_equals_single_device(tiny, page_size, cp_configs):
         assert {int(eng.allocator.owner(p)) for p in pages.values()} == set(range(cp))
         s = eng.stats()
         assert s["free_pages"] + s["radix"]["pages"] == s["total_pages"] and s["reserved_pages"] == 0
+        del eng
+        jax.clear_caches()  # every config compiles its own variants; keep the mapped code bounded (conftest)
     assert worst <= 1e-5, worst
 
 
@@ -92,7 +95,6 @@ def test_cp_engine_equals_single_device(tiny, page_size, cp_configs):
 def test_kv_access_moves_rows_exactly(page_aligned):
     """write / gather / fetch under shard_map over 4 ranks vs plain indexing of one unsharded pool:
     identical bits, and each rank's shard holds exactly the pages it owns."""
-    import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -143,8 +145,12 @@ def test_kv_access_moves_rows_exactly(page_aligned):
 def test_planner_invariants(cp, page_size, mode, short, reqs, data):
     """Every new token computed exactly once; every new page has one owner, taken from a rank with a
     free page; page-aligned plans compute every token on its page's owner; zigzag balance bound."""
-    requests = [CP.CPRequest(s, n, data.draw(st.integers(0, cp - 1)) if s % page_size else None) for s, n in reqs]
-    need = sum(max(0, (r.start + r.num_tokens - 1) // page_size + 1 - (r.start // page_size + (r.start % page_size > 0)))
+    def known(s, n):  # a partial page at s, maybe pages allocated ahead
+        span = (s + n - 1) // page_size + 1 - s // page_size
+        k = min(span, (s % page_size > 0) + data.draw(st.integers(0, 2)))
+        return tuple(data.draw(st.integers(0, cp - 1)) for _ in range(k))
+    requests = [CP.CPRequest(s, n, known(s, n)) for s, n in reqs]
+    need = sum(max(0, (r.start + r.num_tokens - 1) // page_size + 1 - (r.start // page_size + len(r.known_owners)))
                for r in requests)
     free = np.array(data.draw(st.lists(st.integers(0, need + 2), min_size=cp, max_size=cp)))
     if free.sum() < need:
@@ -155,18 +161,18 @@ def test_planner_invariants(cp, page_size, mode, short, reqs, data):
         ranks = plan.token_rank[b]
         assert len(ranks) == r.num_tokens and ((0 <= ranks) & (ranks < cp)).all()
         assert plan.local_lengths[:, b].sum() == r.num_tokens
-        first = r.start // page_size + (r.start % page_size > 0)
+        first = r.start // page_size + len(r.known_owners)
         n_new = (r.start + r.num_tokens - 1) // page_size + 1 - first
         assert plan.first_new_page[b] == first and len(plan.new_page_owner[b]) == n_new
         used += np.bincount(plan.new_page_owner[b], minlength=cp)
-        owners = plan.page_owner(b, r.start, r.head_owner)
+        owners = plan.page_owner(b, r)
         if plan.page_aligned:
             assert (owners == ranks).all()
         if mode == "zigzag" and n_new >= 2 * cp and (free >= need).all():
             counts = np.bincount(plan.new_page_owner[b], minlength=cp)
             assert counts.max() - counts.min() <= 2  # pages per rank: 2 segments of floor/ceil(P / 2cp)
     assert (used <= free).all()
-    assert plan.page_aligned == all((plan.page_owner(b, r.start, r.head_owner) == plan.token_rank[b]).all()
+    assert plan.page_aligned == all((plan.page_owner(b, r) == plan.token_rank[b]).all()
                                     for b, r in enumerate(requests))
     if mode == "zigzag" and short == "owner":
         assert plan.page_aligned
@@ -179,8 +185,6 @@ def test_moe_compaction_excludes_dummy_rows(tiny):
     from flax import nnx
 
     from models.moe import MoE
-
-    import jax
 
     g = next(i for i, grp in enumerate(tiny.groups_plan) if grp.unit[0][0] == "sparse")
     stacked = tiny.groups[g].unit[0].mlp  # parameters stacked over the group's repeats: take the first
@@ -206,14 +210,13 @@ def test_tail_collection_is_narrow_in_the_compiled_hlo(tiny):
     from cpkv_jax.kv_pool import KVPool, PageAllocator
     from cpkv_jax.runner import ModelRunner
     from jax.sharding import Mesh
-    import jax
 
     cp, ps, B = 4, 16, 2
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     alloc = PageAllocator(16 * cp, cp)
     pool = KVPool.create(tiny.cfg, 16 * cp, ps, tiny.dtype, "same", mesh=mesh)
     runner = ModelRunner(tiny, pool, mesh=mesh)
-    reqs = [CP.CPRequest(0, 200, None), CP.CPRequest(0, 150, None)]
+    reqs = [CP.CPRequest(0, 200), CP.CPRequest(0, 150)]
     plan = CP.plan(reqs, ps, cp, alloc.free_per_rank())
     assert plan.page_aligned
     tables = [np.array([alloc.alloc(1, int(o))[0] for o in owners]) for owners in plan.new_page_owner]
