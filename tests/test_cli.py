@@ -112,3 +112,14 @@ def test_generate_with_cp_matches_single_device(capsys):
     assert main(base + ["--cp", "4"]) == 0
     cp = json.loads(capsys.readouterr().out)
     assert [o["token_ids"] for o in cp["outputs"]] == [o["token_ids"] for o in single["outputs"]]
+
+
+def test_generate_speculative_matches_plain(capsys):
+    base = ["generate", "--tokens", "5,6,7,8,9,10", "--max-new-tokens", "7", "--page-size", "16", "--kv-pages", "64",
+            "--json", "--ignore-eos"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--speculative", "nextn", "--num-draft-tokens", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["outputs"][0]["token_ids"] == plain["outputs"][0]["token_ids"]
+    assert spec["timing"]["spec_rounds"] > 0 and spec["timing"]["spec_acceptance_length"] >= 1.0

@@ -138,9 +138,9 @@ def test_verify_tokens_distribution():
 
 def test_spec_sampling_is_seeded_and_leaks_no_pages(tiny):
     rng = np.random.default_rng(3)
-    prompts = random_prompts(rng, rng.integers(1, 60, 24))
+    prompts = random_prompts(rng, rng.integers(1, 60, 12))
     params = [SamplingParams(max_new_tokens=int(rng.integers(1, 9)), temperature=0.8, top_p=0.9, seed=int(s),
-                             ignore_eos=True) for s in rng.integers(0, 1000, 24)]
+                             ignore_eos=True) for s in rng.integers(0, 1000, 12)]
     cfg = EngineConfig(page_size=16, kv_pages=48, max_running=8, speculative="nextn", num_draft_tokens=2)
     a = Engine(tiny, cfg).generate(prompts, params)
     eng = Engine(tiny, cfg)
