@@ -188,7 +188,7 @@ class Engine:
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
         self._capture_logits: dict[int, list[np.ndarray]] = {}
-        self._sampler_batches: set[int] = set()
+        self._sampler_batches: set[tuple] = set()
         self.metrics = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0,
                         "decode_tokens": 0, "padded_lanes": 0, "prefill_s": 0.0, "decode_s": 0.0,
                         "spec_rounds": 0, "spec_request_rounds": 0, "spec_drafts": 0, "spec_accepted": 0}
@@ -271,13 +271,15 @@ class Engine:
         return events
 
     def max_compilations(self) -> int:
-        """Upper bound on compiled step variants (prefill B x T x S buckets, decode B x S; twice that
-        under CP, where a plan is page-aligned or not) plus the sampler's B buckets."""
+        """Upper bound on compiled step variants: prefill B x T x S buckets and decode B x S (with
+        speculative decoding also the draft extend of each, and the chain step), twice that under CP
+        (a plan is page-aligned or not), plus one sampler variant per B bucket and sampler."""
         c = self.config
         nB = len(bucket_set(1, c.max_running))
         nT = len(bucket_set(min(c.min_prefill_lanes, c.max_prefill_tokens), c.max_prefill_tokens))
         nS = len(bucket_set(1, pages_for(self.max_context, c.page_size)))
-        return (nB * nT * nS + nB * nS) * (2 if c.cp_size > 1 else 1) + nB
+        steps = (2 * nB * nT * nS + 3 * nB * nS) if self.spec else (nB * nT * nS + nB * nS)
+        return steps * (2 if c.cp_size > 1 else 1) + nB * (3 if self.spec else 1)
 
     def compilations(self) -> int:
         """Distinct compiled variants this engine has used (step shapes + sampler batch sizes)."""
@@ -340,7 +342,7 @@ class Engine:
         for i, ch in enumerate(chunks):
             ch.req.computed = ch.start + len(ch.tokens)
             position[i] = ch.req.computed  # position of the token being sampled
-        self._sampler_batches.add(B)
+        self._sampler_batches.add(("sample", B))
         toks, lps = sample_tokens(logits, *self._sampling_args([ch.req for ch in chunks], B), jnp.asarray(position))
         toks, lps = np.asarray(toks), np.asarray(lps)
         host_logits = (np.asarray(logits) if any(ch.req.rid in self._capture_logits for ch in chunks) else None)
@@ -394,6 +396,7 @@ class Engine:
             pad = B - len(reqs)
             pos = np.array([r.seq_len + k for r in reqs] + [0] * pad, np.int32)  # position of the drafted token
             dl = jnp.pad(dlogits, ((0, pad), (0, 0)))
+            self._sampler_batches.add(("propose", B))
             d, q = propose_tokens(dl, *self._sampling_args(reqs, B), jnp.asarray(pos))
             d = np.asarray(d)[:len(reqs)]
             for i, r in enumerate(reqs):
@@ -415,7 +418,7 @@ class Engine:
         t0 = time.perf_counter()
         n = self.config.num_draft_tokens
         chunks = [Chunk(r, r.seq_len - 1, [r.output[-1]] + r.drafts) for r in reqs]
-        plan, creqs, batch, last_lane, last_rank = self._layout(chunks, False)
+        plan, creqs, batch, last_lane, last_rank = self._layout(chunks, False, lanes=bucket(n + 1, 1, 2 * (n + 1)))
         B, T = len(last_lane), batch.tokens.shape[1]
         logits, hidden = self.runner.forward(batch, last_lane, attn_path=self.config.attn_path or choose_attn_path(T),
                                              output="logits_hidden", last_rank=last_rank,
@@ -431,7 +434,7 @@ class Engine:
         drafts = np.zeros((B, n), np.int32)
         drafts[:len(reqs)] = [r.drafts for r in reqs]
         position = np.array([r.seq_len for r in reqs] + [0] * (B - len(reqs)), np.int32)
-        self._sampler_batches.add(B)
+        self._sampler_batches.add(("verify", B))
         a, tok, lps = verify_tokens(target, q, jnp.asarray(drafts), *self._sampling_args(reqs, B), jnp.asarray(position))
         a, tok, lps = np.asarray(a), np.asarray(tok), np.asarray(lps)
         host_target = np.asarray(target) if any(r.rid in self._capture_logits for r in reqs) else None

@@ -95,7 +95,6 @@ def test_cp_engine_equals_single_device(tiny, page_size, cp_configs):
 def test_kv_access_moves_rows_exactly(page_aligned):
     """write / gather / fetch under shard_map over 4 ranks vs plain indexing of one unsharded pool:
     identical bits, and each rank's shard holds exactly the pages it owns."""
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from models.kv import KVAccess

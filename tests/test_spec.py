@@ -147,6 +147,7 @@ def test_spec_sampling_is_seeded_and_leaks_no_pages(tiny):
     b = eng.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == p.max_new_tokens for o, p in zip(b, params))
+    assert eng.compilations() <= eng.max_compilations()
     s = eng.stats()
     assert s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
     assert s["reserved_pages"] == 0 and s["radix"]["protected_pages"] == 0 and s["running"] == 0

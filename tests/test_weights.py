@@ -168,12 +168,11 @@ def test_fp8_errors(tmp_path):
     dst = tmp_path / "fp8"
     shutil.copytree(FIXTURES / "glm_tiny_fp8", dst)
     st = dst / "model.safetensors"
-    from models.weights import _FP8_DTYPES, _safetensors_header
+    from models.weights import _safetensors_header
     header, _ = _safetensors_header(st)
     reader = SafetensorsReader(dst)
     tensors = {k: reader._raw(k) for k in header}
     tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = np.ones((3, 3), np.float32)
-    import jax.numpy as jnp_  # noqa: F401  (fp8 arrays are saved through the flax framework)
     from safetensors.flax import save_file as save_flax
     save_flax({k: jnp.asarray(v) for k, v in tensors.items()}, st)
     with pytest.raises(CheckpointError, match=r"o_proj\.weight_scale_inv has shape \(3, 3\)"):

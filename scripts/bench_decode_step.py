@@ -1,0 +1,84 @@
+"""Where a decode step's time goes: the whole engine step vs the jitted model step alone vs the
+sampler, on the same shapes, in one run (table + JSON).
+
+    python scripts/bench_decode_step.py --model tiny --batch 8 --context 512
+    python scripts/bench_decode_step.py --model random:glm-5 --num-layers 4 --num-experts 16 --batch 8 --context 2048
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", default="bench_decode_step.json")
+    args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cpkv_jax.cli import bench_model
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams, sample_tokens
+    from cpkv_jax.scheduler import pages_for
+
+    model = bench_model(argparse.Namespace(model=args.model, num_layers=args.num_layers,
+                                           num_experts=args.num_experts, dtype=args.dtype))
+    B, L, n = args.batch, args.context, args.steps
+    pages = B * pages_for(L + 3 * n + 4, args.page_size) + 2
+    eng = Engine(model, EngineConfig(page_size=args.page_size, kv_pages=pages, max_running=B,
+                                     max_prefill_tokens=min(B * L, 8192), prefix_cache=False))
+    rng = np.random.default_rng(0)
+    for _ in range(B):
+        eng.add_request(rng.integers(0, model.cfg.vocab_size, L).tolist(),
+                        SamplingParams(max_new_tokens=3 * n + 3, ignore_eos=True))
+    while any(r.prefilling or not r.output for r in eng.scheduler.running + list(eng.scheduler.waiting)):
+        eng.step()
+    for _ in range(3):
+        eng.step()  # compile the decode variants
+    t = time.perf_counter()
+    for _ in range(n):
+        eng.step()
+    step_s = (time.perf_counter() - t) / n
+
+    chunks = eng.scheduler.plan_decode()
+    plan, reqs, batch, lane, rank = eng._layout(chunks, False)
+    runner = eng.runner
+    # the model step alone, on the engine's own decode shapes (writes the same slots again)
+    jax.block_until_ready(runner.forward(batch, lane, attn_path="absorbed", last_rank=rank))
+    t = time.perf_counter()
+    for _ in range(n):
+        logits = runner.forward(batch, lane, attn_path="absorbed", last_rank=rank)
+    jax.block_until_ready(logits)
+    forward_s = (time.perf_counter() - t) / n
+    args_s = eng._sampling_args([c.req for c in chunks], logits.shape[0])
+    pos = jnp.zeros(logits.shape[0], jnp.int32)
+    jax.block_until_ready(sample_tokens(logits, *args_s, pos))
+    t = time.perf_counter()
+    for _ in range(n):
+        out = sample_tokens(logits, *args_s, pos)
+    jax.block_until_ready(out)
+    sample_s = (time.perf_counter() - t) / n
+    res = {"model": args.model, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind),
+           "engine_step_ms": 1e3 * step_s, "model_step_ms": 1e3 * forward_s, "sampler_ms": 1e3 * sample_s,
+           "host_and_sync_ms": 1e3 * (step_s - forward_s - sample_s)}
+    for k in ("engine_step_ms", "model_step_ms", "sampler_ms", "host_and_sync_ms"):
+        print(f"{k:>18}  {res[k]:8.3f}")
+    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
