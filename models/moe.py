@@ -9,6 +9,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import Dense, normal_param
+from pallas_kernels.row_gather import compaction_plan, expert_order, gather_rows
 
 
 class MLP(nnx.Module):
@@ -40,19 +41,16 @@ def route(cfg: ModelConfig, logits32, bias):
 
 
 def compact_rows(x, valid):
-    """Valid rows first (in order), then zeros: (compacted [N, D], permutation, number valid). Under
-    compute padding valid rows are interleaved with dummy lane slots, so a prefix/suffix count is not
-    enough; the dummies' content never reaches what follows."""
-    perm = jnp.argsort(~valid, stable=True)
-    n_valid = valid.sum().astype(jnp.int32)
-    keep = jnp.arange(x.shape[0]) < n_valid
-    return jnp.where(keep[:, None], x[perm], 0), perm, n_valid
+    """Valid rows first (in order), then zeros: (compacted [N, D], destination of each padded row,
+    number valid). Under compute padding valid rows are interleaved with dummy lane slots, so a
+    prefix/suffix count is not enough; the dummies' content never reaches what follows."""
+    perm, dest, n_valid = compaction_plan(valid)
+    return gather_rows(x, perm), dest, n_valid
 
 
-def restore_rows(y, perm, n_valid):
+def restore_rows(y, dest):
     """Inverse of compact_rows: compacted rows back to their padded positions; dummy rows get zeros."""
-    keep = jnp.arange(y.shape[0]) < n_valid
-    return jnp.zeros_like(y).at[perm].set(jnp.where(keep[:, None], y, 0))
+    return gather_rows(y, dest)
 
 
 def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None):
@@ -65,10 +63,9 @@ def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None):
     flat_e = idx.reshape(-1)
     if n_valid is not None:
         flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)  # E: no expert, sorts last
-    order = jnp.argsort(flat_e, stable=True)
+    order, sizes = expert_order(flat_e, E)
     row = order // k
-    xs = x[row]
-    sizes = jnp.bincount(flat_e, length=E + 1)[:E].astype(jnp.int32)
+    xs = gather_rows(x, row)
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
     y = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
     used = jnp.arange(N * k) < sizes.sum()  # rows past the groups: ragged_dot leaves them unspecified
@@ -94,11 +91,11 @@ class MoE(nnx.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         valid = jnp.ones(xf.shape[0], bool) if valid is None else valid.reshape(-1)
-        xc, perm, n_valid = compact_rows(xf, valid)
+        xc, dest, n_valid = compact_rows(xf, valid)
         logits = jnp.dot(xc.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
         idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
         out = grouped_expert_mlp(xc, idx, w, self.experts_gate[...], self.experts_up[...],
                                  self.experts_down[...], n_valid)
         if self.shared_experts is not None:
             out = out + self.shared_experts(xc)
-        return restore_rows(out, perm, n_valid).reshape(shape)
+        return restore_rows(out, dest).reshape(shape)

@@ -1,0 +1,86 @@
+"""Row gather with zero-fill — the data movement of MoE compaction/restore and of the expert-sorted
+row order — as a Pallas kernel beside its jnp reference.
+
+    out[i] = x[idx[i]]  (idx[i] >= 0)      out[i] = 0  (idx[i] < 0)
+
+Compaction (valid rows first), its inverse (back to the padded layout, dummies zero) and the
+expert-grouped order are all this gather with a different index vector, computed by cheap integer
+scans (`compaction_plan`, `expert_order`). The kernel uses Pallas's Triton backend: a row gather is
+pointer arithmetic per row, which Triton expresses directly (a vector of row offsets, one 2-D load
+per block); Mosaic GPU's strength (TMA, wgmma pipelines) is for dense tiles, not data-dependent
+rows. Grid: (row blocks, column blocks); each program loads block_rows rows x block_cols columns.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+def gather_rows_reference(x, idx):
+    return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.zeros((), x.dtype))
+
+
+def _gather_rows_kernel(idx_ref, x_ref, o_ref, *, block_cols: int):
+    idx = idx_ref[...]
+    cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
+    rows = x_ref[jnp.maximum(idx, 0)[:, None], cols[None, :]]
+    o_ref[...] = jnp.where((idx >= 0)[:, None], rows, jnp.zeros_like(rows))
+
+
+def gather_rows_pallas(x, idx, *, block_rows: int = 32, block_cols: int = 512, interpret: bool = False):
+    N, D = x.shape
+    M = idx.shape[0]
+    block_cols = min(block_cols, D)
+    if D % block_cols:
+        raise ValueError(f"row width {D} is not a multiple of the column block {block_cols}")
+    pad = -M % block_rows
+    idx_p = jnp.pad(idx.astype(jnp.int32), (0, pad), constant_values=-1)
+    out = pl.pallas_call(
+        functools.partial(_gather_rows_kernel, block_cols=block_cols),
+        grid=((M + pad) // block_rows, D // block_cols),
+        in_specs=[pl.BlockSpec((block_rows,), lambda i, j: (i,)), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((M + pad, D), x.dtype),
+        interpret=interpret,
+    )(idx_p, x)
+    return out[:M]
+
+
+KERNELS_ENABLED = True  # read at trace time; tests flip it (and clear jit caches) to compare on/off
+
+
+def gather_rows(x, idx):
+    """The dispatch: the Pallas kernel on GPU (rows a multiple of its column block), the jnp
+    reference elsewhere."""
+    if KERNELS_ENABLED and jax.default_backend() == "gpu" and x.shape[1] % min(512, x.shape[1]) == 0:
+        return gather_rows_pallas(x, idx)
+    return gather_rows_reference(x, idx)
+
+
+def compaction_plan(valid):
+    """(perm, dest, n_valid): perm[j] = source row of compacted row j (valid rows first, in order; -1
+    past n_valid), dest[i] = compacted position of padded row i (-1 for dummy rows)."""
+    valid = valid.astype(bool)
+    n_valid = valid.sum().astype(jnp.int32)
+    rank = jnp.cumsum(valid) - 1
+    dest = jnp.where(valid, rank, -1).astype(jnp.int32)
+    perm = jnp.full(valid.shape, -1, jnp.int32).at[jnp.where(valid, rank, valid.shape[0])].set(
+        jnp.arange(valid.shape[0], dtype=jnp.int32), mode="drop")
+    return perm, dest, n_valid
+
+
+def expert_order(expert_ids, num_experts: int):
+    """Rows grouped by expert (stable within an expert) for a grouped matmul: (order, group sizes).
+    Ids outside [0, num_experts) (dummies) go last and count in no group."""
+    e = jnp.where((expert_ids >= 0) & (expert_ids < num_experts), expert_ids, num_experts)
+    sizes = jnp.bincount(e, length=num_experts + 1).astype(jnp.int32)
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes)[:-1]])
+    onehot = jax.nn.one_hot(e, num_experts + 1, dtype=jnp.int32)
+    rank_in_expert = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, e[:, None], axis=1)[:, 0]
+    pos = offsets[e] + rank_in_expert
+    order = jnp.zeros_like(e).at[pos].set(jnp.arange(e.shape[0], dtype=e.dtype))
+    return order.astype(jnp.int32), sizes[:num_experts]
