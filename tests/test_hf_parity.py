@@ -20,6 +20,14 @@ def _record(key, err):
     print(f"{key}: rel err {err:.2e}")
 
 
+@pytest.fixture(autouse=True)
+def _report_errors(request):
+    """Attach the errors to the test report, so the summary (conftest) sees them from any worker."""
+    WORST.clear()
+    yield
+    request.node.user_properties.extend((f"rel_err/{k}", v) for k, v in WORST.items())
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", MODELS + ("glm_tiny_fp8",))
 def test_prefill_logits_match_hf(name, path):
