@@ -77,7 +77,8 @@ def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, param_bytes: i
     return float(total)
 
 
-def _time(fn, *args, repeat: int = 5) -> float:
+def best_time(fn, *args, repeat: int = 5) -> float:
+    """Best wall time of fn(*args) over `repeat` runs after one warm-up (blocking on the result)."""
     jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(repeat):
@@ -96,10 +97,10 @@ def measure_ceilings(dtype=jnp.bfloat16, matmul_n: int | None = None, copy_mib: 
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     mm = jax.jit(lambda x, y: x @ y)
-    t_mm = _time(mm, a, b)
+    t_mm = best_time(mm, a, b)
     x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
     cp = jax.jit(lambda v: v + 1.0)
-    t_cp = _time(cp, x)
+    t_cp = best_time(cp, x)
     return {"matmul_flops_per_s": 2.0 * n ** 3 / t_mm, "matmul_n": n, "matmul_dtype": str(jnp.dtype(dtype)),
             "copy_bytes_per_s": 2.0 * x.nbytes / t_cp, "copy_mib": mib, "backend": jax.default_backend(),
             "device": str(jax.devices()[0].device_kind)}

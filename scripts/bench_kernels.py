@@ -8,19 +8,7 @@ written; bandwidth utilisation against the copy rate measured in the same run.""
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-
-
-def timeit(fn, *args, repeat=20):
-    import jax
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> int:
@@ -33,9 +21,8 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    from cpkv_jax.perf import measure_ceilings
+    from cpkv_jax.perf import best_time, measure_ceilings
     from pallas_kernels.row_gather import compaction_plan, gather_rows_pallas, gather_rows_reference
 
     copy_bw = measure_ceilings()["copy_bytes_per_s"]
@@ -48,7 +35,7 @@ def main() -> int:
         ref = jax.jit(gather_rows_reference)
         want = ref(x, perm)
         entry = {"rows": n, "hidden": args.hidden, "valid": int(n_valid), "bytes": moved,
-                 "xla_s": timeit(ref, x, perm)}
+                 "xla_s": best_time(ref, x, perm, repeat=20)}
         entry["xla_util"] = moved / entry["xla_s"] / copy_bw
         for blk in args.blocks.split(","):
             br, bc = map(int, blk.split("x"))
@@ -56,7 +43,7 @@ def main() -> int:
             try:
                 got = f(x, perm)
                 ok = bool((got == want).all())
-                s = timeit(f, x, perm)
+                s = best_time(f, x, perm, repeat=20)
                 entry[f"pallas_{blk}"] = {"s": s, "util": moved / s / copy_bw, "equal": ok}
             except Exception as e:  # a block shape that does not lower is reported, not fatal
                 entry[f"pallas_{blk}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
