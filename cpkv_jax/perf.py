@@ -88,6 +88,23 @@ def best_time(fn, *args, repeat: int = 5) -> float:
     return best
 
 
+def chained_time(fn, x, *rest, n: int = 10, repeat: int = 5) -> float:
+    """Per-call device time of fn(x, *rest) for kernels too short to time one host call each: n calls
+    chained in one executable (each call's x depends on the previous result through a negligible
+    update, so XLA can neither hoist nor overlap them), minus the same chain of 1, over n - 1. Host
+    dispatch and the first call's input copy cancel; launch gaps inside the executable stay in."""
+    def chain(m):
+        def run(x, *rest):
+            for _ in range(m):
+                leaf = jax.tree.leaves(fn(x, *rest))[0]
+                bump = (leaf.ravel()[0] != 0).astype(x.dtype) * jnp.asarray(1e-30, x.dtype)
+                x = x.at[(0,) * x.ndim].add(bump)
+            return x
+        return jax.jit(run)
+    return max(best_time(chain(n), x, *rest, repeat=repeat) - best_time(chain(1), x, *rest, repeat=repeat),
+               0.0) / (n - 1)
+
+
 def measure_ceilings(dtype=jnp.bfloat16, matmul_n: int | None = None, copy_mib: int | None = None) -> dict:
     """Matmul FLOP rate (square matmul in `dtype`) and copy bandwidth (read + write of one array),
     measured now on the default device: the denominators of MFU and bandwidth utilisation."""

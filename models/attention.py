@@ -17,25 +17,12 @@ from models.config import ModelConfig
 from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache, dequantize_index_k, quantize_index_k
 from models.layers import (Dense, LayerNorm, RMSNorm, apply_rope_half, apply_rope_interleaved,
                            rope_cos_sin)
+from pallas_kernels.topk import index_scores_reference, indexer_topk, select_topk
 
-NEG_INF = float("-inf")
 # Masked attention scores use the most negative finite float (as HF does), never -inf: a padding lane
 # with nothing selected then gets finite garbage instead of NaN that could reach the dummy slot.
 MASKED = float(jnp.finfo(jnp.float32).min)
 ATTN_PATHS = ("expanded", "absorbed")
-
-
-def select_topk(index_scores, k: int):
-    """Top-k positions per query over scores with -inf at invisible keys; ties go to the lower position
-    (lax.top_k is stable); fewer than k visible -> the rest are -1."""
-    vals, idx = jax.lax.top_k(index_scores, k)
-    return jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
-
-
-def causal_visible(batch: Batch, width: int):
-    """[B, T, S] bool: key position j visible to token (b, t) iff j <= positions[b, t]."""
-    j = jnp.arange(width, dtype=jnp.int32)
-    return j[None, None, :] <= batch.positions[:, :, None]
 
 
 class Indexer(nnx.Module):
@@ -63,25 +50,27 @@ class Indexer(nnx.Module):
         q = self._rope(q, cos[:, :, None, :], sin[:, :, None, :])
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [B, T, D]
 
-        n_local = cache.index_k.shape[1]
         if cache.index_fp8:
             kq, ks = quantize_index_k(k)
             index_k = access.write(cache.index_k, full_id, batch.write_slots, kq)
             index_scale = access.write(cache.index_scale, full_id, batch.write_slots, ks)
-            keys = access.gather(lambda s: dequantize_index_k(index_k[full_id][s], index_scale[full_id][s]),
-                                 batch.slot_table, n_local)
         else:
             index_k = access.write(cache.index_k, full_id, batch.write_slots, k)
             index_scale = None
-            keys = access.gather(lambda s: index_k[full_id][s].astype(jnp.float32), batch.slot_table, n_local)
         cache = KVCache(cache.latent, cache.k_rope, index_k, index_scale)
-
-        scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys) * cfg.index_head_dim ** -0.5
-        scores = jax.nn.relu(scores)
         w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_n_heads ** -0.5  # [B, T, H]
-        index_scores = jnp.einsum("bth,bths->bts", w, scores)
-        index_scores = jnp.where(causal_visible(batch, keys.shape[1]), index_scores, NEG_INF)
-        return select_topk(index_scores, k_sel), cache
+        if access.axis is None:
+            topk = indexer_topk(q, w, index_k, index_scale, full_id, batch.slot_table, batch.positions, k_sel)
+            return topk, cache
+        if index_scale is not None:
+            def key_rows(s):
+                return dequantize_index_k(index_k[full_id][s], index_scale[full_id][s])
+        else:
+            def key_rows(s):
+                return index_k[full_id][s].astype(jnp.float32)
+        keys = access.gather(key_rows, batch.slot_table, index_k.shape[1])
+        scores = index_scores_reference(q, w, keys, batch.positions, cfg.index_head_dim)
+        return select_topk(scores, k_sel), cache
 
 
 class MLA(nnx.Module):

@@ -1,9 +1,20 @@
-"""Kernel benchmarks on the GPU, side by side with the XLA reference in one run (table + JSON).
+"""Kernel benchmarks on the GPU, side by side with XLA in one run (table + JSON).
 
-    python scripts/bench_kernels.py --json bench_kernels.json
+    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer]
 
-Compaction / restore: rows x 6144 bf16 with ~half the rows valid; bytes moved = rows read + rows
-written; bandwidth utilisation against the copy rate measured in the same run."""
+compaction: rows x 6144 bf16 with ~half the rows valid; bytes = valid rows read and written plus
+  dummy rows written; utilisation against the copy rate measured in the same run.
+selection: top-k (k = 2048) of fp32 score rows: the Pallas radix select (several tilings) vs
+  lax.top_k (stable and is_stable=False) and the reference (top_k + position sort); bytes = scores
+  read once + positions written once.
+indexer: GLM-5 indexer (32 heads x 128, fp8 keys with per-token scale through a shuffled page table,
+  bf16 queries, k = 2048): the scores kernel and the selection, prefill (T = N = 32768, causal) and
+  decode (8 requests, T = 1 and 64 tokens each, N = 131072 keys). Prefill rate counts the FLOPs of
+  the visible pairs only (2 x H x D per pair) against the bf16 matmul rate; decode counts the fewest
+  bytes (keys + scales + page table read once, queries, positions written) against the copy rate.
+  The XLA composition (reference scores + selection) is timed on a slice of the queries where its
+  [T, H, N] fp32 intermediate fits.
+Short kernels are timed by `cpkv_jax.perf.chained_time` (n chained calls in one executable)."""
 
 import argparse
 import json
@@ -11,48 +22,207 @@ import sys
 from pathlib import Path
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
-    p.add_argument("--hidden", type=int, default=6144)
-    p.add_argument("--blocks", default="32x512,16x1024,64x256,8x2048")
-    p.add_argument("--json", default="bench_kernels.json")
-    args = p.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # a tiling that does not lower is reported, not fatal
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def bench_compaction(args, ceil):
     import jax
     import jax.numpy as jnp
 
-    from cpkv_jax.perf import best_time, measure_ceilings
+    from cpkv_jax.perf import best_time
     from pallas_kernels.row_gather import compaction_plan, gather_rows_pallas, gather_rows_reference
 
-    copy_bw = measure_ceilings()["copy_bytes_per_s"]
-    rows_out = []
+    copy_bw = ceil["copy_bytes_per_s"]
+    out = []
     for n in args.rows:
         x = jax.random.normal(jax.random.key(0), (n, args.hidden), jnp.bfloat16)
         valid = jax.random.bernoulli(jax.random.key(1), 0.5, (n,))
         perm, dest, n_valid = compaction_plan(valid)
-        moved = 2.0 * int(n_valid) * args.hidden * 2 + (n - int(n_valid)) * args.hidden * 2  # read+write valid, write zeros
+        moved = 2.0 * int(n_valid) * args.hidden * 2 + (n - int(n_valid)) * args.hidden * 2
         ref = jax.jit(gather_rows_reference)
         want = ref(x, perm)
         entry = {"rows": n, "hidden": args.hidden, "valid": int(n_valid), "bytes": moved,
                  "xla_s": best_time(ref, x, perm, repeat=20)}
         entry["xla_util"] = moved / entry["xla_s"] / copy_bw
-        for blk in args.blocks.split(","):
+        for blk in ("32x512", "16x1024", "64x256", "8x2048"):
             br, bc = map(int, blk.split("x"))
             f = jax.jit(lambda a, i, br=br, bc=bc: gather_rows_pallas(a, i, block_rows=br, block_cols=bc))
-            try:
-                got = f(x, perm)
-                ok = bool((got == want).all())
+
+            def run(f=f):
+                ok = bool((f(x, perm) == want).all())
                 s = best_time(f, x, perm, repeat=20)
-                entry[f"pallas_{blk}"] = {"s": s, "util": moved / s / copy_bw, "equal": ok}
-            except Exception as e:  # a block shape that does not lower is reported, not fatal
-                entry[f"pallas_{blk}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        rows_out.append(entry)
+                return {"s": s, "util": moved / s / copy_bw, "equal": ok}
+            entry[f"pallas_{blk}"] = _try(run)
+        out.append(entry)
         cells = [f"{k}: {v['s'] * 1e6:.0f} us ({v['util']:.0%}{'' if v['equal'] else ' WRONG'})" if "s" in v
                  else f"{k}: {v['error'][:60]}" for k, v in entry.items() if k.startswith("pallas_")]
-        print(f"rows {n:>7}  xla {entry['xla_s'] * 1e6:8.0f} us ({entry['xla_util']:.0%})  " + "  ".join(cells))
-    Path(args.json).write_text(json.dumps({"copy_bytes_per_s": copy_bw, "device": str(jax.devices()[0].device_kind),
-                                           "compaction": rows_out}, indent=2) + "\n")
+        print(f"compaction rows {n:>7}  xla {entry['xla_s'] * 1e6:8.0f} us ({entry['xla_util']:.0%})  "
+              + "  ".join(cells), flush=True)
+    return out
+
+
+SELECT_CASES = [(64, 8192), (64, 131072), (2048, 32768)]  # rows x width
+INDEXER_CASES = [  # (label, requests, queries each, keys each, prefill, queries per request for XLA)
+    ("prefill", 1, 32768, 32768, True, 1024), ("decode_t1", 8, 1, 131072, False, 1),
+    ("decode_t64", 8, 64, 131072, False, 16)]
+SELECT_TILINGS = [  # (bits per pass, rows per program, chunk, warps, stages); the first is the default
+    (4, 1, 4096, 16, 1), (4, 1, 8192, 16, 1), (4, 1, 8192, 32, 1), (4, 1, 4096, 16, 3), (2, 1, 8192, 16, 1),
+    (4, 1, 2048, 8, 1)]
+
+
+def bench_selection(args, ceil):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cpkv_jax.perf import chained_time
+    from pallas_kernels.topk import select_topk_pallas, select_topk_reference
+
+    copy_bw, k = ceil["copy_bytes_per_s"], args.k
+    out = []
+    for r, n in (tuple(map(int, c.split("x"))) for c in args.select_cases.split(",")):
+        x = jax.random.normal(jax.random.key(r + n), (r, n), jnp.float32)
+        want = np.asarray(jax.jit(lambda s: select_topk_reference(s, k))(x))
+        moved = x.nbytes + r * k * 4
+        entry = {"rows": r, "width": n, "k": k, "bytes": moved}
+        for name, f in (("lax_top_k_stable", lambda s: jax.lax.top_k(s, k)),
+                        ("lax_top_k_unstable", lambda s: jax.lax.top_k(s, k, is_stable=False)),
+                        ("reference", lambda s: select_topk_reference(s, k))):
+            entry[name] = _try(lambda f=f: {"s": chained_time(f, x)})
+        for bits, rows, chunk, warps, stages in SELECT_TILINGS:
+            f = lambda s, bits=bits, rows=rows, chunk=chunk, warps=warps, stages=stages: select_topk_pallas(
+                s, k, bits=bits, rows=rows, chunk=chunk, num_warps=warps, num_stages=stages)
+
+            def run(f=f):
+                ok = bool((np.asarray(jax.jit(f)(x)) == want).all())
+                t = chained_time(f, x)
+                return {"s": t, "util": moved / t / copy_bw, "equal": ok}
+            entry[f"pallas_b{bits}_r{rows}_c{chunk}_w{warps}_s{stages}"] = _try(run)
+        out.append(entry)
+        base = entry["lax_top_k_stable"].get("s")
+        cells = []
+        for key, v in entry.items():
+            if isinstance(v, dict) and "s" in v:
+                extra = f" x{base / v['s']:.1f}" if base else ""
+                cells.append(f"{key} {v['s'] * 1e6:.0f}us{extra}{'' if v.get('equal', True) else ' WRONG'}")
+            elif isinstance(v, dict):
+                cells.append(f"{key} ERR {v['error'][:80]}")
+        print(f"select {r}x{n} k={k}:\n  " + "\n  ".join(cells), flush=True)
+    return out
+
+
+SCORE_TILINGS = [  # (block_m = query rows x heads, block_n, warps, stages)
+    (128, 64, 4, 2), (128, 128, 8, 3), (256, 64, 8, 2), (32, 128, 4, 3)]
+
+
+def indexer_inputs(B, T, N, H=32, D=128, prefill=False):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.kv import quantize_index_k
+
+    key = jax.random.key(B * T + N)
+    kq, kk, kw = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (B, T, H, D), jnp.bfloat16)
+    w = jax.random.normal(kw, (B, T, H), jnp.float32) * H ** -0.5
+    slots = 1 + B * N
+    index_k, scale = quantize_index_k(jax.random.normal(kk, (1, slots, D), jnp.float32))
+    table = jnp.asarray(1 + np.random.default_rng(0).permutation(B * N).reshape(B, N), jnp.int32)
+    start = 0 if prefill else N - T
+    pos = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+    return q, w, index_k, scale, table, pos
+
+
+def bench_indexer(args, ceil):
+    import numpy as np
+
+    from cpkv_jax.perf import chained_time
+    from pallas_kernels.topk import (index_scores_pallas, index_scores_reference, select_topk_pallas,
+                                     select_topk_reference)
+
+    k, H, D = args.k, 32, 128
+    out = []
+    for label, B, T, N, prefill, xla_t in INDEXER_CASES:
+        q, w, ik, sc, table, pos = indexer_inputs(B, T, N, H, D, prefill)
+        pairs = float((np.asarray(pos, np.float64) + 1).sum())
+        flops = 2.0 * H * D * pairs
+        moved = ik.shape[1] * (D + 4) + table.size * 4 + q.size * 2 + w.size * 4 + B * T * k * 4
+        entry = {"case": label, "B": B, "T": T, "N": N, "k": k, "flops_visible": flops, "bytes_min": moved}
+
+        def xla(qs, ws, ps):
+            keys = ik[0][table].astype(np.float32) * sc[0][table][..., None]
+            return select_topk_reference(index_scores_reference(qs, ws, keys, ps, D), k)
+        qs, ws, ps = q[:, :xla_t], w[:, :xla_t], pos[:, :xla_t]
+        entry["xla_composition"] = _try(lambda: {"s": chained_time(xla, qs, ws, ps), "queries": xla_t * B,
+                                                 "note": f"first {xla_t} queries per request only"})
+        best = None
+        for bm, bn, warps, stages in SCORE_TILINGS:
+            f = lambda q_, bm=bm, bn=bn, warps=warps, stages=stages: index_scores_pallas(
+                q_, w, ik, sc, 0, table, pos, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+
+            def run(f=f):
+                t = chained_time(f, q, n=5 if prefill else 10, repeat=3)
+                return {"s": t, "flop_util": flops / t / ceil["matmul_flops_per_s"],
+                        "byte_util": moved / t / ceil["copy_bytes_per_s"]}
+            r = entry[f"scores_m{bm}_n{bn}_w{warps}_s{stages}"] = _try(run)
+            if "s" in r and (best is None or r["s"] < best[1]["s"]):
+                best = ((bm, bn, warps, stages), r)
+        if best is not None:
+            bm, bn, warps, stages = best[0]
+            scores = index_scores_pallas(q, w, ik, sc, 0, table, pos, block_m=bm, block_n=bn, num_warps=warps,
+                                         num_stages=stages)
+            # correctness of the whole path on the XLA slice: kernel scores vs reference scores
+            ref = np.asarray(index_scores_reference(qs, ws, ik[0][table].astype(np.float32)
+                                                    * sc[0][table][..., None], ps, D))
+            got = np.asarray(scores[:, :xla_t])
+            fin = np.isfinite(ref)
+            entry["scores_max_rel_err"] = float(np.abs(got[fin] - ref[fin]).max() / np.abs(ref[fin]).max())
+            entry["scores_inf_pattern_equal"] = bool((np.isneginf(got) == np.isneginf(ref)).all())
+            for bits, rows, chunk, warps, stages in SELECT_TILINGS[:3]:
+                f = lambda s_, bits=bits, rows=rows, chunk=chunk, warps=warps, stages=stages: select_topk_pallas(
+                    s_, k, pos + 1, bits=bits, rows=rows, chunk=chunk, num_warps=warps, num_stages=stages)
+                r = entry[f"select_b{bits}_r{rows}_c{chunk}_w{warps}_s{stages}"] = _try(
+                    lambda f=f: {"s": chained_time(f, scores, n=5 if prefill else 10, repeat=3)})
+            sel_best = min((v["s"] for key, v in entry.items() if key.startswith("select_") and "s" in v),
+                           default=None)
+            if sel_best is not None:
+                total = best[1]["s"] + sel_best
+                entry["total_s"] = total
+                entry["total_flop_util"] = flops / total / ceil["matmul_flops_per_s"]
+                entry["total_byte_util"] = moved / total / ceil["copy_bytes_per_s"]
+        out.append(entry)
+        print(f"indexer {label}: " + json.dumps({kk: v for kk, v in entry.items()}, default=str)[:3000], flush=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
+    p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--only", default="compaction,selection,indexer")
+    p.add_argument("--select-cases", default=",".join(f"{r}x{n}" for r, n in SELECT_CASES),
+                   help="rows x width of the selection cases")
+    p.add_argument("--json", default="bench_kernels.json")
+    args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import jax
+
+    from cpkv_jax.perf import measure_ceilings
+
+    ceil = measure_ceilings()
+    print(f"ceilings: bf16 matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+          f"copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+    result = {"ceilings": ceil, "device": str(jax.devices()[0].device_kind)}
+    for name, fn in (("compaction", bench_compaction), ("selection", bench_selection), ("indexer", bench_indexer)):
+        if name in args.only.split(","):
+            result[name] = fn(args, ceil)
+            Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     return 0
 
 

@@ -81,3 +81,203 @@ def test_model_outputs_identical_with_kernels_on_and_off():
     print(f"kernels on vs off: rel err {err:.2e}")
     assert err <= 1e-5, err
     np.testing.assert_array_equal(on.argmax(-1), off.argmax(-1))
+
+
+# ---- indexer top-k ----------------------------------------------------------------------------
+
+from pallas_kernels.topk import (index_scores_pallas, index_scores_reference, indexer_topk,  # noqa: E402
+                                 select_tiling, select_topk_pallas, select_topk_reference)
+
+
+def topk_oracle(scores, k, lengths=None):
+    """numpy: stable descending sort (ties to the lower position), -inf and invisible never chosen,
+    ascending positions, -1 padding — computed without lax.top_k."""
+    s = np.array(scores, np.float64).reshape(-1, scores.shape[-1])
+    if lengths is not None:
+        s[np.arange(s.shape[1])[None, :] >= np.asarray(lengths).reshape(-1, 1)] = -np.inf
+    out = np.full((s.shape[0], k), -1, np.int32)
+    for r, row in enumerate(s):
+        chosen = [j for j in np.argsort(-row, kind="stable")[:k] if row[j] != -np.inf]
+        out[r, :len(chosen)] = np.sort(chosen)
+    return out.reshape(scores.shape[:-1] + (k,))
+
+
+def selection_cases(rng, big=False):
+    """(scores, k, lengths): ties, -inf, -0/+0, all-masked rows, fewer visible than k, widths that
+    are not multiples of the chunk."""
+    shapes = [(3, 40, 8), (5, 100, 30), (4, 64, 70), (2, 33, 5), (7, 257, 64), (1, 1, 4)]
+    if big:
+        shapes += [(64, 8192, 2048), (16, 131072, 2048), (96, 32768, 2048), (33, 5000, 777)]
+    for R, N, k in shapes:
+        s = rng.standard_normal((R, N)).astype(np.float32)
+        s[0, ::3] = 0.5                                   # ties inside the top-k
+        if R > 1:
+            s[1, :] = -np.inf                             # fewer visible than k, -0/+0 ties
+            s[1, 5:9] = [1.0, -0.0, 0.0, -0.0]
+        if R > 2:
+            s[2, :] = np.round(s[2, :] * 2)               # many ties at the threshold
+        if R > 3:
+            s[3, :] = -np.inf                             # nothing visible
+        lengths = rng.integers(0, N + 1, R).astype(np.int32)
+        yield s, k, None
+        yield s, k, lengths
+
+
+@pytest.mark.parametrize("bits,rows,chunk", [(4, 1, 32), (2, 2, 16), (8, 4, 64), (1, 1, 128)])
+def test_select_topk_interpret_equals_reference(bits, rows, chunk):
+    rng = np.random.default_rng(bits)
+    for s, k, lengths in selection_cases(rng):
+        want = topk_oracle(s, k, lengths)
+        ref_in = s if lengths is None else np.where(np.arange(s.shape[1]) < lengths[:, None], s, -np.inf)
+        np.testing.assert_array_equal(np.asarray(select_topk_reference(jnp.asarray(ref_in), k)), want)
+        got = select_topk_pallas(jnp.asarray(s), k, None if lengths is None else jnp.asarray(lengths),
+                                 rows=rows, chunk=chunk, bits=bits, interpret=True, poison=-7)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2):
+    """Indexer inputs over a shuffled page table. integer: small integers (and power-of-two fp8
+    scales) so every partial sum is exact in fp32 whatever the order, making exact equality the
+    right check (and producing many ties)."""
+    from models.kv import quantize_index_k
+    slots = 1 + B * S
+    if integer:
+        q = rng.integers(-3, 4, (B, T, H, D)).astype(np.float32)
+        w = rng.integers(-2, 3, (B, T, H)).astype(np.float32)
+        k = rng.integers(-4, 5, (L, slots, D)).astype(np.float32)
+    else:
+        q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+        w = rng.standard_normal((B, T, H)).astype(np.float32)
+        k = rng.standard_normal((L, slots, D)).astype(np.float32)
+    if fp8:
+        if integer:
+            index_k, scale = jnp.asarray(k, jnp.float8_e4m3fn), jnp.asarray(2.0 ** rng.integers(-2, 3, (L, slots)),
+                                                                            jnp.float32)
+        else:
+            index_k, scale = quantize_index_k(jnp.asarray(k))
+    else:
+        index_k, scale = jnp.asarray(k, q_dtype), None
+    table = 1 + rng.permutation(B * S).reshape(B, S).astype(np.int32)
+    start = rng.integers(0, S - T + 1, B)
+    pos = (start[:, None] + np.arange(T)[None, :]).astype(np.int32)
+    if T > 1:
+        pos[0, T // 2:] = -1                               # padding lanes
+    return (jnp.asarray(q, q_dtype), jnp.asarray(w), index_k, scale, jnp.asarray(table), jnp.asarray(pos))
+
+
+def reference_scores(q, w, index_k, scale, layer, table, pos):
+    """In full fp32 (no tf32 on the GPU): the baseline the kernel's rounding is measured against."""
+    keys = index_k[layer][table].astype(jnp.float32)
+    if scale is not None:
+        keys = keys * scale[layer][table][..., None]
+    with jax.default_matmul_precision("highest"):
+        return index_scores_reference(q, w, keys, pos, q.shape[-1])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_index_scores_interpret_equals_reference(fp8):
+    rng = np.random.default_rng(int(fp8))
+    for B, T, H, D, S in ((2, 5, 4, 16, 40), (1, 20, 2, 32, 70), (3, 1, 4, 16, 16)):
+        for integer in (True, False):
+            q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer)
+            ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
+            got = np.asarray(index_scores_pallas(q, w, ik, sc, 1, table, pos, block_m=16, block_n=16,
+                                                 interpret=True, poison=np.nan))
+            assert not np.isnan(got).any()
+            np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+            fin = np.isfinite(ref)
+            if integer:
+                np.testing.assert_array_equal(got[fin], ref[fin])
+            else:
+                np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-5)
+            if integer:  # exact scores -> the fused selection picks exactly the reference's set
+                k = 9
+                sel = select_topk_pallas(jnp.asarray(got), k, pos + 1, chunk=16, interpret=True, poison=-7)
+                np.testing.assert_array_equal(np.asarray(sel), topk_oracle(ref, k))
+                np.testing.assert_array_equal(np.asarray(indexer_topk(q, w, ik, sc, 1, table, pos, k)),
+                                              topk_oracle(ref, k))
+
+
+@pytest.mark.gpu
+def test_select_topk_compiled_on_gpu_equals_reference():
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(0)
+    for s, k, lengths in selection_cases(rng, big=True):
+        want = topk_oracle(s, k, lengths)
+        ln = None if lengths is None else jnp.asarray(lengths)
+        small = s.size < 10 ** 5
+        variants = (select_tiling(s.shape[1]), {"bits": 2, "rows": 2, "chunk": 512}, {"bits": 8, "chunk": 2048})
+        for kw in variants[:3 if small else 1]:
+            got = jax.jit(lambda x, l: select_topk_pallas(x, k, l, poison=-7, **kw))(jnp.asarray(s), ln)
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{s.shape} k={k} {kw}")
+
+
+def assert_same_topk_up_to_near_ties(got, scores, k, tol):
+    """got equals the exact selection, except that a position may swap with another whose score is
+    within tol of the k-th selected score (the kernel's scores round differently)."""
+    want = topk_oracle(scores, k)
+    s = scores.reshape(-1, scores.shape[-1])
+    for g, w_, row in zip(got.reshape(-1, k), want.reshape(-1, k), s):
+        assert (g >= 0).sum() == (w_ >= 0).sum()
+        diff = set(g[g >= 0]) ^ set(w_[w_ >= 0])
+        if diff:
+            kth = np.sort(row[w_[w_ >= 0]])[0]
+            assert all(abs(row[j] - kth) <= tol for j in diff), (sorted(diff), kth)
+
+
+@pytest.mark.gpu
+def test_index_scores_compiled_on_gpu():
+    """bf16 and fp32 queries, fp8 and plain keys, GLM-5's 32 x 128 indexer and a 32 x 64 one. With
+    integer inputs and D a power of 4 (D**-0.5 a power of two) every sum is exact in any order: the
+    scores and the top-k set must equal the reference exactly. Otherwise the scores agree to rounding
+    and the set up to near-ties."""
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(0)
+    for B, T, H, D, S in ((2, 5, 4, 16, 40), (2, 64, 32, 64, 1000), (2, 64, 32, 128, 1000),
+                          (1, 1, 32, 128, 4096)):
+        for fp8 in (False, True):
+            for q_dtype in (jnp.float32, jnp.bfloat16):
+                for integer in (True, False):
+                    q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype)
+                    ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
+                    got = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a, poison=np.nan))(
+                        q, w, ik, sc, 1, table, pos))
+                    assert not np.isnan(got).any()
+                    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+                    fin = np.isfinite(ref)
+                    k = min(64, S)
+                    sel = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k))(q, w, ik, sc, 1, table, pos))
+                    if integer and D in (16, 64):
+                        np.testing.assert_array_equal(got[fin], ref[fin])
+                        np.testing.assert_array_equal(sel, topk_oracle(ref, k))
+                    else:
+                        scale = np.abs(ref[fin]).max()
+                        np.testing.assert_allclose(got[fin], ref[fin], rtol=0, atol=1e-5 * scale)
+                        assert_same_topk_up_to_near_ties(sel, ref, k, 1e-5 * scale)
+
+
+@pytest.mark.gpu
+def test_model_outputs_with_topk_kernels_on_and_off():
+    """The indexer through the kernels vs the jnp composition inside the model: greedy tokens and
+    logits to rounding (score rounding differs, so a near-tie may pick another key)."""
+    import pallas_kernels.topk as tk
+    from models.model import prefill_logits
+    from tests.helpers import hf_model, rel_err
+
+    model = hf_model("glm_indexcache")
+    tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 40))
+    out = {}
+    try:
+        for on in (True, False):
+            tk.KERNELS_ENABLED = on
+            jax.clear_caches()
+            out[on] = {p: np.asarray(prefill_logits(model, tokens, attn_path=p, index_dtype=d))
+                       for p, d in (("expanded", "same"), ("absorbed", "fp8"))}
+    finally:
+        tk.KERNELS_ENABLED = True
+        jax.clear_caches()
+    for p in out[True]:
+        err = rel_err(out[True][p], out[False][p])
+        print(f"top-k kernels on vs off ({p}): rel err {err:.2e}")
+        assert err <= 1e-4, (p, err)
+        np.testing.assert_array_equal(out[True][p].argmax(-1), out[False][p].argmax(-1))
