@@ -78,7 +78,7 @@ def cmd_convert(args) -> int:
 def _engine_config(args, **over):
     from cpkv_jax.engine import EngineConfig
     kw = dict(page_size=args.page_size, kv_pages=args.kv_pages, dtype=args.dtype, cp_size=args.cp,
-              cp_mode=args.cp_mode)
+              cp_mode=args.cp_mode, hicache_pages=args.hicache_pages, hicache_policy=args.hicache_policy)
     kw.update(over)
     return EngineConfig(**kw)
 
@@ -265,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "split over them (default 1)")
         q.add_argument("--cp-mode", choices=("zigzag", "round_robin"), default="zigzag",
                        help="CP token split (default: page-aligned zigzag)")
+        q.add_argument("--hicache-pages", type=int, default=0,
+                       help="host KV tier (pinned host memory) under the prefix cache, in pages (default 0: off)")
+        q.add_argument("--hicache-policy", choices=("write_through", "write_through_selective"),
+                       default="write_through", help="back pages up on first insert (default) or on the second hit")
 
     g = sub.add_parser("generate", help="generate tokens for one or more prompts (one batch)",
                        description="Run prompts through the engine (continuous batching, paged KV, prefix "

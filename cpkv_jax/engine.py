@@ -54,6 +54,8 @@ class EngineConfig:
     cp_short_policy: str = "owner"   # requests with < 2*cp new pages: 'owner' (page-aligned) or 'token_balanced'
     speculative: str | None = None   # 'nextn': EAGLE/NextN speculative decoding with the checkpoint's MTP layer
     num_draft_tokens: int = 2        # draft tokens proposed per decode round (chain)
+    hicache_pages: int = 0           # host KV tier size in pages (pinned host memory); 0 = off
+    hicache_policy: str = "write_through"  # or 'write_through_selective' (back up on the second hit)
 
     def validate(self) -> "EngineConfig":
         def positive(name, minimum=1):
@@ -82,6 +84,18 @@ class EngineConfig:
         if self.speculative not in (None, "nextn"):
             raise EngineConfigError(f"speculative must be None or 'nextn', got {self.speculative!r}")
         positive("num_draft_tokens")
+        if self.hicache_pages:
+            from cpkv_jax.hicache import WRITE_POLICIES
+            positive("hicache_pages", 2)
+            if not self.prefix_cache:
+                raise EngineConfigError("hicache_pages needs prefix_cache=True: the host tier lives under the "
+                                        "radix prefix cache")
+            if self.cp_size > 1:
+                raise EngineConfigError("hicache_pages with cp_size > 1 is not supported yet (the host tier "
+                                        "is single-device); use one or the other")
+            if self.hicache_policy not in WRITE_POLICIES:
+                raise EngineConfigError(f"hicache_policy must be one of {WRITE_POLICIES}, got "
+                                        f"{self.hicache_policy!r}")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise EngineConfigError(f"dtype must be None, 'float32' or 'bfloat16', got {self.dtype!r}")
         return self
@@ -182,8 +196,14 @@ class Engine:
         # spec mode: bigram keys, since the draft KV at position i depends on token i+1
         self.radix = RadixCache(ps, bigram=self.spec) if config.prefix_cache else None
         self.spec_tokens = config.num_draft_tokens if self.spec else 0
+        self.hicache = None
+        if config.hicache_pages:
+            from cpkv_jax.hicache import HiCache
+            self.hicache = HiCache(self.pool, self.radix, config.hicache_pages, full_layers=self.cfg.full_layers,
+                                   policy=config.hicache_policy)
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=ps, max_running=config.max_running,
-                                   max_prefill_tokens=config.max_prefill_tokens, lookahead=self.spec_tokens)
+                                   max_prefill_tokens=config.max_prefill_tokens, lookahead=self.spec_tokens,
+                                   hicache=self.hicache)
         self.max_context = min(self.cfg.max_position_embeddings, self.allocator.capacity * ps)
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}

@@ -40,6 +40,7 @@ class Request:
     drafts: list[int] = dataclasses.field(default_factory=list)   # speculative proposals for the next round
     draft_q: list = dataclasses.field(default_factory=list)       # the distributions they were drawn from
     node: TreeNode | None = None        # locked radix node covering pages[:shared_pages]
+    host_res: object | None = None      # HiCache reservation for the prompt's pages (write-through)
     shared_pages: int = 0               # leading pages owned by the radix tree (not freed by us)
     cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
     computed: int = 0                   # positions whose KV is in the pool
@@ -76,9 +77,10 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, radix: RadixCache | None, *, page_size: int,
-                 max_running: int, max_prefill_tokens: int, lookahead: int = 0):
+                 max_running: int, max_prefill_tokens: int, lookahead: int = 0, hicache=None):
         self.allocator = allocator
         self.radix = radix
+        self.hicache = hicache  # cpkv_jax.hicache.HiCache: host tier under the radix tree, or None
         self.page_size = page_size
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
@@ -106,25 +108,40 @@ class Scheduler:
 
     def _reserve(self, req: Request) -> bool:
         ps = self.page_size
-        prefix, node = np.zeros(0, np.int32), None
+        prefix, host, node, m = np.zeros(0, np.int32), np.zeros(0, np.int32), None, None
         if self.radix is not None:
             # at least the last prompt token is computed: its logits give the first output token
-            prefix, node = self.radix.match_prefix(req.prompt[:-1])
+            m = self.radix.match(req.prompt[:-1], count_hit=True)
+            prefix, host, node = m.device_pages, m.host_pages, m.node
             self.radix.lock(node)
-        need = pages_for(req.kv_capacity + self.lookahead, ps) - len(prefix)
+        need = pages_for(req.kv_capacity + self.lookahead, ps) - len(prefix)  # host-matched pages included
         short = need - (self.allocator.num_free - self.reserved_pages)
         if short > 0 and self.radix is not None:
-            self.radix.evict(short, self.allocator.free)
+            self.radix.evict(short, self.allocator.free, self._free_host)
         if need > self.allocator.num_free - self.reserved_pages:
             if node is not None:
                 self.radix.unlock(node)
             return False
+        if len(host):  # host-only prefix: device pages now, loaded before the request's first step
+            loaded = self.allocator.alloc(len(host), 0)
+            self.hicache.load(host, loaded)
+            self.radix.restore_device(m.host_nodes, loaded)
+            prefix = np.concatenate([prefix, loaded])
+            need -= len(host)
         req.pages = prefix.astype(np.int32)
         req.reserved = need
         self.reserved_pages += need
         req.node, req.shared_pages = node, len(prefix)
         req.cached_tokens = req.computed = len(prefix) * ps
+        if self.hicache is not None:
+            if self.hicache.policy == "write_through":
+                req.host_res = self.hicache.reserve_host_slots(req.rid, req.prompt)
+            elif node is not None and m.device_node.hits >= 2 and len(prefix):  # selective: second hit
+                self.hicache.write_back(req.rid, req.prompt[:-1], req.pages, np.arange(len(prefix)))
         return True
+
+    def _free_host(self, pages) -> None:
+        self.hicache.allocator.free(pages)
 
     def allocate(self, req: Request, owners) -> None:
         """Allocate the request's next pages from its reservation, one per entry of `owners` (the CP
@@ -178,6 +195,9 @@ class Scheduler:
         requests admitted while this one decodes already share them."""
         if self.radix is not None:
             self._publish(req, req.prompt[:req.computed])
+        if req.host_res is not None:
+            self.hicache.finish_backup(req.host_res, req.pages)
+            req.host_res = None
 
     def append_token(self, req: Request, token: int, logprob: float) -> None:
         now = time.perf_counter()
@@ -201,8 +221,13 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
             return
+        if req.host_res is not None:  # aborted before its prompt was published
+            self.hicache.rollback(req.host_res)
+            req.host_res = None
         if self.radix is not None and req.finish_reason != "abort":
             self._publish(req, req.tokens()[:req.computed])
+            if self.hicache is not None and self.hicache.policy == "write_through":
+                self.hicache.write_back(req.rid, req.tokens()[:req.computed], req.pages)
         self.allocator.free(req.pages[req.shared_pages:])
         req.pages = req.pages[:0]
         self.reserved_pages -= req.reserved
@@ -243,4 +268,7 @@ class Scheduler:
                "request_pages": int(sum(len(r.pages) - r.shared_pages for r in self.running))}
         if self.radix is not None:
             out["radix"] = self.radix.stats()
+        if self.hicache is not None:
+            out["hicache"] = dict(self.hicache.stats, free_host_pages=self.hicache.allocator.num_free,
+                                  host_pages=self.hicache.allocator.capacity)
         return out

@@ -63,6 +63,7 @@ def test_convert_fp8_dequantizes_and_matches_hf(tmp_path, capsys):
     (["generate", "--tokens", "1,2", "--kv-pages", "1"], "kv_pages"),
     (["generate", "--tokens", "1,2", "--max-new-tokens", "5000"], "exceeds the model's context"),
     (["generate"], "at least one --prompt"),
+    (["generate", "--tokens", "1,2", "--hicache-pages", "8", "--cp", "2"], "hicache_pages with cp_size"),
 ])
 def test_cli_errors_exit_nonzero_with_message(tmp_path, args, message):
     r = run_cli(*args)
@@ -123,3 +124,14 @@ def test_generate_speculative_matches_plain(capsys):
     spec = json.loads(capsys.readouterr().out)
     assert spec["outputs"][0]["token_ids"] == plain["outputs"][0]["token_ids"]
     assert spec["timing"]["spec_rounds"] > 0 and spec["timing"]["spec_acceptance_length"] >= 1.0
+
+
+def test_generate_with_host_cache_matches_plain(capsys):
+    base = ["generate", "--tokens", ",".join(str(t) for t in range(3, 70)), "--tokens",
+            ",".join(str(t) for t in range(3, 60)), "--max-new-tokens", "4", "--page-size", "16", "--kv-pages", "64",
+            "--json", "--ignore-eos"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--hicache-pages", "32"]) == 0
+    host = json.loads(capsys.readouterr().out)
+    assert [o["token_ids"] for o in host["outputs"]] == [o["token_ids"] for o in plain["outputs"]]

@@ -1,0 +1,237 @@
+"""HiCache (host KV tier under the radix cache): byte-perfect round trips, outputs with eviction to
+host and reload equal to an unbounded device pool, no duplicate backups for repeated prompts,
+nothing visible after a failed backup, host exhaustion, IndexCache bytes, config errors."""
+
+import dataclasses
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpkv_jax.engine import Engine, EngineConfig, EngineConfigError
+from cpkv_jax.kv_pool import page_slots
+from cpkv_jax.sampling import SamplingParams
+from models.weights import load_model
+
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def shared_prefix_prompts(rng, vocab, n_systems=3, n_suffixes=4):
+    systems = [rng.integers(2, vocab, int(n)).tolist() for n in rng.integers(33, 80, n_systems)]
+    suffixes = [rng.integers(2, vocab, int(n)).tolist() for n in rng.integers(1, 40, n_suffixes)]
+    return [s + u for s in systems for u in suffixes]
+
+
+def check_invariants(eng):
+    s = eng.stats()
+    assert s["free_pages"] + s["radix"]["pages"] + s["request_pages"] == s["total_pages"]
+    eng.hicache.check()
+
+
+def page_hashes(pool_tree, pages, page_size):
+    """sha1 per (leaf, layer) of the rows of `pages` (in order)."""
+    slots = page_slots(np.asarray(pages), page_size)
+    out = {}
+    for name in ("latent", "k_rope", "index_k", "index_scale"):
+        leaf = getattr(pool_tree, name)
+        if leaf is None:
+            continue
+        rows = np.asarray(leaf)[:, slots]
+        for layer in range(rows.shape[0]):
+            out[name, layer] = hashlib.sha1(rows[layer].tobytes()).hexdigest()
+    return out
+
+
+def nodes_with(radix, want_device, want_host):
+    return [n for n in radix._nodes() if (n.on_device == want_device) and ((n.host_pages is not None) == want_host)]
+
+
+def record_round_trips(eng):
+    """Wrap the engine's HiCache so every backed-up page is hashed per (leaf, layer) on the device at
+    backup time (and its host copy checked against it), and every loaded page is compared, on the
+    device right after the load, with the hashes of the backup it came from."""
+    h, ps = eng.hicache, eng.config.page_size
+    at_backup, checked = {}, {"pages": 0, "loads": 0}
+    backup, load = h.backup, h.load
+
+    def trees():
+        return [(eng.pool.cache, h.cache)] + ([(eng.pool.draft, h.draft)] if h.draft is not None else [])
+
+    def wrapped_backup(res, dev_pages):
+        backup(res, dev_pages)
+        for hp, dp in zip(res.host_pages, np.asarray(dev_pages)[res.page_index]):
+            dev = [page_hashes(d, [dp], ps) for d, _ in trees()]
+            assert dev == [page_hashes(hh, [hp], ps) for _, hh in trees()]
+            at_backup[int(hp)] = dev
+
+    def wrapped_load(host_pages, dev_pages):
+        load(host_pages, dev_pages)
+        for hp, dp in zip(host_pages, dev_pages):
+            assert [page_hashes(d, [dp], ps) for d, _ in trees()] == at_backup[int(hp)]
+            checked["pages"] += 1
+        checked["loads"] += 1
+
+    h.backup, h.load = wrapped_backup, wrapped_load
+    return checked
+
+
+@pytest.mark.parametrize("speculative", [None, "nextn"])
+def test_backup_and_reload_are_byte_perfect_per_layer(tiny, speculative):
+    """Main KV, index-K and its scales (and the draft layer in spec mode), every layer: the bytes
+    loaded back equal the bytes at backup, after the freed device pages were overwritten."""
+    rng = np.random.default_rng(0)
+    prompts = shared_prefix_prompts(rng, tiny.cfg.vocab_size, 2, 3)
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=96, max_prefill_tokens=64, index_dtype="fp8",
+                                    hicache_pages=128, speculative=speculative))
+    checked = record_round_trips(eng)
+    first = eng.generate(prompts, GREEDY)
+    assert nodes_with(eng.radix, True, True), "nothing was backed up"
+    eng.radix.evict(10 ** 9, eng.allocator.free, eng.scheduler._free_host)
+    assert not nodes_with(eng.radix, True, True) and nodes_with(eng.radix, False, True)
+    eng.generate([rng.integers(2, tiny.cfg.vocab_size, 300).tolist()], GREEDY)  # overwrites freed pages
+    again = eng.generate(prompts, GREEDY)
+    assert checked["loads"] > 0 and checked["pages"] >= 6, checked
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert all(o.cached_tokens > 0 for o in again)
+    check_invariants(eng)
+
+
+def test_small_device_pool_with_host_tier_equals_unbounded_pool(tiny):
+    """Many prompts sharing prefixes, arriving over time, through a device pool that must evict to
+    host and reload: greedy outputs equal those of a pool that never evicts."""
+    rng = np.random.default_rng(1)
+    prompts = shared_prefix_prompts(rng, tiny.cfg.vocab_size, 5, 5)
+    order = [int(i) for i in rng.integers(0, len(prompts), 60)]
+    base = EngineConfig(page_size=16, kv_pages=512, max_running=8, max_prefill_tokens=128, index_dtype="fp8")
+    want = Engine(tiny, base).generate([prompts[i] for i in order], GREEDY)
+
+    eng = Engine(tiny, dataclasses.replace(base, kv_pages=40, hicache_pages=400))
+    got, pending, k = {}, {}, 0
+    while k < len(order) or eng.has_unfinished():
+        for _ in range(int(rng.integers(0, 4))):
+            if k < len(order):
+                pending[eng.add_request(prompts[order[k]], GREEDY)] = k
+                k += 1
+        for ev in eng.step():
+            if ev.finish_reason is not None:
+                got[pending.pop(ev.rid)] = eng.output(ev.rid).token_ids
+        check_invariants(eng)
+    assert [got[i] for i in range(len(order))] == [o.token_ids for o in want]
+    h = eng.hicache.stats
+    assert eng.radix.evicted_pages > 0 and h["loads"] > 0 and h["load_pages"] > 0, h
+    assert h["insert_miss_rollbacks"] == 0
+
+
+@pytest.mark.parametrize("speculative", [None, "nextn"])
+def test_repeated_prompts_prepare_no_duplicate_backups(tiny, speculative):
+    """The same prompts again and again (one at a time and several at once): each page is backed up
+    once, and no reservation is rolled back as an insert miss. Without the final-prefix probe the
+    same traffic does roll back (the counter can fail)."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, tiny.cfg.vocab_size, int(n)).tolist() for n in (70, 50)]
+    for probe in (True, False):
+        eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=128, max_prefill_tokens=64, hicache_pages=64,
+                                        speculative=speculative))
+        eng.hicache.probe_final_prefix = probe
+        for _ in range(3):
+            eng.generate(prompts, GREEDY)
+        eng.generate(prompts * 3, GREEDY)
+        h = eng.hicache.stats
+        if probe:
+            assert h["insert_miss_rollbacks"] == 0 and h["rollbacks"] == 0, h
+            backed = sum(len(eng.radix.key_of(p)) // 16 for p in prompts)
+            out_pages = sum(len(eng.radix.key_of(p + o.token_ids[:-1])) // 16
+                            for p, o in zip(prompts, eng.generate(prompts, GREEDY)))
+            assert backed <= h["backup_pages"] <= out_pages, h
+        else:
+            assert h["insert_miss_rollbacks"] > 0, h
+        check_invariants(eng)
+
+
+def test_failed_backup_leaves_nothing_visible_and_returns_slots(tiny):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, tiny.cfg.vocab_size, 60).tolist()]
+    want = Engine(tiny, EngineConfig(page_size=16, kv_pages=64)).generate(prompts, GREEDY)
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, hicache_pages=32))
+    eng.hicache.fail_at_layer = 2               # layers 0, 1 are copied and acknowledged, then a failure
+    got = eng.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    h = eng.hicache.stats
+    assert h["failed_backups"] >= 1 and h["rollbacks"] == h["failed_backups"] and h["commits"] == 0
+    assert len(eng.radix.all_host_pages()) == 0 and not eng.hicache.pending
+    assert eng.hicache.allocator.num_free == eng.hicache.allocator.capacity
+    # an aborted request rolls back its reservation
+    eng.hicache.fail_at_layer = None
+    rid = eng.add_request(rng.integers(2, tiny.cfg.vocab_size, 90).tolist(), GREEDY)
+    eng.scheduler.admit()                       # reserved before its forward, then aborted
+    assert eng.hicache.pending
+    eng.abort(rid)
+    assert not eng.hicache.pending and eng.hicache.allocator.num_free == eng.hicache.allocator.capacity
+    check_invariants(eng)
+
+
+def test_host_pool_exhaustion(tiny):
+    rng = np.random.default_rng(4)
+    prompts = shared_prefix_prompts(rng, tiny.cfg.vocab_size, 4, 3)
+    base = EngineConfig(page_size=16, kv_pages=40, max_prefill_tokens=128)
+    want = Engine(tiny, dataclasses.replace(base, kv_pages=512)).generate(prompts * 2, GREEDY)
+    eng = Engine(tiny, dataclasses.replace(base, hicache_pages=6))
+    got = eng.generate(prompts * 2, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    h = eng.hicache.stats
+    assert h["skipped_backups"] + h["host_evicted_pages"] > 0, h
+    check_invariants(eng)
+
+
+def test_selective_policy_backs_up_on_the_second_hit(tiny):
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(2, tiny.cfg.vocab_size, 60).tolist()
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, hicache_pages=32,
+                                    hicache_policy="write_through_selective"))
+    eng.generate([prompt], GREEDY)
+    assert eng.hicache.stats["backups"] == 0
+    eng.generate([prompt], GREEDY)               # first hit
+    eng.generate([prompt], GREEDY)               # second hit: the matched pages are backed up
+    assert eng.hicache.stats["backups"] == 1 and eng.hicache.stats["backup_pages"] == 3
+    check_invariants(eng)
+
+
+def test_indexcache_moves_index_keys_of_full_layers_only():
+    """freq 4 / offset 3 over 8 layers: full layers 0, 1, 2, 6 (REFERENCE.md's formula); index-K bytes
+    per backed-up page = full layers x 132 B (128 fp8 + a 4-byte scale) per token; the 4 shared
+    layers move none, while main KV moves for all 8."""
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.model import DsaModel
+
+    cfg = ModelConfig.named("tiny", num_hidden_layers=8, index_head_dim=128, index_topk_freq=4,
+                            index_skip_topk_offset=3)
+    assert cfg.full_layers == (0, 1, 2, 6)
+    model = DsaModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    eng = Engine(model, EngineConfig(page_size=16, kv_pages=32, hicache_pages=16, index_dtype="fp8"))
+    eng.generate([list(range(2, 50))], GREEDY)
+    h = eng.hicache.stats
+    pages = h["backup_pages"]
+    assert pages == 3
+    index_bytes = h["d2h_bytes"]["index_k"] + h["d2h_bytes"]["index_scale"]
+    assert index_bytes == pages * 16 * len(cfg.full_layers) * 132
+    main = h["d2h_bytes"]["latent"] + h["d2h_bytes"]["k_rope"]
+    assert main == pages * 16 * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+
+
+def test_hicache_config_errors(tiny):
+    with pytest.raises(EngineConfigError, match="prefix_cache"):
+        EngineConfig(hicache_pages=8, prefix_cache=False).validate()
+    with pytest.raises(EngineConfigError, match="cp_size"):
+        EngineConfig(hicache_pages=8, cp_size=2, kv_pages=64).validate()
+    with pytest.raises(EngineConfigError, match="hicache_policy"):
+        EngineConfig(hicache_pages=8, hicache_policy="write_back").validate()
+    with pytest.raises(EngineConfigError, match="hicache_pages"):
+        EngineConfig(hicache_pages=1).validate()
