@@ -90,9 +90,9 @@ class EngineConfig:
             if not self.prefix_cache:
                 raise EngineConfigError("hicache_pages needs prefix_cache=True: the host tier lives under the "
                                         "radix prefix cache")
-            if self.cp_size > 1:
-                raise EngineConfigError("hicache_pages with cp_size > 1 is not supported yet (the host tier "
-                                        "is single-device); use one or the other")
+            if self.hicache_pages % self.cp_size or self.hicache_pages // self.cp_size < 2:
+                raise EngineConfigError(f"hicache_pages ({self.hicache_pages}) must be a multiple of cp_size "
+                                        f"({self.cp_size}) with at least 2 pages per rank")
             if self.hicache_policy not in WRITE_POLICIES:
                 raise EngineConfigError(f"hicache_policy must be one of {WRITE_POLICIES}, got "
                                         f"{self.hicache_policy!r}")
@@ -200,7 +200,8 @@ class Engine:
         if config.hicache_pages:
             from cpkv_jax.hicache import HiCache
             self.hicache = HiCache(self.pool, self.radix, config.hicache_pages, full_layers=self.cfg.full_layers,
-                                   policy=config.hicache_policy)
+                                   policy=config.hicache_policy, mesh=self.mesh,
+                                   device_pages_per_rank=self.allocator.pages_per_rank)
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=ps, max_running=config.max_running,
                                    max_prefill_tokens=config.max_prefill_tokens, lookahead=self.spec_tokens,
                                    hicache=self.hicache)

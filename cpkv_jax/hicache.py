@@ -58,46 +58,69 @@ def _copy_layer_pages(dst, src, dst_layer, src_layer, dst_pages, src_pages, page
     return jax.lax.fori_loop(0, dst_pages.shape[0], body, dst)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "to_host"), donate_argnums=(0,))
-def _copy_pages(dst: tuple, src: tuple, dst_layers, src_layers, dst_pages, src_pages, *, page_size: int,
-                to_host: bool):
-    """Per leaf pair, one layer's pages (layer ids per leaf, traced). dst is donated."""
-    return tuple(_copy_layer_pages(d, s, dl, sl, dst_pages, src_pages, page_size, to_host)
-                 for d, s, dl, sl in zip(dst, src, dst_layers, src_layers))
+@functools.partial(jax.jit, static_argnames=("page_size", "to_host", "mesh"), donate_argnums=(0,))
+def _copy_pages(dst: tuple, src: tuple, layers, dst_pages, src_pages, *, page_size: int, to_host: bool, mesh):
+    """Per leaf pair, one layer's pages (layer id per leaf, traced). Page lists are [ranks, n] of
+    rank-local pages: under CP each rank copies between its own shards (shard_map, no collective).
+    dst is donated."""
+    def local(dst, src, layers, dst_pages, src_pages):
+        return tuple(_copy_layer_pages(d, s, layers[j], layers[j], dst_pages[0], src_pages[0], page_size, to_host)
+                     for j, (d, s) in enumerate(zip(dst, src)))
+    if mesh is None:
+        return local(dst, src, layers, dst_pages, src_pages)
+    from jax.sharding import PartitionSpec as P
+    pools = tuple(P(None, "cp") for _ in dst)
+    return jax.shard_map(local, mesh=mesh, in_specs=(pools, pools, P(), P("cp"), P("cp")), out_specs=pools)(
+        dst, src, layers, dst_pages, src_pages)
 
 
 @dataclasses.dataclass
 class Reservation:
-    """Host pages reserved for pages `page_index` of key_of(tokens), and the per-layer acks."""
+    """A count of host pages reserved for pages `page_index` of key_of(tokens); the host pages
+    themselves are taken at backup from the ranks owning the device pages (under CP those are only
+    known once the forward planned them). Per-layer acks."""
 
     rid: int
     tokens: tuple
     page_index: np.ndarray
-    host_pages: np.ndarray
+    host_pages: np.ndarray | None = None
     acked: set = dataclasses.field(default_factory=set)
     state: str = "reserved"          # reserved -> committed | rolled_back
 
 
 class HiCache:
-    """Host pool + allocator + the backup/load protocol over one RadixCache (single device)."""
+    """Host pool + allocator + the backup/load protocol over one RadixCache. Under CP (mesh) the host
+    pool is sharded like the device pool: host page h lives on rank h // pages_per_rank, and a device
+    page is only ever copied to or from a host page of its own rank."""
 
     def __init__(self, pool: KVPool, radix: RadixCache, num_pages: int, *, full_layers: tuple[int, ...],
-                 policy: str = "write_through", probe_final_prefix: bool = True):
+                 policy: str = "write_through", probe_final_prefix: bool = True, mesh=None,
+                 device_pages_per_rank: int | None = None):
         if policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {policy!r}")
         self.pool, self.radix, self.policy = pool, radix, policy
         self.page_size = pool.page_size
         self.probe_final_prefix = probe_final_prefix
-        self.allocator = PageAllocator(num_pages, 1)
+        self.mesh = mesh
+        self.ranks = 1 if mesh is None else mesh.shape["cp"]
+        self.allocator = PageAllocator(num_pages, self.ranks)
+        self.device_pages_per_rank = device_pages_per_rank or pool.num_pages
+        self.reserved = 0                             # host pages promised to reservations in flight
+        self.open: dict[int, Reservation] = {}        # reservations neither committed nor rolled back
+
+        if mesh is None:
+            where = jax.memory.Space.Host
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+            where = NamedSharding(mesh, P(None, "cp"), memory_kind="pinned_host")
 
         def host_twin(cache: KVCache | None):
-            # from a host numpy buffer: the pool never passes through device memory; placed with
-            # Space.Host so its aval is host-resident inside jit (block copies into it stay copies)
+            # from a host numpy buffer: the pool never passes through device memory; its aval is
+            # host-resident inside jit, so block copies into it stay copies
             if cache is None:
                 return None
             return jax.tree.map(lambda x: jax.device_put(
-                np.zeros((x.shape[0], num_pages * self.page_size) + x.shape[2:], x.dtype), jax.memory.Space.Host),
-                cache)
+                np.zeros((x.shape[0], num_pages * self.page_size) + x.shape[2:], x.dtype), where), cache)
         self.cache, self.draft = host_twin(pool.cache), host_twin(pool.draft)
         self.num_layers = pool.cache.latent.shape[0]
         self.full_index = {layer: i for i, layer in enumerate(full_layers)}
@@ -127,19 +150,33 @@ class HiCache:
         units = [(layer, False) for layer in range(self.num_layers)]
         return units + ([(0, True)] if self.draft is not None else [])
 
+    def _local_lists(self, host_pages, dev_pages):
+        """[ranks, n] rank-local (host, device) page lists; padding copies each rank's device dummy
+        page onto its host page 0 (never allocated)."""
+        host_pages, dev_pages = np.asarray(host_pages, np.int64), np.asarray(dev_pages, np.int64)
+        rank = host_pages // self.allocator.pages_per_rank
+        if (dev_pages // self.device_pages_per_rank != rank).any():
+            raise AssertionError("a host page on another rank than its device page")
+        width = _bucket(max(int(np.bincount(rank, minlength=self.ranks).max()), 1))
+        hp = np.zeros((self.ranks, width), np.int32)
+        dp = np.zeros((self.ranks, width), np.int32)
+        for r in range(self.ranks):
+            mine = rank == r
+            hp[r, :mine.sum()] = host_pages[mine] - r * self.allocator.pages_per_rank
+            dp[r, :mine.sum()] = dev_pages[mine] - r * self.device_pages_per_rank
+        return hp, dp
+
     def _move(self, unit, host_pages, dev_pages, to_host: bool) -> None:
         layer, draft = unit
         names, ids = self._layer_leaves(layer, draft)
         host, dev = (self.draft, self.pool.draft) if draft else (self.cache, self.pool.cache)
         n = len(host_pages)
-        hp = np.zeros(_bucket(n), np.int32)   # padding copies the dummy page onto host page 0 (unused)
-        dp = np.zeros(_bucket(n), np.int32)
-        hp[:n], dp[:n] = host_pages, dev_pages
+        hp, dp = self._local_lists(host_pages, dev_pages)
         src, dst = (dev, host) if to_host else (host, dev)
         moved = _copy_pages(tuple(getattr(dst, k) for k in names), tuple(getattr(src, k) for k in names),
-                            jnp.asarray(ids, jnp.int32), jnp.asarray(ids, jnp.int32),
-                            jnp.asarray(hp if to_host else dp), jnp.asarray(dp if to_host else hp),
-                            page_size=self.page_size, to_host=to_host)
+                            jnp.asarray(ids, jnp.int32), jnp.asarray(hp if to_host else dp),
+                            jnp.asarray(dp if to_host else hp), page_size=self.page_size, to_host=to_host,
+                            mesh=self.mesh)
         updated = dataclasses.replace(dst, **dict(zip(names, moved)))
         if to_host:
             if draft:
@@ -187,23 +224,41 @@ class HiCache:
             want = np.intersect1d(want, pages_wanted)
         if len(want) == 0:
             return None
-        short = len(want) - self.allocator.num_free
+        short = len(want) - (self.allocator.num_free - self.reserved)
         if short > 0:
             self.stats["host_evicted_pages"] += self.radix.evict_host(short, self.allocator.free)
-        try:
-            host_pages = self.allocator.alloc(len(want), 0)
-        except OutOfPages:
+        if len(want) > self.allocator.num_free - self.reserved:
             self.stats["skipped_backups"] += 1
             return None
-        res = Reservation(rid, tuple(int(t) for t in tokens), want.astype(np.int32), host_pages)
+        res = Reservation(rid, tuple(int(t) for t in tokens), want.astype(np.int32))
+        self.reserved += len(want)
+        self.open[id(res)] = res
         for i in want:
             self.pending.setdefault(prefixes[i], res)
         return res
+
+    def device_rank(self, dev_pages) -> np.ndarray:
+        return np.asarray(dev_pages, np.int64) // self.device_pages_per_rank
+
+    def host_rank(self, host_pages) -> np.ndarray:
+        return self.allocator.owner(host_pages)
+
+    def _take_host_pages(self, res: Reservation, src: np.ndarray) -> bool:
+        """The reservation's host pages, each from its device page's rank; False if a rank is short."""
+        ranks = self.device_rank(src)
+        need = np.bincount(ranks, minlength=self.ranks)
+        if (need > self.allocator.free_per_rank()).any():
+            return False
+        res.host_pages = np.array([int(self.allocator.alloc(1, int(r))[0]) for r in ranks], np.int32)
+        self.reserved -= len(res.page_index)
+        return True
 
     def backup(self, res: Reservation, dev_pages: np.ndarray) -> None:
         """Copy every layer of the reserved pages (device pages `dev_pages` of the request's page
         table, indexed like the key) to host and acknowledge each layer as its copy completes."""
         src = np.asarray(dev_pages)[res.page_index]
+        if res.host_pages is None and not self._take_host_pages(res, src):
+            raise OutOfPages("a CP rank's host pool is short for this backup")
         for unit in self._layers():
             if self.fail_at_layer is not None and unit == (self.fail_at_layer, False):
                 raise RuntimeError(f"injected backup failure at layer {unit[0]}")
@@ -229,11 +284,15 @@ class HiCache:
     def rollback(self, res: Reservation) -> None:
         if res.state != "reserved":
             return
-        self.allocator.free(res.host_pages)
+        if res.host_pages is None:
+            self.reserved -= len(res.page_index)
+        else:
+            self.allocator.free(res.host_pages)
         self._release(res, "rolled_back")
         self.stats["rollbacks"] += 1
 
     def _release(self, res: Reservation, state: str) -> None:
+        self.open.pop(id(res), None)
         prefixes = self._prefix_keys(res.tokens)
         for i in res.page_index:
             if self.pending.get(prefixes[i]) is res:
@@ -251,6 +310,10 @@ class HiCache:
         the request only loses its backup."""
         try:
             self.backup(res, dev_pages)
+        except OutOfPages:          # a CP rank's host pool is short: skip this backup
+            self.rollback(res)
+            self.stats["skipped_backups"] += 1
+            return False
         except Exception:
             self.rollback(res)
             self.stats["failed_backups"] += 1
@@ -260,8 +323,11 @@ class HiCache:
 
     def check(self) -> None:
         """Host pages: tree-held + free + in flight = all, each exactly once."""
+        in_flight = self.open.values()
         held = np.concatenate([self.radix.all_host_pages()]
-                              + [r.host_pages for r in {id(r): r for r in self.pending.values()}.values()])
+                              + [r.host_pages for r in in_flight if r.host_pages is not None])
+        if self.reserved != sum(len(r.page_index) for r in in_flight if r.host_pages is None):
+            raise AssertionError(f"host reservation count {self.reserved} does not match the reservations")
         free = np.flatnonzero(self.allocator._is_free)
         every = np.concatenate([held, free])
         if len(np.unique(every)) != len(every) or len(every) != self.allocator.capacity:

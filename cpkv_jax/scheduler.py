@@ -113,6 +113,8 @@ class Scheduler:
             # at least the last prompt token is computed: its logits give the first output token
             m = self.radix.match(req.prompt[:-1], count_hit=True)
             prefix, host, node = m.device_pages, m.host_pages, m.node
+            if len(host) and not self._can_load(host):  # a rank is short: recompute instead
+                host, node = host[:0], m.device_node
             self.radix.lock(node)
         need = pages_for(req.kv_capacity + self.lookahead, ps) - len(prefix)  # host-matched pages included
         short = need - (self.allocator.num_free - self.reserved_pages)
@@ -122,8 +124,9 @@ class Scheduler:
             if node is not None:
                 self.radix.unlock(node)
             return False
-        if len(host):  # host-only prefix: device pages now, loaded before the request's first step
-            loaded = self.allocator.alloc(len(host), 0)
+        if len(host):  # host-only prefix: device pages now (on the host pages' ranks), loaded before the first step
+            loaded = np.array([int(self.allocator.alloc(1, int(r))[0]) for r in self.hicache.host_rank(host)],
+                              np.int32)
             self.hicache.load(host, loaded)
             self.radix.restore_device(m.host_nodes, loaded)
             prefix = np.concatenate([prefix, loaded])
@@ -139,6 +142,11 @@ class Scheduler:
             elif node is not None and m.device_node.hits >= 2 and len(prefix):  # selective: second hit
                 self.hicache.write_back(req.rid, req.prompt[:-1], req.pages, np.arange(len(prefix)))
         return True
+
+    def _can_load(self, host_pages) -> bool:
+        """Every host page's rank has a free device page for it (loads stay on their rank)."""
+        need = np.bincount(self.hicache.host_rank(host_pages), minlength=self.allocator.ranks)
+        return bool((need <= self.allocator.free_per_rank()).all())
 
     def _free_host(self, pages) -> None:
         self.hicache.allocator.free(pages)

@@ -63,7 +63,7 @@ def test_convert_fp8_dequantizes_and_matches_hf(tmp_path, capsys):
     (["generate", "--tokens", "1,2", "--kv-pages", "1"], "kv_pages"),
     (["generate", "--tokens", "1,2", "--max-new-tokens", "5000"], "exceeds the model's context"),
     (["generate"], "at least one --prompt"),
-    (["generate", "--tokens", "1,2", "--hicache-pages", "8", "--cp", "2"], "hicache_pages with cp_size"),
+    (["generate", "--tokens", "1,2", "--hicache-pages", "9", "--cp", "2"], "multiple of cp_size"),
 ])
 def test_cli_errors_exit_nonzero_with_message(tmp_path, args, message):
     r = run_cli(*args)

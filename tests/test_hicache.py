@@ -57,7 +57,7 @@ def record_round_trips(eng):
     backup time (and its host copy checked against it), and every loaded page is compared, on the
     device right after the load, with the hashes of the backup it came from."""
     h, ps = eng.hicache, eng.config.page_size
-    at_backup, checked = {}, {"pages": 0, "loads": 0}
+    at_backup, checked = {}, {"pages": 0, "loads": 0, "host_pages": set()}
     backup, load = h.backup, h.load
 
     def trees():
@@ -75,20 +75,22 @@ def record_round_trips(eng):
         for hp, dp in zip(host_pages, dev_pages):
             assert [page_hashes(d, [dp], ps) for d, _ in trees()] == at_backup[int(hp)]
             checked["pages"] += 1
+            checked["host_pages"].add(int(hp))
         checked["loads"] += 1
 
     h.backup, h.load = wrapped_backup, wrapped_load
     return checked
 
 
-@pytest.mark.parametrize("speculative", [None, "nextn"])
-def test_backup_and_reload_are_byte_perfect_per_layer(tiny, speculative):
+@pytest.mark.parametrize("speculative,cp", [(None, 1), ("nextn", 1), (None, 4)])
+def test_backup_and_reload_are_byte_perfect_per_layer(tiny, speculative, cp):
     """Main KV, index-K and its scales (and the draft layer in spec mode), every layer: the bytes
-    loaded back equal the bytes at backup, after the freed device pages were overwritten."""
+    loaded back equal the bytes at backup, after the freed device pages were overwritten. At cp 4
+    every rank backs up and reloads the pages it owns, on its own host shard."""
     rng = np.random.default_rng(0)
     prompts = shared_prefix_prompts(rng, tiny.cfg.vocab_size, 2, 3)
     eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=96, max_prefill_tokens=64, index_dtype="fp8",
-                                    hicache_pages=128, speculative=speculative))
+                                    hicache_pages=128, speculative=speculative, cp_size=cp))
     checked = record_round_trips(eng)
     first = eng.generate(prompts, GREEDY)
     assert nodes_with(eng.radix, True, True), "nothing was backed up"
@@ -99,6 +101,9 @@ def test_backup_and_reload_are_byte_perfect_per_layer(tiny, speculative):
     assert checked["loads"] > 0 and checked["pages"] >= 6, checked
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     assert all(o.cached_tokens > 0 for o in again)
+    if cp > 1:
+        ranks = eng.hicache.host_rank(np.fromiter(checked["host_pages"], np.int64))
+        assert set(ranks.tolist()) == set(range(cp)), ranks
     check_invariants(eng)
 
 
@@ -229,8 +234,8 @@ def test_indexcache_moves_index_keys_of_full_layers_only():
 def test_hicache_config_errors(tiny):
     with pytest.raises(EngineConfigError, match="prefix_cache"):
         EngineConfig(hicache_pages=8, prefix_cache=False).validate()
-    with pytest.raises(EngineConfigError, match="cp_size"):
-        EngineConfig(hicache_pages=8, cp_size=2, kv_pages=64).validate()
+    with pytest.raises(EngineConfigError, match="multiple of cp_size"):
+        EngineConfig(hicache_pages=9, cp_size=2, kv_pages=64).validate()
     with pytest.raises(EngineConfigError, match="hicache_policy"):
         EngineConfig(hicache_pages=8, hicache_policy="write_back").validate()
     with pytest.raises(EngineConfigError, match="hicache_pages"):
