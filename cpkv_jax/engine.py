@@ -200,8 +200,7 @@ class Engine:
         if config.hicache_pages:
             from cpkv_jax.hicache import HiCache
             self.hicache = HiCache(self.pool, self.radix, config.hicache_pages, full_layers=self.cfg.full_layers,
-                                   policy=config.hicache_policy, mesh=self.mesh,
-                                   device_pages_per_rank=self.allocator.pages_per_rank)
+                                   policy=config.hicache_policy, mesh=self.mesh)
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=ps, max_running=config.max_running,
                                    max_prefill_tokens=config.max_prefill_tokens, lookahead=self.spec_tokens,
                                    hicache=self.hicache)

@@ -94,8 +94,7 @@ class HiCache:
     page is only ever copied to or from a host page of its own rank."""
 
     def __init__(self, pool: KVPool, radix: RadixCache, num_pages: int, *, full_layers: tuple[int, ...],
-                 policy: str = "write_through", probe_final_prefix: bool = True, mesh=None,
-                 device_pages_per_rank: int | None = None):
+                 policy: str = "write_through", probe_final_prefix: bool = True, mesh=None):
         if policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {policy!r}")
         self.pool, self.radix, self.policy = pool, radix, policy
@@ -104,7 +103,7 @@ class HiCache:
         self.mesh = mesh
         self.ranks = 1 if mesh is None else mesh.shape["cp"]
         self.allocator = PageAllocator(num_pages, self.ranks)
-        self.device_pages_per_rank = device_pages_per_rank or pool.num_pages
+        self.device_pages_per_rank = pool.num_pages // self.ranks
         self.reserved = 0                             # host pages promised to reservations in flight
         self.open: dict[int, Reservation] = {}        # reservations neither committed nor rolled back
 
@@ -132,15 +131,14 @@ class HiCache:
 
     # ---- layer plans -----------------------------------------------------------------------------
     def _layer_leaves(self, layer: int, draft: bool):
-        """(host leaves, device leaves, layer id per leaf, names) of one layer: target layer `layer`
-        (index leaves only on full layers) or the draft's single layer."""
-        host, dev = (self.draft, self.pool.draft) if draft else (self.cache, self.pool.cache)
+        """(leaf names, layer id per leaf) of one unit: target layer `layer` (index leaves only on
+        full layers) or the draft's single layer."""
         names, ids = ["latent", "k_rope"], [0 if draft else layer] * 2
         full = 0 if draft else self.full_index.get(layer)
         if full is not None:
             names.append("index_k")
             ids.append(full)
-            if dev.index_scale is not None:
+            if self.pool.cache.index_fp8:
                 names.append("index_scale")
                 ids.append(full)
         return names, ids
@@ -154,8 +152,8 @@ class HiCache:
         """[ranks, n] rank-local (host, device) page lists; padding copies each rank's device dummy
         page onto its host page 0 (never allocated)."""
         host_pages, dev_pages = np.asarray(host_pages, np.int64), np.asarray(dev_pages, np.int64)
-        rank = host_pages // self.allocator.pages_per_rank
-        if (dev_pages // self.device_pages_per_rank != rank).any():
+        rank = self.host_rank(host_pages)
+        if (self.device_rank(dev_pages) != rank).any():
             raise AssertionError("a host page on another rank than its device page")
         width = _bucket(max(int(np.bincount(rank, minlength=self.ranks).max()), 1))
         hp = np.zeros((self.ranks, width), np.int32)
