@@ -1,4 +1,4 @@
-"""Shared test helpers: HF fixtures, error metric."""
+"""Shared test helpers: HF fixtures, error metric, prompts with shared prefixes, HiCache invariants."""
 
 from __future__ import annotations
 
@@ -25,3 +25,16 @@ def hf_model(name: str, dtype: str | None = None):
 @lru_cache(maxsize=None)
 def reference(name: str) -> dict:
     return dict(np.load(FIXTURES / name / "reference.npz"))
+
+
+def shared_prefix_prompts(rng, vocab, n_systems=3, n_suffixes=4):
+    systems = [rng.integers(2, vocab, int(n)).tolist() for n in rng.integers(33, 80, n_systems)]
+    suffixes = [rng.integers(2, vocab, int(n)).tolist() for n in rng.integers(1, 40, n_suffixes)]
+    return [s + u for s in systems for u in suffixes]
+
+
+def check_hicache_invariants(eng):
+    """Device pages: free + tree + requests = all; host pages: tree + in flight + free = all."""
+    s = eng.stats()
+    assert s["free_pages"] + s["radix"]["pages"] + s["request_pages"] == s["total_pages"]
+    eng.hicache.check()
