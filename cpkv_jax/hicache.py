@@ -104,7 +104,6 @@ class HiCache:
         self.ranks = 1 if mesh is None else mesh.shape["cp"]
         self.allocator = PageAllocator(num_pages, self.ranks)
         self.device_pages_per_rank = pool.num_pages // self.ranks
-        self.reserved = 0                             # host pages promised to reservations in flight
         self.open: dict[int, Reservation] = {}        # reservations neither committed nor rolled back
 
         if mesh is None:
@@ -229,11 +228,15 @@ class HiCache:
             self.stats["skipped_backups"] += 1
             return None
         res = Reservation(rid, tuple(int(t) for t in tokens), want.astype(np.int32))
-        self.reserved += len(want)
         self.open[id(res)] = res
         for i in want:
             self.pending.setdefault(prefixes[i], res)
         return res
+
+    @property
+    def reserved(self) -> int:
+        """Host pages promised to open reservations that have not taken their pages yet."""
+        return sum(len(r.page_index) for r in self.open.values() if r.host_pages is None)
 
     def device_rank(self, dev_pages) -> np.ndarray:
         return np.asarray(dev_pages, np.int64) // self.device_pages_per_rank
@@ -248,7 +251,6 @@ class HiCache:
         if (need > self.allocator.free_per_rank()).any():
             return False
         res.host_pages = np.array([int(self.allocator.alloc(1, int(r))[0]) for r in ranks], np.int32)
-        self.reserved -= len(res.page_index)
         return True
 
     def backup(self, res: Reservation, dev_pages: np.ndarray) -> None:
@@ -282,9 +284,7 @@ class HiCache:
     def rollback(self, res: Reservation) -> None:
         if res.state != "reserved":
             return
-        if res.host_pages is None:
-            self.reserved -= len(res.page_index)
-        else:
+        if res.host_pages is not None:
             self.allocator.free(res.host_pages)
         self._release(res, "rolled_back")
         self.stats["rollbacks"] += 1
@@ -324,8 +324,6 @@ class HiCache:
         in_flight = self.open.values()
         held = np.concatenate([self.radix.all_host_pages()]
                               + [r.host_pages for r in in_flight if r.host_pages is not None])
-        if self.reserved != sum(len(r.page_index) for r in in_flight if r.host_pages is None):
-            raise AssertionError(f"host reservation count {self.reserved} does not match the reservations")
         free = np.flatnonzero(self.allocator._is_free)
         every = np.concatenate([held, free])
         if len(np.unique(every)) != len(every) or len(every) != self.allocator.capacity:
