@@ -78,7 +78,8 @@ def cmd_convert(args) -> int:
 def _engine_config(args, **over):
     from cpkv_jax.engine import EngineConfig
     kw = dict(page_size=args.page_size, kv_pages=args.kv_pages, dtype=args.dtype, cp_size=args.cp,
-              cp_mode=args.cp_mode, hicache_pages=args.hicache_pages, hicache_policy=args.hicache_policy)
+              cp_mode=args.cp_mode, hicache_pages=args.hicache_pages, hicache_policy=args.hicache_policy,
+              hicache_copy=args.hicache_copy)
     kw.update(over)
     return EngineConfig(**kw)
 
@@ -269,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="host KV tier (pinned host memory) under the prefix cache, in pages (default 0: off)")
         q.add_argument("--hicache-policy", choices=("write_through", "write_through_selective"),
                        default="write_through", help="back pages up on first insert (default) or on the second hit")
+        q.add_argument("--hicache-copy", choices=("auto", "side_stream", "jit"), default="auto",
+                       help="host tier copies: on a side CUDA stream at layer boundaries, or jitted after the "
+                            "step (default auto: side stream on GPU)")
 
     g = sub.add_parser("generate", help="generate tokens for one or more prompts (one batch)",
                        description="Run prompts through the engine (continuous batching, paged KV, prefix "

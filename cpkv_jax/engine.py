@@ -56,6 +56,7 @@ class EngineConfig:
     num_draft_tokens: int = 2        # draft tokens proposed per decode round (chain)
     hicache_pages: int = 0           # host KV tier size in pages (pinned host memory); 0 = off
     hicache_policy: str = "write_through"  # or 'write_through_selective' (back up on the second hit)
+    hicache_copy: str = "auto"       # 'side_stream' (GPU: copies at layer boundaries), 'jit', 'auto' (GPU -> side_stream)
 
     def validate(self) -> "EngineConfig":
         def positive(name, minimum=1):
@@ -96,6 +97,9 @@ class EngineConfig:
             if self.hicache_policy not in WRITE_POLICIES:
                 raise EngineConfigError(f"hicache_policy must be one of {WRITE_POLICIES}, got "
                                         f"{self.hicache_policy!r}")
+            if self.hicache_copy not in ("auto", "side_stream", "jit"):
+                raise EngineConfigError(f"hicache_copy must be 'auto', 'side_stream' or 'jit', got "
+                                        f"{self.hicache_copy!r}")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise EngineConfigError(f"dtype must be None, 'float32' or 'bfloat16', got {self.dtype!r}")
         return self
@@ -191,7 +195,12 @@ class Engine:
                                     "(num_nextn_predict_layers >= 1)")
         self.pool = KVPool.create(self.cfg, config.kv_pages, ps, self.model.dtype, config.index_dtype,
                                   mesh=self.mesh, draft=self.spec)
-        self.runner = ModelRunner(self.model, self.pool, mesh=self.mesh)
+        copier = None
+        if config.hicache_pages and config.hicache_copy != "jit":
+            from cpkv_jax.side_stream import install
+            copier = install()
+            if copier is None and config.hicache_copy == "side_stream":
+                raise EngineConfigError("hicache_copy='side_stream' needs a CUDA GPU backend and libcudart")
         self.allocator = PageAllocator(config.kv_pages, config.cp_size)
         # spec mode: bigram keys, since the draft KV at position i depends on token i+1
         self.radix = RadixCache(ps, bigram=self.spec) if config.prefix_cache else None
@@ -200,7 +209,9 @@ class Engine:
         if config.hicache_pages:
             from cpkv_jax.hicache import HiCache
             self.hicache = HiCache(self.pool, self.radix, config.hicache_pages, full_layers=self.cfg.full_layers,
-                                   policy=config.hicache_policy, mesh=self.mesh)
+                                   policy=config.hicache_policy, mesh=self.mesh, copier=copier)
+        self.runner = ModelRunner(self.model, self.pool, mesh=self.mesh, copier=copier,
+                                  step_copies=self.hicache.take_step if copier is not None else None)
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=ps, max_running=config.max_running,
                                    max_prefill_tokens=config.max_prefill_tokens, lookahead=self.spec_tokens,
                                    hicache=self.hicache)
@@ -279,6 +290,8 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Admit what fits, run one prefill batch (chunks within the token budget) and one decode batch;
         returns the tokens sampled in this step."""
+        if self.hicache is not None:
+            self.hicache.poll()
         self.scheduler.admit()
         decode = self.scheduler.plan_decode()   # planned first: requests finishing prefill now decode next step
         prefill = self.scheduler.plan_prefill()
@@ -349,6 +362,8 @@ class Engine:
         c = self.config
         plan, reqs, batch, last_lane, last_rank = self._layout(chunks, prefill)
         B, T = len(last_lane), batch.tokens.shape[1]
+        if self.hicache is not None:
+            self.hicache.stage_backups([(ch.req.host_res, ch.req.pages, ch.start + len(ch.tokens)) for ch in chunks])
         out = self.runner.forward(batch, last_lane, attn_path=c.attn_path or choose_attn_path(T),
                                   output="last_logits_hidden" if self.spec else "last_logits",
                                   last_rank=last_rank, page_aligned=plan.page_aligned)
@@ -383,6 +398,9 @@ class Engine:
             # draft extend over the same lanes: the MTP input at position i is (h_i, token i+1)
             nxt = [(ch.req.prompt + ch.req.output)[ch.start + 1:ch.start + len(ch.tokens) + 1] for ch in chunks]
             self._draft_extend(chunks, plan, reqs, hidden, nxt)
+        if prefill:
+            for req in done:    # after the draft extend: the prompt's draft KV is complete too
+                self.scheduler.backup_prompt(req)
         for req in done:
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
@@ -531,6 +549,8 @@ class Engine:
             for ev in self.step():
                 if ev.finish_reason is not None:
                     pending.discard(ev.rid)
+        if self.hicache is not None:
+            self.hicache.settle()   # backups still in flight become visible before returning
         return [self.output(r) for r in rids]
 
     def stream(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -19,9 +19,15 @@ Protocol (see DESIGN.md, HiCache):
   only when every layer is acknowledged; otherwise (`rollback`, abort, failure) the reserved pages
   return to the allocator and nothing is visible.
 
-Transfers here are jitted XLA copies dispatched after the step on the compute stream: correct on
-every backend, not yet overlapped with the forward. The layer-boundary overlap (a side-stream copy
-ordered by events) is the GPU part still open.
+Two copy paths, one protocol:
+- side stream (GPU, `cpkv_jax.side_stream`): the target's pages are copied at the layer boundaries
+  of the forward that writes them (staged before the step, started by the layer hook, acknowledged by
+  per-layer events), loads are enqueued at the first boundary and each layer waits for its own; the
+  draft layer and pages that already existed are copied after the step on the same side stream.
+  `finish_backup` only seals the reservation; `poll` commits it once every event completed. The
+  device pages a copy reads are never freed under it (`before_device_free` settles first).
+- jitted copies (every other backend): after the step on the compute stream, acknowledged as each
+  layer's copy completes, committed at once.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ import numpy as np
 
 from cpkv_jax.kv_pool import KVPool, OutOfPages, PageAllocator
 from cpkv_jax.radix_cache import RadixCache
+from cpkv_jax.side_stream import D2H, Copy, StepCopies, page_runs
 from models.kv import KVCache
+
+LEAVES = ("latent", "k_rope", "index_k", "index_scale")   # the pool tree's leaf order
 
 WRITE_POLICIES = ("write_through", "write_through_selective")
 
@@ -84,8 +93,15 @@ class Reservation:
     tokens: tuple
     page_index: np.ndarray
     host_pages: np.ndarray | None = None
+    src_pages: np.ndarray | None = None   # the device pages copied (indexed like page_index)
     acked: set = dataclasses.field(default_factory=set)
     state: str = "reserved"          # reserved -> committed | rolled_back
+    # side-stream path: host page per staged page index, the forwards that copy them, events of the
+    # copies made after a step, and whether every copy has been issued (then poll may commit)
+    staged: dict = dataclasses.field(default_factory=dict)
+    steps: list = dataclasses.field(default_factory=list)
+    events: list = dataclasses.field(default_factory=list)
+    sealed: bool = False
 
 
 class HiCache:
@@ -94,14 +110,16 @@ class HiCache:
     page is only ever copied to or from a host page of its own rank."""
 
     def __init__(self, pool: KVPool, radix: RadixCache, num_pages: int, *, full_layers: tuple[int, ...],
-                 policy: str = "write_through", probe_final_prefix: bool = True, mesh=None):
+                 policy: str = "write_through", probe_final_prefix: bool = True, mesh=None, copier=None):
         if policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {policy!r}")
         self.pool, self.radix, self.policy = pool, radix, policy
         self.page_size = pool.page_size
         self.probe_final_prefix = probe_final_prefix
         self.mesh = mesh
+        self.copier = copier          # side_stream.SideStreamCopier (GPU) or None (jitted copies)
         self.ranks = 1 if mesh is None else mesh.shape["cp"]
+        self.devices = list(jax.devices()[:1]) if mesh is None else list(mesh.devices.flat)
         self.allocator = PageAllocator(num_pages, self.ranks)
         self.device_pages_per_rank = pool.num_pages // self.ranks
         self.open: dict[int, Reservation] = {}        # reservations neither committed nor rolled back
@@ -126,7 +144,11 @@ class HiCache:
         self.fail_at_layer: int | None = None         # tests: a copy of this layer raises (never acked)
         self.stats = {"backups": 0, "backup_pages": 0, "commits": 0, "rollbacks": 0, "insert_miss_rollbacks": 0,
                       "skipped_backups": 0, "failed_backups": 0, "host_evicted_pages": 0, "loads": 0, "load_pages": 0,
-                      "d2h_bytes": {}, "h2d_bytes": {}}
+                      "d2h_bytes": {}, "h2d_bytes": {}, "settles": 0}
+        self._staged_loads: list[tuple[np.ndarray, np.ndarray]] = []
+        self._staged_backups: list[tuple[Reservation, np.ndarray, np.ndarray]] = []  # (res, host, device)
+        self._load_steps: list[StepCopies] = []   # forwards carrying loads, until they ran
+        self._host_base: dict[tuple, int] = {}      # (draft, leaf, rank) -> host pool shard address
 
     # ---- layer plans -----------------------------------------------------------------------------
     def _layer_leaves(self, layer: int, draft: bool):
@@ -147,20 +169,24 @@ class HiCache:
         units = [(layer, False) for layer in range(self.num_layers)]
         return units + ([(0, True)] if self.draft is not None else [])
 
-    def _local_lists(self, host_pages, dev_pages):
-        """[ranks, n] rank-local (host, device) page lists; padding copies each rank's device dummy
-        page onto its host page 0 (never allocated)."""
+    def _rank_pairs(self, host_pages, dev_pages) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per rank, its (host, device) pages as rank-local indices."""
         host_pages, dev_pages = np.asarray(host_pages, np.int64), np.asarray(dev_pages, np.int64)
         rank = self.host_rank(host_pages)
         if (self.device_rank(dev_pages) != rank).any():
             raise AssertionError("a host page on another rank than its device page")
-        width = _bucket(max(int(np.bincount(rank, minlength=self.ranks).max()), 1))
+        return [(host_pages[rank == r] - r * self.allocator.pages_per_rank,
+                 dev_pages[rank == r] - r * self.device_pages_per_rank) for r in range(self.ranks)]
+
+    def _local_lists(self, host_pages, dev_pages):
+        """[ranks, n] rank-local (host, device) page lists; padding copies each rank's device dummy
+        page onto its host page 0 (never allocated)."""
+        pairs = self._rank_pairs(host_pages, dev_pages)
+        width = _bucket(max(max(len(h) for h, _ in pairs), 1))
         hp = np.zeros((self.ranks, width), np.int32)
         dp = np.zeros((self.ranks, width), np.int32)
-        for r in range(self.ranks):
-            mine = rank == r
-            hp[r, :mine.sum()] = host_pages[mine] - r * self.allocator.pages_per_rank
-            dp[r, :mine.sum()] = dev_pages[mine] - r * self.device_pages_per_rank
+        for r, (h, d) in enumerate(pairs):
+            hp[r, :len(h)], dp[r, :len(d)] = h, d
         return hp, dp
 
     def _move(self, unit, host_pages, dev_pages, to_host: bool) -> None:
@@ -184,20 +210,32 @@ class HiCache:
             self.pool.draft = updated
         else:
             self.pool.cache = updated
+        self._count(names, n, to_host)
+
+    def _count(self, names, pages: int, to_host: bool) -> None:
         counter = self.stats["d2h_bytes" if to_host else "h2d_bytes"]
         for k in names:
-            leaf = getattr(src, k)
-            counter[k] = counter.get(k, 0) + n * self.page_size * leaf.dtype.itemsize * int(
-                np.prod(leaf.shape[2:], dtype=np.int64))
+            counter[k] = counter.get(k, 0) + pages * self.page_size * self._row_bytes(k)
+
+    def _row_bytes(self, name: str) -> int:
+        leaf = getattr(self.pool.cache, name)
+        return leaf.dtype.itemsize * int(np.prod(leaf.shape[2:], dtype=np.int64))
 
     # ---- load ------------------------------------------------------------------------------------
     def load(self, host_pages: np.ndarray, dev_pages: np.ndarray) -> None:
-        """Host pages back into freshly allocated device pages, every layer of target and draft. The
-        copies update the device pool that the next step consumes, so no layer can read them early."""
+        """Host pages back into freshly allocated device pages, every layer of target and draft, before
+        any step reads them. Jitted copies update the pool the next step consumes; on the side stream
+        the target's layers are staged for the next forward (its layer c waits for layer c's loads)
+        and the draft layer is a jitted copy on the compute stream."""
         if len(host_pages) == 0:
             return
-        for unit in self._layers():
-            self._move(unit, host_pages, dev_pages, to_host=False)
+        if self.copier is None:
+            for unit in self._layers():
+                self._move(unit, host_pages, dev_pages, to_host=False)
+        else:
+            self._staged_loads.append((np.asarray(host_pages), np.asarray(dev_pages)))
+            if self.draft is not None:
+                self._move((0, True), host_pages, dev_pages, to_host=False)
         self.stats["loads"] += 1
         self.stats["load_pages"] += len(host_pages)
 
@@ -235,8 +273,8 @@ class HiCache:
 
     @property
     def reserved(self) -> int:
-        """Host pages promised to open reservations that have not taken their pages yet."""
-        return sum(len(r.page_index) for r in self.open.values() if r.host_pages is None)
+        """Host pages promised to open reservations that have not taken them yet."""
+        return sum(len(r.page_index) - len(r.staged) for r in self.open.values() if r.host_pages is None)
 
     def device_rank(self, dev_pages) -> np.ndarray:
         return np.asarray(dev_pages, np.int64) // self.device_pages_per_rank
@@ -244,21 +282,23 @@ class HiCache:
     def host_rank(self, host_pages) -> np.ndarray:
         return self.allocator.owner(host_pages)
 
-    def _take_host_pages(self, res: Reservation, src: np.ndarray) -> bool:
-        """The reservation's host pages, each from its device page's rank; False if a rank is short."""
+    def _take(self, src: np.ndarray) -> np.ndarray | None:
+        """A host page for each device page, from the device page's rank; None if a rank is short."""
         ranks = self.device_rank(src)
         need = np.bincount(ranks, minlength=self.ranks)
         if (need > self.allocator.free_per_rank()).any():
-            return False
-        res.host_pages = np.array([int(self.allocator.alloc(1, int(r))[0]) for r in ranks], np.int32)
-        return True
+            return None
+        return np.array([int(self.allocator.alloc(1, int(r))[0]) for r in ranks], np.int32)
 
     def backup(self, res: Reservation, dev_pages: np.ndarray) -> None:
         """Copy every layer of the reserved pages (device pages `dev_pages` of the request's page
         table, indexed like the key) to host and acknowledge each layer as its copy completes."""
         src = np.asarray(dev_pages)[res.page_index]
-        if res.host_pages is None and not self._take_host_pages(res, src):
-            raise OutOfPages("a CP rank's host pool is short for this backup")
+        if res.host_pages is None:
+            res.host_pages = self._take(src)
+            if res.host_pages is None:
+                raise OutOfPages("a CP rank's host pool is short for this backup")
+        res.src_pages = src
         for unit in self._layers():
             if self.fail_at_layer is not None and unit == (self.fail_at_layer, False):
                 raise RuntimeError(f"injected backup failure at layer {unit[0]}")
@@ -282,15 +322,29 @@ class HiCache:
         self.stats["commits"] += 1
 
     def rollback(self, res: Reservation) -> None:
+        """Return the reservation's host pages (copies still in flight into them finish first: every
+        later copy of that rank is behind them on the same side stream) and drop it."""
         if res.state != "reserved":
             return
-        if res.host_pages is not None:
-            self.allocator.free(res.host_pages)
+        taken = self._taken(res)
+        if len(taken):
+            self.allocator.free(taken)
         self._release(res, "rolled_back")
         self.stats["rollbacks"] += 1
 
+    @staticmethod
+    def _taken(res: Reservation) -> np.ndarray:
+        if res.host_pages is not None:
+            return res.host_pages
+        return np.array([h for h, _ in res.staged.values()], np.int32)
+
     def _release(self, res: Reservation, state: str) -> None:
         self.open.pop(id(res), None)
+        for steps in res.steps:
+            for step in steps:
+                step.users -= 1
+        if self.copier is not None and res.events:
+            self.copier.retire_events(res.events)
         prefixes = self._prefix_keys(res.tokens)
         for i in res.page_index:
             if self.pending.get(prefixes[i]) is res:
@@ -305,7 +359,9 @@ class HiCache:
 
     def finish_backup(self, res: Reservation, dev_pages: np.ndarray) -> bool:
         """Back up and commit a reservation; a failed copy rolls it back (counted) and is not raised:
-        the request only loses its backup."""
+        the request only loses its backup. On the side stream: seal it (`poll` commits it)."""
+        if self.copier is not None:
+            return self._seal(res, dev_pages)
         try:
             self.backup(res, dev_pages)
         except OutOfPages:          # a CP rank's host pool is short: skip this backup
@@ -321,10 +377,202 @@ class HiCache:
 
     def check(self) -> None:
         """Host pages: tree-held + free + in flight = all, each exactly once."""
-        in_flight = self.open.values()
-        held = np.concatenate([self.radix.all_host_pages()]
-                              + [r.host_pages for r in in_flight if r.host_pages is not None])
+        held = np.concatenate([self.radix.all_host_pages()] + [self._taken(r) for r in self.open.values()])
         free = np.flatnonzero(self.allocator._is_free)
         every = np.concatenate([held, free])
         if len(np.unique(every)) != len(every) or len(every) != self.allocator.capacity:
             raise AssertionError(f"host pages: {len(held)} held + {len(free)} free != {self.allocator.capacity}")
+
+    # ---- side-stream path ------------------------------------------------------------------------
+    def _address(self, leaf, rank: int) -> int:
+        """Buffer address of rank `rank`'s shard of a pool leaf (device or pinned host)."""
+        for shard in leaf.addressable_shards:
+            if shard.device == self.devices[rank]:
+                return shard.data.unsafe_buffer_pointer()
+        raise AssertionError(f"no shard of the pool on rank {rank}")
+
+    def _device_addresses(self, rank: int, draft: bool = False) -> tuple:
+        tree = self.pool.draft if draft else self.pool.cache
+        return tuple(self._address(x, rank) for x in jax.tree.leaves(tree))
+
+    def _runs(self, host_pages, dev_pages) -> list[np.ndarray]:
+        """Per rank, its pages as copy runs (side_stream.page_runs) of rank-local pages."""
+        return [page_runs(d, h) for h, d in self._rank_pairs(host_pages, dev_pages)]
+
+    def _blocks(self, unit, runs: list[np.ndarray]) -> list[list[Copy]]:
+        """Per rank, one unit's copies as blocks (leaf index, device byte offset in the leaf's shard,
+        host address, bytes), one per leaf and run of pages."""
+        layer, draft = unit
+        names, ids = self._layer_leaves(layer, draft)
+        host_tree, dev_tree = (self.draft, self.pool.draft) if draft else (self.cache, self.pool.cache)
+        present = [k for k in LEAVES if getattr(dev_tree, k) is not None]
+        out = []
+        for r, rank_runs in enumerate(runs):
+            blocks = []
+            for name, lid in zip(names, ids):
+                row = self._row_bytes(name)
+                page = row * self.page_size
+                dev_base = lid * row * (getattr(dev_tree, name).shape[1] // self.ranks)
+                key = (draft, name, r)
+                if key not in self._host_base:     # the host pool never moves on this path
+                    self._host_base[key] = self._address(getattr(host_tree, name), r)
+                host_base = self._host_base[key] + lid * row * (getattr(host_tree, name).shape[1] // self.ranks)
+                leaf = present.index(name)
+                blocks += [Copy(leaf, dev_base + int(d) * page, host_base + int(h) * page, int(n) * page)
+                           for d, h, n in rank_runs]
+            out.append(blocks)
+        return out
+
+    def device_ids(self) -> list[int]:
+        """The copier's key of each rank's device."""
+        return [self.copier.rt.device_key(d, r) for r, d in enumerate(self.devices)]
+
+    def stage_backups(self, work) -> None:
+        """Before a target forward: for each (reservation, the request's pages, positions computed
+        once the step ends), the reserved pages complete by then get host pages and are staged to be
+        copied at that forward's layer boundaries. A rank short of host pages stages nothing (the
+        seal then finds the pages unstaged and skips the backup)."""
+        if self.copier is None:
+            return
+        for res, pages, end in work:
+            if res is None or res.state != "reserved" or res.sealed:
+                continue
+            ready = [int(i) for i in res.page_index if int(i) not in res.staged and (i + 1) * self.page_size <= end]
+            if not ready:
+                continue
+            src = np.asarray(pages)[ready]
+            host = self._take(src)
+            if host is None:
+                continue
+            res.staged.update({i: (int(h), int(d)) for i, h, d in zip(ready, host, src)})
+            self._staged_backups.append((res, host, src))
+
+    def take_step(self) -> list[StepCopies]:
+        """The staged loads and backups as one StepCopies per device, for the next target forward
+        (every forward with layer hooks consumes one per device, empty or not)."""
+        steps = [StepCopies(self.num_layers + 1, dev, self._device_addresses(r)[0], fail_at_layer=self.fail_at_layer)
+                 for r, dev in enumerate(self.device_ids())]
+        if self._staged_loads:
+            self._load_steps += steps
+        for host, dev in self._staged_loads:
+            runs = self._runs(host, dev)
+            for layer in range(self.num_layers):
+                for r, blocks in enumerate(self._blocks((layer, False), runs)):
+                    if blocks:
+                        steps[r].loads.setdefault(layer, []).extend(blocks)
+                self._count(self._layer_leaves(layer, False)[0], len(host), to_host=False)
+        for res, host, dev in self._staged_backups:
+            runs = self._runs(host, dev)
+            for layer in range(self.num_layers):
+                for r, blocks in enumerate(self._blocks((layer, False), runs)):
+                    if blocks:
+                        steps[r].backups.setdefault(layer, []).extend(blocks)
+                self._count(self._layer_leaves(layer, False)[0], len(host), to_host=True)
+            if not res.steps or res.steps[-1] is not steps:
+                res.steps.append(steps)
+                for step in steps:
+                    step.users += 1
+        self._staged_loads, self._staged_backups = [], []
+        return steps
+
+    def _copy_after_step(self, units, host_pages, dev_pages) -> list[int]:
+        """Device->host copies of pages the pool already holds, on each rank's side stream once the
+        host has seen the last step end; returns their events."""
+        jax.block_until_ready((self.pool.cache, self.pool.draft))
+        per_rank: list[list] = [[] for _ in range(self.ranks)]
+        runs = self._runs(host_pages, dev_pages)
+        for unit in units:
+            tree = self.pool.draft if unit[1] else self.pool.cache
+            leaves = jax.tree.leaves(tree)
+            for r, blocks in enumerate(self._blocks(unit, runs)):
+                per_rank[r] += [(b.host, self._address(leaves[b.leaf], r) + b.offset, b.nbytes, D2H) for b in blocks]
+            self._count(self._layer_leaves(*unit)[0], len(host_pages), to_host=True)
+        return [self.copier.copy_now(dev, copies) for dev, copies in zip(self.device_ids(), per_rank) if copies]
+
+    def _seal(self, res: Reservation, dev_pages: np.ndarray) -> bool:
+        """Issue the reservation's remaining copies after the step — pages no forward copied (they
+        existed before, or the tree replaced them at publish) and the draft layer — and mark it
+        complete; `poll` commits it when every copy is acknowledged."""
+        if res.state != "reserved":
+            return False
+        current = np.asarray(dev_pages)[res.page_index]
+        redo = [j for j, i in enumerate(res.page_index) if res.staged.get(int(i), (0, -1))[1] != current[j]]
+        if redo and self.fail_at_layer is not None:     # tests: the copy after the step fails
+            self.rollback(res)
+            self.stats["failed_backups"] += 1
+            return False
+        fresh = [j for j in redo if int(res.page_index[j]) not in res.staged]
+        host = self._take(current[fresh]) if fresh else np.zeros(0, np.int32)
+        if host is None:
+            self.rollback(res)
+            self.stats["skipped_backups"] += 1
+            return False
+        for j, h in zip(fresh, host):
+            res.staged[int(res.page_index[j])] = (int(h), int(current[j]))
+        res.host_pages = np.array([res.staged[int(i)][0] for i in res.page_index], np.int32)
+        res.src_pages = current.astype(np.int32)
+        for j in redo:
+            res.staged[int(res.page_index[j])] = (int(res.host_pages[j]), int(current[j]))
+        units = [(layer, False) for layer in range(self.num_layers)] if redo else []
+        if redo:
+            res.events += self._copy_after_step(units, res.host_pages[redo], current[redo])
+        if self.draft is not None:
+            res.events += self._copy_after_step([(0, True)], res.host_pages, current)
+        res.sealed = True
+        self.stats["backups"] += 1
+        self.stats["backup_pages"] += len(res.host_pages)
+        return True
+
+    def _copies_state(self, res: Reservation) -> bool | None:
+        """True: every copy of the reservation completed; False: some still in flight; None: one failed,
+        never started, or read a pool buffer that has since moved (it may have been reused)."""
+        rt = self.copier.rt
+        for steps in res.steps:
+            for r, step in enumerate(steps):
+                if step.failed:
+                    return None
+                if step.calls < step.boundaries:
+                    return False
+                for layer in step.backups:
+                    done = step.layer_done(layer, rt)
+                    if not done:
+                        return done
+                if rt.asynchronous and step.pool_addresses != {self._device_addresses(r)}:
+                    return None     # the source moved under an asynchronous copy
+        return all(rt.done(ev) for _, ev in res.events)
+
+    def poll(self) -> None:
+        """Commit every sealed reservation whose copies are all acknowledged; roll back the failed."""
+        if self.copier is None:
+            return
+        for step in self._load_steps:
+            moved = self.copier.rt.asynchronous and len(step.pool_addresses) > 1
+            if step.failed or moved:     # the pages were never (or not safely) loaded: what read them is wrong
+                raise RuntimeError(f"a host-tier load failed in the forward: {step.failed or 'the pool moved'}")
+        self._load_steps = [s for s in self._load_steps if s.calls < s.boundaries]
+        for res in [r for r in self.open.values() if r.sealed]:
+            state = self._copies_state(res)
+            if state is None:
+                self.rollback(res)
+                self.stats["failed_backups"] += 1
+            elif state:
+                res.acked = set(self._layers())
+                self.commit(res)
+        self.copier.reap()
+
+    def settle(self) -> None:
+        """Wait for every copy in flight, then commit what is sealed."""
+        if self.copier is None:
+            return
+        jax.block_until_ready((self.pool.cache, self.pool.draft))
+        self.copier.drain()
+        self.stats["settles"] += 1
+        self.poll()
+
+    def before_device_free(self, pages) -> None:
+        """Device pages are about to return to the allocator: if a copy may still read one, settle."""
+        if self.copier is None or not self.open:
+            return
+        busy = {d for r in self.open.values() for _, d in r.staged.values()}
+        if busy.intersection(np.asarray(pages).tolist()):
+            self.settle()

@@ -23,7 +23,7 @@ def choose_attn_path(tokens_per_request: int) -> str:
 
 # The step every runner dispatches: the pool (argument 3) is donated; the graph definition is static,
 # so runners over the same model graph and pool shape share compiled executables.
-_step = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh"),
+_step = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh", "boundary"),
                 donate_argnums=(3,))
 _draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_path", "access", "mesh"),
                       donate_argnums=(5,))
@@ -31,10 +31,13 @@ _draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_pat
 
 class ModelRunner:
     """Dispatches the step. With a mesh, the parameters are replicated over it, the pool is sharded
-    over its 'cp' axis and every step runs under shard_map (models.model.run_model)."""
+    over its 'cp' axis and every step runs under shard_map (models.model.run_model). With
+    `step_copies` (the host tier's side-stream copies) the target forward carries the layer hook, and
+    every dispatch first pushes the copies that forward makes (`step_copies()`: a StepCopies per device)."""
 
-    def __init__(self, model: DsaModel, pool: KVPool, mesh=None, axis: str = "cp"):
+    def __init__(self, model: DsaModel, pool: KVPool, mesh=None, axis: str = "cp", copier=None, step_copies=None):
         self.model = model
+        self.copier, self.step_copies = copier, step_copies
         self.graphdef, self.state = nnx.split(model)
         self.pool = pool
         self.mesh, self.axis = mesh, axis
@@ -79,6 +82,11 @@ class ModelRunner:
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
         attn_path = attn_path or choose_attn_path(batch.tokens.shape[1])
         self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output, kw["access"]))
+        if self.copier is not None:
+            from cpkv_jax.side_stream import LayerHook
+            for copies in self.step_copies():
+                self.copier.push(copies)
+            kw["boundary"] = LayerHook(kw["access"].axis)
         out, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
                                      output=output, **kw)
         return out

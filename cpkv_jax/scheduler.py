@@ -119,7 +119,7 @@ class Scheduler:
         need = pages_for(req.kv_capacity + self.lookahead, ps) - len(prefix)  # host-matched pages included
         short = need - (self.allocator.num_free - self.reserved_pages)
         if short > 0 and self.radix is not None:
-            self.radix.evict(short, self.allocator.free, self._free_host)
+            self.radix.evict(short, self._free_device, self._free_host)
         if need > self.allocator.num_free - self.reserved_pages:
             if node is not None:
                 self.radix.unlock(node)
@@ -150,6 +150,12 @@ class Scheduler:
 
     def _free_host(self, pages) -> None:
         self.hicache.allocator.free(pages)
+
+    def _free_device(self, pages) -> None:
+        """Return device pages to the allocator, once no host-tier copy still reads them."""
+        if self.hicache is not None:
+            self.hicache.before_device_free(pages)
+        self.allocator.free(pages)
 
     def allocate(self, req: Request, owners) -> None:
         """Allocate the request's next pages from its reservation, one per entry of `owners` (the CP
@@ -203,6 +209,10 @@ class Scheduler:
         requests admitted while this one decodes already share them."""
         if self.radix is not None:
             self._publish(req, req.prompt[:req.computed])
+
+    def backup_prompt(self, req: Request) -> None:
+        """After the step that finished the prompt (and its draft extend): complete the write-through
+        backup of the prompt's pages."""
         if req.host_res is not None:
             self.hicache.finish_backup(req.host_res, req.pages)
             req.host_res = None
@@ -236,7 +246,7 @@ class Scheduler:
             self._publish(req, req.tokens()[:req.computed])
             if self.hicache is not None and self.hicache.policy == "write_through":
                 self.hicache.write_back(req.rid, req.tokens()[:req.computed], req.pages)
-        self.allocator.free(req.pages[req.shared_pages:])
+        self._free_device(req.pages[req.shared_pages:])
         req.pages = req.pages[:0]
         self.reserved_pages -= req.reserved
         req.reserved = 0
@@ -255,7 +265,7 @@ class Scheduler:
             return
         present = self.radix.insert(tokens, req.pages) // ps
         dup = req.pages[req.shared_pages:present]
-        self.allocator.free(dup)
+        self._free_device(dup)
         tree_pages, node = self.radix.match_prefix(tokens)
         if len(tree_pages) != n_full:
             raise AssertionError(f"radix holds {len(tree_pages)} pages after inserting {n_full}")

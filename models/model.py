@@ -80,7 +80,7 @@ class LayerStack(nnx.Module):
                               for m, ix in group.unit])
 
     def __call__(self, x, topk, batch, cache, full_index: tuple[int, ...], *, attn_path: str,
-                 access: KVAccess = SINGLE_DEVICE):
+                 access: KVAccess = SINGLE_DEVICE, boundary=None):
         graphdefs, states = zip(*(nnx.split(layer) for layer in self.unit))
         layer_ids = jnp.asarray(self.group.layer_ids, jnp.int32)
         full_ids = jnp.asarray([[full_index[i] for i in row] for row in self.group.layer_ids], jnp.int32)
@@ -89,6 +89,8 @@ class LayerStack(nnx.Module):
             x, topk, cache = carry
             st, lid, fid = xs
             for j, gd in enumerate(graphdefs):
+                if boundary is not None:
+                    cache, x = boundary(cache, x)
                 x, topk, cache = nnx.merge(gd, st[j])(x, topk, batch, cache, lid[j], fid[j],
                                                        attn_path=attn_path, access=access)
             return (x, topk, cache), None
@@ -148,14 +150,19 @@ class DsaModel(nnx.Module):
 
     # ---- forward ---------------------------------------------------------------------------------
     def __call__(self, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
-                 access: KVAccess = SINGLE_DEVICE):
+                 access: KVAccess = SINGLE_DEVICE, boundary=None):
         """Target forward. Returns (final-normed hidden [B, T, D], updated cache). Under CP (inside the
-        shard_map, `access.axis` set) the batch holds this rank's tokens and the cache its shard."""
+        shard_map, `access.axis` set) the batch holds this rank's tokens and the cache its shard.
+        `boundary(cache, x) -> (cache, x)`, if given, runs before every layer and after the last (the
+        host tier's copy hook: it sees the pool between layers and must return both unchanged)."""
         x = self.embed(batch.tokens)
         B, T = batch.tokens.shape
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         for stack in self.groups:
-            x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path, access=access)
+            x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path, access=access,
+                                   boundary=boundary)
+        if boundary is not None:
+            cache, x = boundary(cache, x)
         return self.norm(x), cache
 
     def mtp_hidden(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
@@ -220,13 +227,14 @@ def _specs(access: KVAccess, cache: KVCache):
 
 
 def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
-              last_index=None, access: KVAccess = SINGLE_DEVICE, mesh=None, last_rank=None):
+              last_index=None, access: KVAccess = SINGLE_DEVICE, mesh=None, last_rank=None, boundary=None):
     """The pure function every jitted step wraps: merge the params, run the target forward at the
     model's matmul precision, and return (out, cache). output:
       "logits" [B, T, V] / "hidden" [B, T, D]          every position
       "last_logits" [B, V]                             lane `last_index` of each request only
       "last_logits_hidden", "logits_hidden"            (those logits, this rank's hidden rows) — the
                                                        hidden feeds the draft model without leaving the rank.
+    `boundary`: the layer hook (DsaModel.__call__), static.
 
     With `access.axis` set the forward runs under shard_map over `mesh`: batch rows [cp*B, T] are
     split over the axis (rank r gets its own lanes of every request), `slot_table` [B, S] is
@@ -239,7 +247,7 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
     def forward(state, batch, cache, last_index, last_rank):
         m = nnx.merge(graphdef, state)
         with jax.default_matmul_precision(matmul_precision(m.dtype)):
-            h, cache = m(batch, cache, attn_path=attn_path, access=access)
+            h, cache = m(batch, cache, attn_path=attn_path, access=access, boundary=boundary)
             if output.startswith("last"):
                 out = m.logits(pick_last(h, last_index, last_rank, access))
             else:
@@ -281,7 +289,8 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
 
 # One jitted step for every model object of a graph: the graph definition is a static argument, the
 # params are traced, so models and engines of the same shapes share compilations.
-run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh"))
+run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh",
+                                                                         "boundary"))
 
 
 def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True):

@@ -4,6 +4,7 @@ nothing visible after a failed backup, host exhaustion, IndexCache bytes, config
 
 import hashlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,44 +42,58 @@ def nodes_with(radix, want_device, want_host):
 
 
 def record_round_trips(eng):
-    """Wrap the engine's HiCache so every backed-up page is hashed per (leaf, layer) on the device at
-    backup time (and its host copy checked against it), and every loaded page is compared, on the
-    device right after the load, with the hashes of the backup it came from."""
+    """Wrap the engine's HiCache so every committed backup (every layer acknowledged) has its host pages
+    hashed per (leaf, layer) against the device pages it was copied from, and every loaded page can be
+    compared (`verify_loads`, after the step that loaded it: side-stream loads land in the forward)
+    with the hashes of the backup it came from."""
     h, ps = eng.hicache, eng.config.page_size
-    at_backup, checked = {}, {"pages": 0, "loads": 0, "host_pages": set()}
-    backup, load = h.backup, h.load
+    at_backup, loaded, checked = {}, [], {"pages": 0, "loads": 0, "host_pages": set()}
+    commit, load = h.commit, h.load
 
     def trees():
-        return [(eng.pool.cache, h.cache)] + ([(eng.pool.draft, h.draft)] if h.draft is not None else [])
+        # host pools read through a device copy: the side stream writes them behind JAX's back
+        host = [jax.device_put(h.cache, jax.memory.Space.Device)]
+        if h.draft is not None:
+            host.append(jax.device_put(h.draft, jax.memory.Space.Device))
+        return list(zip([eng.pool.cache, eng.pool.draft][:len(host)], host))
 
-    def wrapped_backup(res, dev_pages):
-        backup(res, dev_pages)
-        for hp, dp in zip(res.host_pages, np.asarray(dev_pages)[res.page_index]):
-            dev = [page_hashes(d, [dp], ps) for d, _ in trees()]
-            assert dev == [page_hashes(hh, [hp], ps) for _, hh in trees()]
+    def wrapped_commit(res):
+        pairs = trees()
+        for hp, dp in zip(res.host_pages, res.src_pages):
+            dev = [page_hashes(d, [dp], ps) for d, _ in pairs]
+            assert dev == [page_hashes(hh, [hp], ps) for _, hh in pairs]
             at_backup[int(hp)] = dev
+        commit(res)
 
     def wrapped_load(host_pages, dev_pages):
         load(host_pages, dev_pages)
-        for hp, dp in zip(host_pages, dev_pages):
-            assert [page_hashes(d, [dp], ps) for d, _ in trees()] == at_backup[int(hp)]
-            checked["pages"] += 1
-            checked["host_pages"].add(int(hp))
+        loaded.extend(zip(np.asarray(host_pages).tolist(), np.asarray(dev_pages).tolist()))
         checked["loads"] += 1
 
-    h.backup, h.load = wrapped_backup, wrapped_load
+    def verify_loads():
+        pairs = trees()
+        for hp, dp in loaded:
+            assert [page_hashes(d, [dp], ps) for d, _ in pairs] == at_backup[hp]
+            checked["pages"] += 1
+            checked["host_pages"].add(hp)
+        loaded.clear()
+
+    h.commit, h.load = wrapped_commit, wrapped_load
+    checked["verify_loads"] = verify_loads
     return checked
 
 
-@pytest.mark.parametrize("speculative,cp", [(None, 1), ("nextn", 2)])
-def test_backup_and_reload_are_byte_perfect_per_layer(tiny, speculative, cp):
+@pytest.mark.parametrize("speculative,cp,copy", [(None, 1, "auto"), ("nextn", 2, "side_stream")])
+def test_backup_and_reload_are_byte_perfect_per_layer(tiny, speculative, cp, copy):
     """Main KV, index-K and its scales (and the draft layer in spec mode), every layer: the bytes
     loaded back equal the bytes at backup, after the freed device pages were overwritten. Under CP
-    (with the draft layer) every rank backs up and reloads the pages it owns, on its own host shard."""
+    (with the draft layer) every rank backs up and reloads the pages it owns, on its own host shard.
+    Copy paths: 'auto' is the jitted copies on CPU, the side stream on GPU; 'side_stream' is the
+    layer-hook path everywhere (memmoves at the boundaries on CPU)."""
     rng = np.random.default_rng(0)
     prompts = shared_prefix_prompts(rng, tiny.cfg.vocab_size, 2, 3)
     eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=96, max_prefill_tokens=64, index_dtype="fp8",
-                                    hicache_pages=128, speculative=speculative, cp_size=cp))
+                                    hicache_pages=128, speculative=speculative, cp_size=cp, hicache_copy=copy))
     checked = record_round_trips(eng)
     first = eng.generate(prompts, GREEDY)
     assert nodes_with(eng.radix, True, True), "nothing was backed up"
@@ -86,12 +101,15 @@ def test_backup_and_reload_are_byte_perfect_per_layer(tiny, speculative, cp):
     assert not nodes_with(eng.radix, True, True) and nodes_with(eng.radix, False, True)
     eng.generate([rng.integers(2, tiny.cfg.vocab_size, 300).tolist()], GREEDY)  # overwrites freed pages
     again = eng.generate(prompts, GREEDY)
+    checked["verify_loads"]()
     assert checked["loads"] > 0 and checked["pages"] >= 6, checked
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     assert all(o.cached_tokens > 0 for o in again)
     if cp > 1:
         ranks = eng.hicache.host_rank(np.fromiter(checked["host_pages"], np.int64))
         assert set(ranks.tolist()) == set(range(cp)), ranks
+    if eng.hicache.copier is not None:
+        assert not eng.hicache.copier.errors and eng.hicache.stats["failed_backups"] == 0, eng.hicache.stats
     check_invariants(eng)
 
 
@@ -121,11 +139,12 @@ def test_repeated_prompts_prepare_no_duplicate_backups(tiny, speculative):
         check_invariants(eng)
 
 
-def test_failed_backup_leaves_nothing_visible_and_returns_slots(tiny):
+@pytest.mark.parametrize("copy", ["auto", "side_stream"])
+def test_failed_backup_leaves_nothing_visible_and_returns_slots(tiny, copy):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, tiny.cfg.vocab_size, 60).tolist()]
     want = Engine(tiny, EngineConfig(page_size=16, kv_pages=64)).generate(prompts, GREEDY)
-    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, hicache_pages=32))
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, hicache_pages=32, hicache_copy=copy))
     eng.hicache.fail_at_layer = 2               # layers 0, 1 are copied and acknowledged, then a failure
     got = eng.generate(prompts, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -189,3 +208,5 @@ def test_hicache_config_errors(tiny):
         EngineConfig(hicache_pages=8, hicache_policy="write_back").validate()
     with pytest.raises(EngineConfigError, match="hicache_pages"):
         EngineConfig(hicache_pages=1).validate()
+    with pytest.raises(EngineConfigError, match="hicache_copy"):
+        EngineConfig(hicache_pages=8, hicache_copy="dma").validate()

@@ -21,14 +21,16 @@ def tiny():
 
 def test_small_device_pool_with_host_tier_equals_unbounded_pool(tiny):
     """Many prompts sharing prefixes, arriving over time, through a device pool that must evict to
-    host and reload: greedy outputs equal those of a pool that never evicts."""
+    host and reload: greedy outputs equal those of a pool that never evicts. Through the layer-hook
+    copy path (memmoves on CPU, the side stream on GPU): staged backups, loads inside the forward,
+    settling before device pages are freed."""
     rng = np.random.default_rng(1)
     prompts = shared_prefix_prompts(rng, tiny.cfg.vocab_size, 4, 4)
     order = [int(i) for i in rng.integers(0, len(prompts), 36)]
     base = EngineConfig(page_size=16, kv_pages=512, max_running=4, max_prefill_tokens=64, index_dtype="fp8")
     want = Engine(tiny, base).generate([prompts[i] for i in order], GREEDY)
 
-    eng = Engine(tiny, dataclasses.replace(base, kv_pages=40, hicache_pages=400))
+    eng = Engine(tiny, dataclasses.replace(base, kv_pages=40, hicache_pages=400, hicache_copy="side_stream"))
     got, pending, k = {}, {}, 0
     while k < len(order) or eng.has_unfinished():
         for _ in range(int(rng.integers(0, 4))):
@@ -42,7 +44,8 @@ def test_small_device_pool_with_host_tier_equals_unbounded_pool(tiny):
     assert [got[i] for i in range(len(order))] == [o.token_ids for o in want]
     h = eng.hicache.stats
     assert eng.radix.evicted_pages > 0 and h["loads"] > 0 and h["load_pages"] > 0, h
-    assert h["insert_miss_rollbacks"] == 0
+    assert h["insert_miss_rollbacks"] == 0 and h["failed_backups"] == 0 and h["commits"] > 0, h
+    assert not eng.hicache.copier.errors
 
 
 def test_host_pool_exhaustion(tiny):
