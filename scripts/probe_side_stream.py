@@ -1,4 +1,4 @@
-"""Side-stream copy probe on a synthetic 16-layer scan (H200): step time plain, with the layer hook, with per-layer backups (and loads) on the side stream, and with the copy serialized after the step; checks the copied bytes against a reference. Writes probe.json under $OUT.
+"""Side-stream copy probe on a synthetic 16-layer scan (H200): step time plain, with the layer hook, with per-layer backups (and loads) on the side stream, and with the copy serialized after the step; checks the copied bytes against a reference. Writes probe.json under $OUT."""
 import json, os, sys, time
 sys.path.insert(0, os.getcwd())
 import jax, jax.numpy as jnp, numpy as np
