@@ -15,6 +15,15 @@ import pytest  # noqa: E402
 # The tiny model is created and cached on first use: tests exercise that from an empty cache.
 os.environ.setdefault("CPKV_CACHE_DIR", tempfile.mkdtemp(prefix="cpkv-test-cache-"))
 
+# Compilation dominates the suite's time, and the two xdist workers (and the compilation-cache
+# clearing below) compile the same tiny-model executables again: share them through JAX's
+# persistent compilation cache (keyed by the computation, so a changed program never hits a stale entry).
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ.get(
+    "CPKV_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), f"cpkv-jax-xla-cache-{os.getuid()}")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_MODELS = ("glm_tiny", "glm_indexcache", "dsv32_tiny")
 
