@@ -210,3 +210,17 @@ def test_hicache_config_errors(tiny):
         EngineConfig(hicache_pages=1).validate()
     with pytest.raises(EngineConfigError, match="hicache_copy"):
         EngineConfig(hicache_pages=8, hicache_copy="dma").validate()
+
+
+def test_page_runs_merge_pages_consecutive_on_both_sides():
+    """Copies are planned as runs: pages that advance by one on the device and on the host are one
+    copy, in either allocation direction; any break on either side starts a new run."""
+    from cpkv_jax.side_stream import page_runs
+
+    dev = np.array([9, 8, 7, 3, 4, 12, 13])
+    host = np.array([5, 4, 3, 10, 11, 20, 22])
+    runs = page_runs(dev, host)
+    assert runs.tolist() == [[3, 10, 2], [7, 3, 3], [12, 20, 1], [13, 22, 1]]
+    covered = sorted((d + k, h + k) for d, h, n in runs.tolist() for k in range(n))
+    assert covered == sorted(zip(dev.tolist(), host.tolist()))
+    assert page_runs([], []).shape == (0, 3)
