@@ -391,9 +391,9 @@ class HiCache:
                 return shard.data.unsafe_buffer_pointer()
         raise AssertionError(f"no shard of the pool on rank {rank}")
 
-    def _device_addresses(self, rank: int, draft: bool = False) -> tuple:
-        tree = self.pool.draft if draft else self.pool.cache
-        return tuple(self._address(x, rank) for x in jax.tree.leaves(tree))
+    def _device_addresses(self, rank: int) -> tuple:
+        """The target pool's leaf addresses on a rank (what the layer hook sees)."""
+        return tuple(self._address(x, rank) for x in jax.tree.leaves(self.pool.cache))
 
     def _runs(self, host_pages, dev_pages) -> list[np.ndarray]:
         """Per rank, its pages as copy runs (side_stream.page_runs) of rank-local pages."""
@@ -450,8 +450,7 @@ class HiCache:
     def take_step(self) -> list[StepCopies]:
         """The staged loads and backups as one StepCopies per device, for the next target forward
         (every forward with layer hooks consumes one per device, empty or not)."""
-        steps = [StepCopies(self.num_layers + 1, dev, self._device_addresses(r)[0], fail_at_layer=self.fail_at_layer)
-                 for r, dev in enumerate(self.device_ids())]
+        steps = [StepCopies(self.num_layers + 1, dev, fail_at_layer=self.fail_at_layer) for dev in self.device_ids()]
         if self._staged_loads:
             self._load_steps += steps
         for host, dev in self._staged_loads:

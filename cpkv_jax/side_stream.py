@@ -167,7 +167,6 @@ class StepCopies:
     pool addresses it saw and the event acknowledging each layer's backups."""
     boundaries: int                  # hooks per forward: layers + 1
     device: int                      # the runtime's device key (CUDA ordinal; CP rank on CPU)
-    address: int                     # the pool's first leaf on that device when the forward was dispatched
     loads: dict[int, list[Copy]] = dataclasses.field(default_factory=dict)
     backups: dict[int, list[Copy]] = dataclasses.field(default_factory=dict)
     fail_at_layer: int | None = None

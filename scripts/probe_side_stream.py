@@ -40,9 +40,8 @@ def make(hook):
 
 plain, hooked = make(False), make(True)
 RB = N * W * 2
-POOL_ADDR = [0]
 def plan(loads, backups):
-    s = ss.StepCopies(L + 1, 0, POOL_ADDR[0])
+    s = ss.StepCopies(L + 1, 0)
     for l in range(L):
         if loads:
             s.loads[l] = [ss.Copy(0, l * 2 * RB, hptr + l * 2 * RB, RB)]
@@ -67,7 +66,7 @@ def run_plain():
 def run_hook(loads, backups, wait_side=True):
     pool = jnp.zeros((L, 2 * N, W), BF); jax.block_until_ready(pool)
     ptr_in = pool.unsafe_buffer_pointer()
-    POOL_ADDR[0] = ptr_in; s = plan(loads, backups); cp.push(s)
+    s = plan(loads, backups); cp.push(s)
     p, x = hooked(pool, x0, w); jax.block_until_ready(p)
     if wait_side: cp.drain()
     return p, s, ptr_in
