@@ -48,7 +48,7 @@ def bench_compaction(args, ceil):
         entry = {"rows": n, "hidden": args.hidden, "valid": int(n_valid), "bytes": moved,
                  "xla_s": best_time(ref, x, perm, repeat=20)}
         entry["xla_util"] = moved / entry["xla_s"] / copy_bw
-        for blk in ("32x512", "16x1024", "64x256", "8x2048"):
+        for blk in args.gather_tilings.split(","):
             br, bc = map(int, blk.split("x"))
             f = jax.jit(lambda a, i, br=br, bc=bc: gather_rows_pallas(a, i, block_rows=br, block_cols=bc))
 
@@ -204,6 +204,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
     p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--gather-tilings", default="32x512,16x1024,64x256,8x2048",
+                   help="row gather tilings to time, rows x columns per program")
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--only", default="compaction,selection,indexer")
     p.add_argument("--select-cases", default=",".join(f"{r}x{n}" for r, n in SELECT_CASES),
