@@ -306,13 +306,15 @@ class Engine:
     def max_compilations(self) -> int:
         """Upper bound on compiled step variants: prefill B x T x S buckets and decode B x S (with
         speculative decoding also the draft extend of each, and the chain step), twice that under CP
-        (a plan is page-aligned or not), plus one sampler variant per B bucket and sampler."""
+        (a plan is page-aligned or not), twice again with the host tier's layer hook (a step that copies
+        and one that does not), plus one sampler variant per B bucket and sampler."""
         c = self.config
         nB = len(bucket_set(1, c.max_running))
         nT = len(bucket_set(min(c.min_prefill_lanes, c.max_prefill_tokens), c.max_prefill_tokens))
         nS = len(bucket_set(1, pages_for(self.max_context, c.page_size)))
         steps = (2 * nB * nT * nS + 3 * nB * nS) if self.spec else (nB * nT * nS + nB * nS)
-        return steps * (2 if c.cp_size > 1 else 1) + nB * (3 if self.spec else 1)
+        hooked = 2 if self.runner.copier is not None else 1      # target steps with / without the layer hook
+        return steps * (2 if c.cp_size > 1 else 1) * hooked + nB * (3 if self.spec else 1)
 
     def compilations(self) -> int:
         """Distinct compiled variants this engine has used (step shapes + sampler batch sizes)."""

@@ -32,8 +32,9 @@ _draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_pat
 class ModelRunner:
     """Dispatches the step. With a mesh, the parameters are replicated over it, the pool is sharded
     over its 'cp' axis and every step runs under shard_map (models.model.run_model). With
-    `step_copies` (the host tier's side-stream copies) the target forward carries the layer hook, and
-    every dispatch first pushes the copies that forward makes (`step_copies()`: a StepCopies per device)."""
+    `step_copies` (the host tier's side-stream copies: a StepCopies per device for the next forward), a
+    target forward that has copies to make carries the layer hook and pushes them first; the others
+    run the plain executable (decode steps do not pay the hook)."""
 
     def __init__(self, model: DsaModel, pool: KVPool, mesh=None, axis: str = "cp", copier=None, step_copies=None):
         self.model = model
@@ -81,12 +82,15 @@ class ModelRunner:
         hidden rows, kept on device for the draft model."""
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
         attn_path = attn_path or choose_attn_path(batch.tokens.shape[1])
-        self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output, kw["access"]))
         if self.copier is not None:
-            from cpkv_jax.side_stream import LayerHook
-            for copies in self.step_copies():
-                self.copier.push(copies)
-            kw["boundary"] = LayerHook(kw["access"].axis)
+            copies = self.step_copies()
+            if any(c.loads or c.backups for c in copies):    # only forwards that copy pay for the hook
+                from cpkv_jax.side_stream import LayerHook
+                for c in copies:
+                    self.copier.push(c)
+                kw["boundary"] = LayerHook(kw["access"].axis)
+        self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output, kw["access"],
+                           "boundary" in kw))
         out, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
                                      output=output, **kw)
         return out
