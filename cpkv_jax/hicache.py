@@ -454,25 +454,24 @@ class HiCache:
         if self._staged_loads:
             self._load_steps += steps
         for host, dev in self._staged_loads:
-            runs = self._runs(host, dev)
-            for layer in range(self.num_layers):
-                for r, blocks in enumerate(self._blocks((layer, False), runs)):
-                    if blocks:
-                        steps[r].loads.setdefault(layer, []).extend(blocks)
-                self._count(self._layer_leaves(layer, False)[0], len(host), to_host=False)
+            self._plan_layers(steps, host, dev, to_host=False)
         for res, host, dev in self._staged_backups:
-            runs = self._runs(host, dev)
-            for layer in range(self.num_layers):
-                for r, blocks in enumerate(self._blocks((layer, False), runs)):
-                    if blocks:
-                        steps[r].backups.setdefault(layer, []).extend(blocks)
-                self._count(self._layer_leaves(layer, False)[0], len(host), to_host=True)
+            self._plan_layers(steps, host, dev, to_host=True)
             if not res.steps or res.steps[-1] is not steps:
                 res.steps.append(steps)
                 for step in steps:
                     step.users += 1
         self._staged_loads, self._staged_backups = [], []
         return steps
+
+    def _plan_layers(self, steps: list[StepCopies], host, dev, to_host: bool) -> None:
+        """Add every target layer's blocks of these pages to each rank's backups (or loads)."""
+        runs = self._runs(host, dev)
+        for layer in range(self.num_layers):
+            for r, blocks in enumerate(self._blocks((layer, False), runs)):
+                if blocks:
+                    (steps[r].backups if to_host else steps[r].loads).setdefault(layer, []).extend(blocks)
+            self._count(self._layer_leaves(layer, False)[0], len(host), to_host=to_host)
 
     def _copy_after_step(self, units, host_pages, dev_pages) -> list[int]:
         """Device->host copies of pages the pool already holds, on each rank's side stream once the
