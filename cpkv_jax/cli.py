@@ -143,6 +143,8 @@ def bench_model(args):
         over.update(num_hidden_layers=args.num_layers, first_k_dense_replace=min(args.num_layers - 1, 1))
     if args.num_experts:
         over["n_routed_experts"] = args.num_experts
+    if getattr(args, "max_positions", None):
+        over["max_position_embeddings"] = args.max_positions
     cfg = ModelConfig.named(args.model.split(":", 1)[1], **over)
     return DsaModel(cfg, dtype=jnp.dtype(args.dtype or cfg.dtype), rngs=nnx.Rngs(0))
 

@@ -24,7 +24,7 @@ import numpy as np
 from cpkv_jax.cp import CPPlan, CPRequest, build_batch as build_cp_batch, plan as cp_plan
 from cpkv_jax.kv_pool import KVPool, PageAllocator
 from cpkv_jax.radix_cache import RadixCache
-from cpkv_jax.runner import ModelRunner, choose_attn_path
+from cpkv_jax.runner import ModelRunner
 from cpkv_jax.sampling import SamplingParams, propose_tokens, sample_tokens, verify_tokens
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, pages_for
 from models.model import DsaModel
@@ -366,14 +366,14 @@ class Engine:
         B, T = len(last_lane), batch.tokens.shape[1]
         if self.hicache is not None:
             self.hicache.stage_backups([(ch.req.host_res, ch.req.pages, ch.start + len(ch.tokens)) for ch in chunks])
-        out = self.runner.forward(batch, last_lane, attn_path=c.attn_path or choose_attn_path(T),
+        out = self.runner.forward(batch, last_lane, attn_path=c.attn_path,
                                   output="last_logits_hidden" if self.spec else "last_logits",
                                   last_rank=last_rank, page_aligned=plan.page_aligned)
         logits, hidden = out if self.spec else (out, None)
         n_tok = sum(len(ch.tokens) for ch in chunks)
         self.metrics["prefill_steps" if prefill else "decode_steps"] += 1
         self.metrics["prefill_tokens" if prefill else "decode_tokens"] += n_tok
-        self.metrics["padded_lanes"] += B * T - n_tok
+        self.metrics["padded_lanes"] += batch.tokens.size - n_tok   # every rank's lanes under CP
 
         position = np.zeros(B, np.int32)
         for i, ch in enumerate(chunks):
@@ -416,7 +416,7 @@ class Engine:
         T = hidden.shape[1]
         _, _, batch, last_lane, last_rank = self._layout(chunks, True, plan, reqs, next_tokens, lanes=T)
         dlogits, x_last = self.runner.draft_forward(hidden, batch.tokens, batch, last_lane,
-                                                    attn_path=self.config.attn_path or choose_attn_path(T),
+                                                    attn_path=self.config.attn_path,
                                                     last_rank=last_rank, page_aligned=plan.page_aligned)
         live = [i for i, ch in enumerate(chunks) if not ch.req.prefilling and ch.req.finish_reason is None]
         if live:
@@ -460,7 +460,7 @@ class Engine:
         chunks = [Chunk(r, r.seq_len - 1, [r.output[-1]] + r.drafts) for r in reqs]
         plan, creqs, batch, last_lane, last_rank = self._layout(chunks, False, lanes=bucket(n + 1, 1, 2 * (n + 1)))
         B, T = len(last_lane), batch.tokens.shape[1]
-        logits, hidden = self.runner.forward(batch, last_lane, attn_path=self.config.attn_path or choose_attn_path(T),
+        logits, hidden = self.runner.forward(batch, last_lane, attn_path=self.config.attn_path,
                                              output="logits_hidden", last_rank=last_rank,
                                              page_aligned=plan.page_aligned)
         rank_idx = np.zeros((B, n + 1), np.int32)

@@ -13,12 +13,19 @@ from models.kv import SINGLE_DEVICE, Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
+# The expanded path materializes fp32 scores [B, heads, T, S] (and the softmax's copy of them): above
+# this many elements (16 GiB of scores) long chunks over long contexts take the absorbed path, whose
+# transients grow with T·top-k instead of T·S (GLM-5: a 8192-token chunk over 32k keys would need 64 GiB).
+EXPANDED_MAX_SCORES = 1 << 32
 
 
-def choose_attn_path(tokens_per_request: int) -> str:
-    """Absorbed attention (over the gathered top-k latents) for decode and short extends; expanded
-    (kv_b_proj over every visible latent, amortized over many queries) for long prefill chunks."""
-    return "absorbed" if tokens_per_request <= ABSORBED_MAX_TOKENS else "expanded"
+def choose_attn_path(rows: int, tokens_per_request: int, width: int, heads: int) -> str:
+    """Absorbed attention (over the gathered top-k latents) for decode, short extends and chunks whose
+    dense score matrix would not fit; expanded (kv_b_proj over every visible latent, amortized over
+    many queries) for other long prefill chunks."""
+    if tokens_per_request <= ABSORBED_MAX_TOKENS or rows * heads * tokens_per_request * width > EXPANDED_MAX_SCORES:
+        return "absorbed"
+    return "expanded"
 
 
 # The step every runner dispatches: the pool (argument 3) is donated; the graph definition is static,
@@ -68,6 +75,13 @@ class ModelRunner:
             kw["last_index"] = jax.device_put(np.asarray(last_index, np.int32), self._replicated)
         return self.place(batch), kw
 
+    def attn_path_for(self, batch: Batch) -> str:
+        """The attention path of a batch: per rank, B rows (of cp·B under CP) x T lanes over S keys."""
+        B, T = batch.tokens.shape
+        if self.mesh is not None:
+            B //= self.mesh.shape[self.axis]
+        return choose_attn_path(B, T, batch.slot_table.shape[1], self.model.cfg.num_attention_heads)
+
     def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False, last_rank=None,
               page_aligned: bool = True):
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
@@ -81,7 +95,7 @@ class ModelRunner:
         "logits" every position ([B, T, V]; under CP [cp, B, T, V]), "*_hidden" also this step's
         hidden rows, kept on device for the draft model."""
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
-        attn_path = attn_path or choose_attn_path(batch.tokens.shape[1])
+        attn_path = attn_path or self.attn_path_for(batch)
         if self.copier is not None:
             copies = self.step_copies()
             if any(c.loads or c.backups for c in copies):    # only forwards that copy pay for the hook
@@ -100,7 +114,7 @@ class ModelRunner:
         """One MTP step over the draft pool (same slots as the target's). Returns (draft logits [B, V],
         MTP hidden [B, D]) at each request's last lane."""
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
-        attn_path = attn_path or choose_attn_path(batch.tokens.shape[1])
+        attn_path = attn_path or self.attn_path_for(batch)
         if self.mesh is not None:
             next_tokens = jax.device_put(next_tokens, self._rows)
             if hidden.ndim == 2:

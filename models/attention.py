@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache, dequantize_index_k, quantize_index_k
+from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache, quantize_index_k
 from models.layers import (Dense, LayerNorm, RMSNorm, apply_rope_half, apply_rope_interleaved,
                            rope_cos_sin)
-from pallas_kernels.topk import index_scores_reference, indexer_topk, select_topk
+from pallas_kernels.topk import indexer_topk
 
 # Masked attention scores use the most negative finite float (as HF does), never -inf: a padding lane
 # with nothing selected then gets finite garbage instead of NaN that could reach the dummy slot.
@@ -60,17 +60,30 @@ class Indexer(nnx.Module):
         cache = KVCache(cache.latent, cache.k_rope, index_k, index_scale)
         w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_n_heads ** -0.5  # [B, T, H]
         if access.axis is None:
-            topk = indexer_topk(q, w, index_k, index_scale, full_id, batch.slot_table, batch.positions, k_sel)
-            return topk, cache
-        if index_scale is not None:
-            def key_rows(s):
-                return dequantize_index_k(index_k[full_id][s], index_scale[full_id][s])
-        else:
-            def key_rows(s):
-                return index_k[full_id][s].astype(jnp.float32)
-        keys = access.gather(key_rows, batch.slot_table, index_k.shape[1])
-        scores = index_scores_reference(q, w, keys, batch.positions, cfg.index_head_dim)
-        return select_topk(scores, k_sel), cache
+            return indexer_topk(q, w, index_k, index_scale, full_id, batch.slot_table, batch.positions, k_sel), cache
+        keys, scales, table = gather_index_keys(access, index_k, index_scale, full_id, batch.slot_table)
+        return indexer_topk(q, w, keys, scales, 0, table, batch.positions, k_sel), cache
+
+
+def gather_index_keys(access: KVAccess, index_k, index_scale, layer, slot_table):
+    """Under CP: every visible indexer key of each request, as stored (fp8 bytes with their fp32 scale,
+    or plain), from the owner ranks in one collective, laid out as a one-layer pool [1, B*S, D] with
+    its slot table — so the indexer runs the same dispatch (and kernel) on the same values as on one
+    device, and moves 132 B per fp8 key instead of a dequantized fp32 copy."""
+    B, S = slot_table.shape
+    D = index_k.shape[-1]
+    if index_scale is None:
+        keys = access.gather(lambda s: index_k[layer][s], slot_table, index_k.shape[1])
+        scales = None
+    else:
+        def key_bytes(s):  # [.., D + 4] uint8: the fp8 key, then its scale's bytes
+            k = jax.lax.bitcast_convert_type(index_k[layer][s], jnp.uint8)
+            return jnp.concatenate([k, jax.lax.bitcast_convert_type(index_scale[layer][s], jnp.uint8)], axis=-1)
+        packed = access.gather(key_bytes, slot_table, index_k.shape[1])         # exact: x + 0 on integers
+        keys = jax.lax.bitcast_convert_type(packed[..., :D], index_k.dtype)
+        scales = jax.lax.bitcast_convert_type(packed[..., D:], jnp.float32).reshape(1, B * S)
+    table = jnp.arange(B * S, dtype=jnp.int32).reshape(B, S)
+    return keys.reshape(1, B * S, D), scales, table
 
 
 class MLA(nnx.Module):
@@ -138,8 +151,7 @@ class MLA(nnx.Module):
             p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
             out = jnp.einsum("bhts,bshd->bthd", p, v)
         elif attn_path == "absorbed":
-            slots = jnp.take_along_axis(batch.slot_table[:, None, :], jnp.maximum(topk, 0), axis=2)  # [B,T,K]
-            kv_sel = access.fetch(kv_rows, slots, n_local)               # [B, T, K, C + dr]
+            kv_sel = access.pick(kv_rows, batch.slot_table, topk, n_local)   # [B, T, K, C + dr]
             lat_sel, rope_sel = kv_sel[..., :C], kv_sel[..., C:]
             q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
             s = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel)

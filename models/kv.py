@@ -121,7 +121,9 @@ class KVAccess:
              contributes its rows, zeros elsewhere, summed over the axis (exact: x + 0 = x).
     fetch  — rows of global slots that differ per rank (each rank's selected top-k rows): slots are
              all-gathered, owners look up what every rank asked for, and a reduce-scatter returns to
-             each rank only its own request."""
+             each rank only its own request.
+    pick   — rows at per-rank positions of each request: a fetch, or a gather of every visible row
+             followed by a local pick, whichever moves fewer rows across ranks."""
 
     axis: str | None = None
     page_aligned: bool = True
@@ -160,6 +162,17 @@ class KVAccess:
         rows = rows_at(local)
         rows = jnp.where(mine.reshape(mine.shape + (1,) * (rows.ndim - mine.ndim)), rows, 0)
         return jax.lax.psum_scatter(rows, self.axis, scatter_dimension=0, tiled=False)
+
+    def pick(self, rows_at, slot_table, positions, n_local: int):
+        """Rows at `positions` [B, T, K] (per rank; < 0 reads position 0) of each request whose slots
+        are slot_table [B, S]. A fetch moves cp·T·K rows per request, a gather S: long prefill chunks
+        gather (T·K ≫ S), decode and short extends fetch."""
+        positions = jnp.maximum(positions, 0)
+        B, T, K = positions.shape
+        if self.axis is not None and T * K > slot_table.shape[1]:
+            every = self.gather(rows_at, slot_table, n_local)                  # [B, S, ...]
+            return every[jnp.arange(B)[:, None, None], positions]
+        return self.fetch(rows_at, jnp.take_along_axis(slot_table[:, None, :], positions, axis=2), n_local)
 
 
 SINGLE_DEVICE = KVAccess()

@@ -13,6 +13,7 @@ checked bit for bit in test_kv_access_moves_rows_exactly."""
 from tests.helpers import rel_err
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -51,17 +52,18 @@ def workload(rng, vocab, page_size):
     return [first, second]
 
 
-@pytest.mark.parametrize("page_size, cp_configs", [
-    (16, [dict(cp_size=2), dict(cp_size=4), dict(cp_size=8),
-          dict(cp_size=4, cp_short_policy="token_balanced"), dict(cp_size=4, cp_mode="round_robin")]),
-    (64, [dict(cp_size=2), dict(cp_size=4), dict(cp_size=8)]),
+@pytest.mark.parametrize("page_size, index_dtype, cp_configs", [
+    (16, "same", [dict(cp_size=2), dict(cp_size=4), dict(cp_size=8),
+                  dict(cp_size=4, cp_short_policy="token_balanced"), dict(cp_size=4, cp_mode="round_robin")]),
+    (64, "same", [dict(cp_size=2), dict(cp_size=4), dict(cp_size=8)]),
+    (64, "fp8", [dict(cp_size=4)]),   # fp8 indexer keys travel as bytes + scale (gather_index_keys)
 ])
-def test_cp_engine_equals_single_device(tiny, page_size, cp_configs):
+def test_cp_engine_equals_single_device(tiny, page_size, index_dtype, cp_configs):
     rng = np.random.default_rng(page_size)
     waves = workload(rng, tiny.cfg.vocab_size, page_size)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     base = dict(page_size=page_size, kv_pages=8 * (1600 // page_size + 8), max_prefill_tokens=512,
-                index_dtype="same")
+                index_dtype=index_dtype)
     single = Engine(tiny, EngineConfig(**base))
     ref = run_waves(single, waves, params)
     ref_pages = single.radix.prefixes()
@@ -86,6 +88,8 @@ def test_cp_engine_equals_single_device(tiny, page_size, cp_configs):
         assert {int(eng.allocator.owner(p)) for p in pages.values()} == set(range(cp))
         s = eng.stats()
         assert s["free_pages"] + s["radix"]["pages"] == s["total_pages"] and s["reserved_pages"] == 0
+        m = eng.metrics   # every rank's lanes count: lanes of all steps = tokens + padding, in cp-sized rows
+        assert m["padded_lanes"] >= 0 and (m["prefill_tokens"] + m["decode_tokens"] + m["padded_lanes"]) % cp == 0
         del eng
         jax.clear_caches()  # every config compiles its own variants; keep the mapped code bounded (conftest)
     assert worst <= 1e-5, worst
@@ -93,7 +97,7 @@ def test_cp_engine_equals_single_device(tiny, page_size, cp_configs):
 
 @pytest.mark.parametrize("page_aligned", [True, False])
 def test_kv_access_moves_rows_exactly(page_aligned):
-    """write / gather / fetch under shard_map over 4 ranks vs plain indexing of one unsharded pool:
+    """write / gather / fetch / pick under shard_map over 4 ranks vs plain indexing of one unsharded pool:
     identical bits, and each rank's shard holds exactly the pages it owns."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -112,25 +116,34 @@ def test_kv_access_moves_rows_exactly(page_aligned):
     real = np.concatenate(owned)  # every slot but the ranks' dummies (which absorb off-owner writes)
     table = rng.choice(real, (B, S))
     picks = rng.choice(real, (cp, B, T, K))
+    # positions into the slot table (-1 reads position 0): over all S columns (T·K < S: fetched) and over
+    # the first S/2 (T·K > S/2: every visible row gathered, then picked locally)
+    positions = rng.integers(-1, S // 2, (cp, B, T, K))
 
     expect = pool.copy()
     expect[1, slots.reshape(-1)] = rows.reshape(-1, D)
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     access = KVAccess("cp", page_aligned)
 
-    def body(pool, slots, rows, table, picks):
+    def body(pool, slots, rows, table, picks, positions):
         pool = access.write(pool, 1, slots[0], rows[0])
         got = access.gather(lambda s: pool[1][s], table, pool.shape[1])
         fetched = access.fetch(lambda s: pool[1][s], picks[0], pool.shape[1])
-        return pool, got[None], fetched[None]
+        picked = [access.pick(lambda s: pool[1][s], t, positions[0], pool.shape[1]) for t in (table, table[:, :S // 2])]
+        return pool, got[None], fetched[None], jnp.stack(picked)[None]
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "cp"), P("cp"), P("cp"), P(), P("cp")),
-                              out_specs=(P(None, "cp"), P("cp"), P("cp")), check_vma=False))
-    new_pool, got, fetched = f(jax.device_put(pool, NamedSharding(mesh, P(None, "cp"))), slots, rows, table, picks)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "cp"), P("cp"), P("cp"), P(), P("cp"), P("cp")),
+                              out_specs=(P(None, "cp"), P("cp"), P("cp"), P("cp")), check_vma=False))
+    new_pool, got, fetched, picked = f(jax.device_put(pool, NamedSharding(mesh, P(None, "cp"))), slots, rows, table,
+                                       picks, positions)
+    assert T * K < S and T * K > S // 2  # one call per branch of pick
     np.testing.assert_array_equal(np.asarray(new_pool)[:, real], expect[:, real])
     for r in range(cp):
         np.testing.assert_array_equal(np.asarray(got)[r], expect[1][table])
         np.testing.assert_array_equal(np.asarray(fetched)[r], expect[1][picks[r]])
+        want = expect[1][np.take_along_axis(table[:, None, :], np.maximum(positions[r], 0), axis=2)]
+        np.testing.assert_array_equal(np.asarray(picked)[r, 0], want)
+        np.testing.assert_array_equal(np.asarray(picked)[r, 1], want)
     for shard in new_pool.addressable_shards:
         r = shard.index[1].start // n_local
         np.testing.assert_array_equal(np.asarray(shard.data)[:, 1:], expect[:, r * n_local + 1:(r + 1) * n_local])

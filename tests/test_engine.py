@@ -136,6 +136,18 @@ def test_compilations_bounded_under_random_traffic(tiny):
     assert eng.metrics["steps"] > 3 * eng.compilations()
 
 
+def test_attention_path_keeps_expanded_scores_bounded():
+    """Expanded attention materializes rows x heads x lanes x width fp32 scores: above 2**32 (16 GiB)
+    a long chunk takes the absorbed path (GLM-5, 64 heads: an 8192-token chunk over 8192 keys is the
+    largest expanded one)."""
+    from cpkv_jax.runner import choose_attn_path
+    assert choose_attn_path(1, 16, 8192, 64) == "absorbed"            # short extends always
+    assert choose_attn_path(1, 8192, 8192, 64) == "expanded"
+    assert choose_attn_path(1, 8192, 16384, 64) == "absorbed"
+    assert choose_attn_path(8, 2048, 2048, 64) == "expanded"
+    assert choose_attn_path(8, 4096, 4096, 64) == "absorbed"
+
+
 def test_stream_matches_generate_and_early_close_aborts(tiny):
     rng = np.random.default_rng(5)
     prompts = random_prompts(rng, [5, 30], tiny.cfg.vocab_size)
