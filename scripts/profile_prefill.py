@@ -1,0 +1,98 @@
+"""Where a prefill's device time goes: run a workload once to compile, then once under the JAX
+profiler, and sum the device ops of the trace by name (table + JSON; the raw trace is kept).
+
+    python scripts/profile_prefill.py --model random:glm-5 --num-layers 4 --num-experts 16 \\
+        --lengths 2048 1536 1024 1024 700 333 64 9 --budget 8192"""
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+def device_op_times(trace_dir: str) -> tuple[dict, float, list]:
+    """{op: [total us, count]} over the device lanes of the newest perfetto trace (GPU: the
+    '/device:' processes; CPU: the XLA executor threads), the span they cover, and the lanes used.
+    An op is its HLO op name where the trace gives one, else the event name."""
+    path = max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    events = json.loads(gzip.open(path).read())["traceEvents"]
+    meta = [e for e in events if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")]
+    lanes = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name" and "/device:" in e["args"]["name"]}
+    if lanes:
+        on_device = lambda e: e.get("pid") in lanes  # noqa: E731
+    else:
+        lanes = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"
+                 and e["args"]["name"].startswith("tf_XLA")}
+        on_device = lambda e: e.get("tid") in lanes  # noqa: E731
+    ops: dict = defaultdict(lambda: [0.0, 0])
+    first, last = float("inf"), 0.0
+    for e in events:
+        if e.get("ph") == "X" and on_device(e):
+            args = e.get("args") or {}
+            name = args.get("hlo_op") or args.get("long_name") or e["name"]
+            ops[name][0] += float(e.get("dur", 0))
+            ops[name][1] += 1
+            first, last = min(first, float(e["ts"])), max(last, float(e["ts"]) + float(e.get("dur", 0)))
+    return dict(ops), (last - first if ops else 0.0), sorted(set(lanes.values()))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 1536, 1024, 1024, 700, 333, 64, 9])
+    p.add_argument("--budget", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--attn-path", choices=("expanded", "absorbed"), default=None)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trace-dir", default=None, help="keep the trace here (default: a temporary directory)")
+    p.add_argument("--json", default="profile_prefill.json")
+    args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import jax
+    import numpy as np
+
+    from cpkv_jax.cli import bench_model
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+    from cpkv_jax.scheduler import pages_for
+
+    model = bench_model(args)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, model.cfg.vocab_size, n).tolist() for n in args.lengths]
+    pages = args.cp * (-(-(sum(pages_for(n + 1, args.page_size) for n in args.lengths) + 2 * args.cp) // args.cp) + 1)
+    engine = Engine(model, EngineConfig(page_size=args.page_size, kv_pages=pages, max_running=len(prompts),
+                                        max_prefill_tokens=args.budget, prefix_cache=False, cp_size=args.cp,
+                                        attn_path=args.attn_path))
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate(prompts, params)                          # compile
+    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="cpkv-profile-")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    ops, span, lanes = device_op_times(trace_dir)
+    total = sum(t for t, _ in ops.values())
+    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]
+    print(f"wall {wall * 1e3:.1f} ms; device ops {total / 1e3:.1f} ms over a {span / 1e3:.1f} ms span "
+          f"({len(ops)} distinct ops on {len(lanes)} lanes: {', '.join(lanes[:4])}); trace in {trace_dir}")
+    w = max(len(n[:90]) for n, _ in top) if top else 10
+    for name, (t, n) in top:
+        print(f"{name[:90]:<{w}}  {t / 1e3:9.2f} ms  {100 * t / max(total, 1e-9):5.1f}%  x{n}")
+    Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "wall_s": wall, "device_total_us": total,
+                                           "span_us": span, "device": str(jax.devices()[0].device_kind),
+                                           "top": [{"op": k, "us": t, "count": n} for k, (t, n) in top]},
+                                          indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
