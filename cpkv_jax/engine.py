@@ -363,7 +363,7 @@ class Engine:
         t0 = time.perf_counter()
         c = self.config
         plan, reqs, batch, last_lane, last_rank = self._layout(chunks, prefill)
-        B, T = len(last_lane), batch.tokens.shape[1]
+        B = len(last_lane)
         if self.hicache is not None:
             self.hicache.stage_backups([(ch.req.host_res, ch.req.pages, ch.start + len(ch.tokens)) for ch in chunks])
         out = self.runner.forward(batch, last_lane, attn_path=c.attn_path,
@@ -459,7 +459,7 @@ class Engine:
         n = self.config.num_draft_tokens
         chunks = [Chunk(r, r.seq_len - 1, [r.output[-1]] + r.drafts) for r in reqs]
         plan, creqs, batch, last_lane, last_rank = self._layout(chunks, False, lanes=bucket(n + 1, 1, 2 * (n + 1)))
-        B, T = len(last_lane), batch.tokens.shape[1]
+        B = len(last_lane)
         logits, hidden = self.runner.forward(batch, last_lane, attn_path=self.config.attn_path,
                                              output="logits_hidden", last_rank=last_rank,
                                              page_aligned=plan.page_aligned)

@@ -5,10 +5,10 @@ row order — as a Pallas kernel beside its jnp reference.
 
 Compaction (valid rows first), its inverse (back to the padded layout, dummies zero) and the
 expert-grouped order are all this gather with a different index vector, computed by an integer
-scan (`compaction_plan`) and a stable sort (`expert_order`). The kernel uses Pallas's Triton backend: a row gather is
-pointer arithmetic per row, which Triton expresses directly (a vector of row offsets, one 2-D load
-per block); Mosaic GPU's strength (TMA, wgmma pipelines) is for dense tiles, not data-dependent
-rows. Grid: (row blocks, column blocks); each program loads block_rows rows x block_cols columns.
+scan (`compaction_plan`) and a stable sort (`expert_order`). The kernel uses Pallas's Triton
+backend: a row gather is pointer arithmetic per row, which Triton expresses directly (a vector of
+row offsets, one 2-D load per block); Mosaic GPU's strength (TMA, wgmma pipelines) is for dense
+tiles, not data-dependent rows. Grid: (row blocks, column blocks); each program loads block_rows rows x block_cols columns.
 """
 
 from __future__ import annotations

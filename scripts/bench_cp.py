@@ -136,10 +136,11 @@ def compare(tokens, logits, ref_tokens, ref_logits) -> dict:
         out["logits_max_rel_vs_cp1"] = max(out["logits_max_rel_vs_cp1"],
                                            max_rel(logits[i][:same_context], ref_logits[i][:same_context]))
         if step is not None:
-            top2 = np.sort(ref_logits[i][step])[-2:]
+            ref = ref_logits[i][step]
+            top2 = np.sort(ref)[-2:]
             out["mismatches"].append({"request": i, "step": step, "token": t[step], "ref_token": r[step],
-                                      "ref_top2_margin_rel": float((top2[1] - top2[0]) / np.max(np.abs(ref_logits[i][step]))),
-                                      "logits_rel_at_step": max_rel(logits[i][step], ref_logits[i][step])})
+                                      "ref_top2_margin_rel": float((top2[1] - top2[0]) / np.max(np.abs(ref))),
+                                      "logits_rel_at_step": max_rel(logits[i][step], ref)})
     return out
 
 
