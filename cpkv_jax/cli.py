@@ -156,7 +156,7 @@ def cmd_bench(args) -> int:
     from tqdm import tqdm
 
     from cpkv_jax.engine import Engine
-    from cpkv_jax.perf import decode_step_bytes, forward_flops, measure_ceilings
+    from cpkv_jax.perf import decode_step_bytes, forward_flops, measure_ceilings, print_table
     from cpkv_jax.sampling import SamplingParams
     from cpkv_jax.scheduler import pages_for
     from models.model import matmul_precision
@@ -210,7 +210,7 @@ def cmd_bench(args) -> int:
         "model": args.model, "dtype": str(model.dtype), "layers": cfg.num_hidden_layers,
         "experts": cfg.n_routed_experts, "batch": B, "prompt_len": L, "decode_tokens": N,
         "page_size": args.page_size, "prefill_budget": budget, "device": ceilings["device"], "cp": args.cp,
-        "pool_bytes_per_rank": int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(engine.pool.cache))),
+        "pool_bytes_per_rank": engine.pool.bytes_per_rank(),
         "prefill": {"tokens": best["prefill_tokens"], "seconds": p_s, "tokens_per_s": best["prefill_tokens"] / p_s,
                     "flops": prefill_flops, "flops_per_s": prefill_flops / p_s,
                     "mfu": prefill_flops / p_s / ceilings["matmul_flops_per_s"]},
@@ -235,9 +235,7 @@ def cmd_bench(args) -> int:
             ("decode", result["decode"]["tokens"], f"{d_s:.4f}", f"{result['decode']['tokens_per_s'] or 0:.1f}",
              f"{(result['decode']['bytes_per_s'] or 0) / 1e9:.1f} GB/s",
              f"BW {result['decode']['bandwidth_util'] or 0:.1%}")]
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    print_table(rows)
     if result["speculative"]:
         sp = result["speculative"]
         print(f"speculative {sp['method']} n={sp['num_draft_tokens']}: decode {sp['decode_tokens_per_s']:.1f} tok/s "

@@ -111,6 +111,10 @@ class KVPool:
     def num_pages(self) -> int:
         return self.cache.num_slots // self.page_size
 
+    def bytes_per_rank(self) -> int:
+        """Target cache bytes each device holds (under CP: its shard of every leaf)."""
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.cache))
+
     def bytes_per_token(self) -> int:
         """Cache bytes per token slot over all layers, target and draft (every leaf is [layers, slots, ...])."""
         return sum(x.dtype.itemsize * x.size // x.shape[1] for x in jax.tree.leaves((self.cache, self.draft)))

@@ -77,6 +77,13 @@ def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, param_bytes: i
     return float(total)
 
 
+def print_table(rows) -> None:
+    """Rows of cells (the first is the header), right-aligned in columns."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+
+
 def best_time(fn, *args, repeat: int = 5) -> float:
     """Best wall time of fn(*args) over `repeat` runs after one warm-up (blocking on the result)."""
     jax.block_until_ready(fn(*args))

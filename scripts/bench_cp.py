@@ -215,8 +215,7 @@ def main() -> int:
         engine = engine_for(cp, args.budget)
         seen: dict = {}
         spy_prefill_variants(engine, seen)
-        shard = engine.pool.cache.latent.addressable_shards[0].data.nbytes / engine.pool.cache.latent.nbytes
-        pool_per_rank = int(sum(x.nbytes for x in jax.tree.leaves(engine.pool.cache)) * shard)
+        pool_per_rank = engine.pool.bytes_per_rank()
         for name, lens in workloads:
             if late():
                 result["skipped"].append({"cp": cp, "workload": name, "why": "deadline"})
@@ -273,10 +272,10 @@ def main() -> int:
 
 
 def report(result: dict) -> None:
+    from cpkv_jax.perf import print_table
+
     def table(rows):
-        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+        print_table(rows)
         print()
 
     base_pool = {r["workload"]: r["pool_bytes_per_rank"] for r in result["runs"] if r["cp"] == 1}

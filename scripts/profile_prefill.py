@@ -7,7 +7,6 @@ profiler, and sum the device ops of the trace by name (table + JSON; the raw tra
 import argparse
 import gzip
 import json
-import os
 import sys
 import tempfile
 import time
