@@ -18,34 +18,46 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 
 def gather_rows_reference(x, idx):
     return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.zeros((), x.dtype))
 
 
-def _gather_rows_kernel(idx_ref, x_ref, o_ref, *, block_cols: int):
-    idx = idx_ref[...]
+def _gather_rows_kernel(idx_ref, x_ref, o_ref, *, block_rows: int, block_cols: int, steps: int):
     cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
-    rows = x_ref[jnp.maximum(idx, 0)[:, None], cols[None, :]]
-    o_ref[...] = jnp.where((idx >= 0)[:, None], rows, jnp.zeros_like(rows))
+
+    def step(i, _):
+        rows = pl.ds(pl.multiple_of(i * block_rows, block_rows), block_rows)
+        idx = idx_ref[rows]
+        got = x_ref[jnp.maximum(idx, 0)[:, None], cols[None, :]]
+        o_ref[rows, :] = jnp.where((idx >= 0)[:, None], got, jnp.zeros_like(got))
+        return 0
+
+    jax.lax.fori_loop(0, steps, step, 0)
 
 
-def gather_rows_pallas(x, idx, *, block_rows: int = 32, block_cols: int = 512, interpret: bool = False):
+def gather_rows_pallas(x, idx, *, block_rows: int = 32, block_cols: int = 512, steps: int = 1,
+                       num_stages: int | None = None, interpret: bool = False):
+    """steps: row blocks each program copies in a loop (Triton pipelines the loop's loads)."""
     N, D = x.shape
     M = idx.shape[0]
     block_cols = min(block_cols, D)
     if D % block_cols:
         raise ValueError(f"row width {D} is not a multiple of the column block {block_cols}")
-    pad = -M % block_rows
+    rows = block_rows * steps
+    pad = -M % rows
     idx_p = jnp.pad(idx.astype(jnp.int32), (0, pad), constant_values=-1)
+    params = {} if num_stages is None else {"compiler_params": plt.CompilerParams(num_stages=num_stages)}
     out = pl.pallas_call(
-        functools.partial(_gather_rows_kernel, block_cols=block_cols),
-        grid=((M + pad) // block_rows, D // block_cols),
-        in_specs=[pl.BlockSpec((block_rows,), lambda i, j: (i,)), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j)),
+        functools.partial(_gather_rows_kernel, block_rows=block_rows, block_cols=block_cols, steps=steps),
+        grid=((M + pad) // rows, D // block_cols),
+        in_specs=[pl.BlockSpec((rows,), lambda i, j: (i,)), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((rows, block_cols), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((M + pad, D), x.dtype),
         interpret=interpret,
+        **params,
     )(idx_p, x)
     return out[:M]
 

@@ -56,76 +56,176 @@ def select_topk_reference(scores, k: int):
     return idx
 
 
-def _select_kernel(len_ref, s_ref, *refs, k: int, rows: int, chunk: int, bits: int, out_chunk: int):
-    o_ref = refs[-1]                                           # (refs[0] is the poisoned input, tests)
-    row0 = pl.program_id(0) * rows
-    row_ids = row0 + jnp.arange(rows, dtype=jnp.int32)
-    lengths = len_ref[pl.ds(row0, rows)]                       # [rows] visible columns per row
-    n_chunks = (jnp.max(lengths) + chunk - 1) // chunk
+PATHS = ("all visible", "sampled bracket", "full search")  # per-row path ids the kernel reports
+
+
+def _select_kernel(len_ref, s_ref, *refs, k: int, chunk: int, bits: int, out_chunk: int, capacity: int,
+                   sample: int, sub: int, interpret: bool, stop_after: int | None):
+    """One row per program. Finds the threshold key T (the k-th largest) and how many keys equal to
+    T to take, then writes the selected positions in ascending order (see the module docstring)."""
+    o_ref, cand_ref, path_ref = refs[-3:]                      # (refs[0] is the poisoned input, tests)
+    row = pl.program_id(0)
+    length = jnp.minimum(len_ref[row], s_ref.shape[1])
+    n_chunks = (length + chunk - 1) // chunk
     cols = jnp.arange(chunk, dtype=jnp.int32)
-
-    def load_keys(c):
-        col = c * chunk + cols
-        start = c * chunk if isinstance(c, int) else pl.multiple_of(c * chunk, chunk)
-        x = s_ref[pl.ds(row0, rows), pl.ds(start, chunk)]
-        key = order_keys(x)
-        return jnp.where(col[None, :] < lengths[:, None], key, NEG_INF_KEY), col
-
-    single = s_ref.shape[1] == chunk   # the whole row is one chunk: load it once, keep it in registers
-    resident = load_keys(0) if single else None
-
-    def keys_at(c):
-        return resident if single else load_keys(c)
-
-    def over_chunks(body, init):
-        return body(0, init) if single else jax.lax.fori_loop(0, n_chunks, body, init)
-
-    def count_at_least(thresholds):                            # [rows, m] -> [rows, m]
-        def body(c, acc):
-            key, _ = keys_at(c)
-            hits = (key[:, :, None] >= thresholds[:, None, :]).astype(jnp.int32)
-            return acc + jnp.sum(hits, axis=1)
-        return over_chunks(body, jnp.zeros(thresholds.shape, jnp.int32))
-
-    n_visible = count_at_least(jnp.full((rows, 1), NEG_INF_KEY + 1, jnp.int32))[:, 0]
-    k_eff = jnp.minimum(n_visible, k)
-    # Threshold search in the unsigned domain (u ^ INT_MIN is the signed key).
     digits = jnp.arange(2 ** bits, dtype=jnp.int32)
-    u = jnp.zeros((rows,), jnp.int32)
-    for p in range(32 // bits):
-        shift = 32 - bits * (p + 1)
-        cand = (u[:, None] | (digits[None, :] << shift)) ^ INT_MIN
-        ok = count_at_least(cand) >= k_eff[:, None]            # a prefix of the digits
-        u = u | ((jnp.sum(ok.astype(jnp.int32), axis=1) - 1) << shift)
-    threshold = u ^ INT_MIN
-    above = count_at_least(jnp.where(threshold == 2 ** 31 - 1, threshold, threshold + 1)[:, None])[:, 0]
-    above = jnp.where(threshold == 2 ** 31 - 1, 0, above)
-    need_equal = k_eff - above
+    n_passes = 32 // bits
+    zero = jnp.int32(0)
 
+    def pick(v, i):                                             # v[i] of a small vector (no slicing in Triton)
+        return jnp.sum(jnp.where(jnp.arange(v.shape[0]) == i, v, 0))
+
+    def row_keys(c):
+        start = pl.multiple_of(c * chunk, chunk)
+        key = order_keys(s_ref[row, pl.ds(start, chunk)])
+        col = start + cols
+        return jnp.where(col < length, key, NEG_INF_KEY), col
+
+    def count_ge(load, n, width, thresholds):
+        """For each threshold [m, 2**bits], how many of the n * width loaded keys reach it."""
+        def body(i, acc):
+            key = load(i)
+            return acc + jnp.sum((key[:, None, None] >= thresholds[None]).astype(jnp.int32), axis=0)
+        return jax.lax.fori_loop(0, n, body, jnp.zeros(thresholds.shape, jnp.int32))
+
+    def search(count, ranks, u, p0, tight=None):
+        """Digit search, most significant first, for the ranks-th largest keys ([m] ranks). u: the
+        unsigned-domain prefix fixed above pass p0. Returns (u, count >= u's key, count >= the end of
+        u's bucket, bucket shift): after all passes u ^ INT_MIN is the key itself."""
+        def body(st):
+            p, u, _, upper, shift, _ = st
+            shift = 32 - bits * (p + 1)
+            counts = count((u[:, None] | (digits[None, :] << shift)) ^ INT_MIN)    # [m, 2**bits]
+            d = jnp.sum((counts >= ranks[:, None]).astype(jnp.int32), axis=1) - 1  # a prefix of digits
+            n_at = jnp.sum(jnp.where(digits[None, :] == d[:, None], counts, 0), axis=1)
+            nxt = jnp.sum(jnp.where(digits[None, :] == d[:, None] + 1, counts, 0), axis=1)
+            upper = jnp.where(d == 2 ** bits - 1, upper, nxt)
+            u = u | (d << shift)
+            # (never a literal: Triton's regions cannot yield one)
+            done = tight(u, n_at, upper, shift) if tight is not None else shift < 0
+            return p + 1, u, n_at, upper, shift, done
+
+        zeros = jnp.zeros(ranks.shape, jnp.int32)
+        p0 = jnp.asarray(p0, jnp.int32)
+        st = (p0, u, zeros, zeros, 32 - bits * p0, jnp.zeros((), jnp.bool_))
+        st = jax.lax.while_loop(lambda st: (st[0] < n_passes) & ~st[5], body, st)
+        return st[1:5]
+
+    def bucket_end_key(u, shift):
+        """The first key past u's bucket of 2**shift unsigned-domain values (INT_MAX at the top)."""
+        top = (u | ((1 << shift) - 1)) == -1
+        return jnp.where(top, 2 ** 31 - 1, (u + (1 << shift)) ^ INT_MIN)
+
+    # 1. A bracket [lo, hi) meant to hold the k-th largest key and at most `capacity` keys, from a
+    #    sample of the row (blocks of 16 contiguous columns spread over it). Short rows take it all.
+    n_sample = jnp.minimum(sample, (length // 2) // sub * sub)
+    n_blocks = n_sample // 16
+
+    def sample_keys(i):
+        e = i * sub + jnp.arange(sub, dtype=jnp.int32)
+        start = ((e // 16) * length // jnp.maximum(n_blocks, 1)) // 16 * 16
+        return order_keys(s_ref[row, start + e % 16])
+
+    def sampled_bracket():
+        expect = k * n_sample.astype(jnp.float32) / length.astype(jnp.float32)
+        margin = 3.0 * jnp.sqrt(expect) + 3.0
+        r_hi = jnp.floor(expect - margin).astype(jnp.int32)
+        r_lo = jnp.minimum(jnp.ceil(expect + margin).astype(jnp.int32), n_sample)
+        ranks = jnp.where(jnp.arange(2) == 0, jnp.maximum(r_hi, 1), r_lo)
+        spread = (3 * (r_lo - r_hi)) // 2 + 2
+
+        def tight(u, n_at, upper, shift):
+            return pick(n_at, 1) - jnp.where(r_hi < 1, 0, pick(upper, 0)) <= spread
+
+        u, _, _, shift = search(lambda t: count_ge(sample_keys, n_sample // sub, sub, t), ranks,
+                                jnp.zeros((2,), jnp.int32), 0, tight)
+        hi = jnp.where(r_hi < 1, 2 ** 31 - 1, bucket_end_key(pick(u, 0), shift))
+        return pick(u, 1) ^ INT_MIN, hi
+
+    lo, hi = jax.lax.cond(length > capacity, sampled_bracket,
+                          lambda: (length * 0 + (NEG_INF_KEY + 1), length * 0 + (2 ** 31 - 1)))
+    if stop_after == 1:                                         # (timing a prefix of the stages)
+        path_ref[row] = lo ^ hi
+        return
+
+    # 2. One pass over the row: count the visible keys and those >= hi; keep the keys in [lo, hi).
+    def filter_chunk(c, carry):
+        n_vis, n_hi, n_cand = carry
+        key, _ = row_keys(c)
+        inside = (key >= lo) & (key < hi)
+        at = n_cand + jnp.cumsum(inside.astype(jnp.int32)) - 1
+        keep = inside & (at < capacity)
+        plt.store(cand_ref.at[row, jnp.where(keep, at, capacity)], key, mask=keep)   # (a trash column)
+        return (n_vis + jnp.sum((key > NEG_INF_KEY).astype(jnp.int32)),
+                n_hi + jnp.sum((key >= hi).astype(jnp.int32)), n_cand + jnp.sum(inside.astype(jnp.int32)))
+
+    n_vis, n_hi, n_cand = jax.lax.fori_loop(0, n_chunks, filter_chunk, (zero, zero, zero))
+    if stop_after == 2:
+        path_ref[row] = n_vis ^ n_hi ^ n_cand
+        return
+    if not interpret:
+        plt.debug_barrier()                                     # the candidates are read back below
+    k_eff = jnp.minimum(n_vis, k)
+
+    # 3. The threshold: exact search among the candidates when the bracket held, else over the row.
+    def take_all():
+        return n_vis * 0 + NEG_INF_KEY, n_vis
+
+    def from_candidates():
+        def cand_keys(i):
+            at = i * sub + jnp.arange(sub, dtype=jnp.int32)
+            return jnp.where(at < n_cand, cand_ref[row, pl.ds(pl.multiple_of(i * sub, sub), sub)], INT_MIN)
+        common = jax.lax.clz(lo ^ (hi - 1))                     # leading bits shared by every candidate
+        p0 = common // bits
+        low_bits = 32 - bits * p0
+        u0 = jnp.where(p0 == 0, 0, ((lo ^ INT_MIN) >> low_bits) << low_bits)
+        u, _, upper, _ = search(lambda t: count_ge(cand_keys, (n_cand + sub - 1) // sub, sub, t),
+                                jnp.full((1,), k_eff - n_hi), jnp.full((1,), u0), p0)
+        return pick(u, 0) ^ INT_MIN, n_hi + pick(upper, 0)
+
+    def over_row():
+        u, _, upper, _ = search(lambda t: count_ge(lambda c: row_keys(c)[0], n_chunks, chunk, t),
+                                jnp.full((1,), k_eff), jnp.zeros((1,), jnp.int32), 0)
+        return pick(u, 0) ^ INT_MIN, pick(upper, 0)
+
+    held = (n_hi < k_eff) & (n_hi + n_cand >= k_eff) & (n_cand <= capacity)
+    path = (n_vis > k).astype(jnp.int32) * (2 - held.astype(jnp.int32))   # (no where of two literals:
+    # Pallas Triton lowers that to a bool)
+    threshold, n_above = jax.lax.cond(path == 0, take_all,
+                                      lambda: jax.lax.cond(path == 1, from_candidates, over_row))
+    need_equal = k_eff - n_above
+    path_ref[row] = path
+    if stop_after == 3:
+        path_ref[row] = threshold ^ need_equal
+        return
+
+    # 4. Write the positions of the keys above T and of the first need_equal keys equal to T.
     def emit(c, carry):
         n_sel, n_eq = carry
-        key, col = keys_at(c)
-        gt = key > threshold[:, None]
-        eq = key == threshold[:, None]
-        eq_rank = n_eq[:, None] + jnp.cumsum(eq.astype(jnp.int32), axis=1) - 1
-        sel = (gt | (eq & (eq_rank < need_equal[:, None]))) & (k_eff[:, None] > 0)
-        pos = n_sel[:, None] + jnp.cumsum(sel.astype(jnp.int32), axis=1) - 1
-        pos = jnp.where(sel, pos, o_ref.shape[1] - 1)          # the trash column (never read back)
-        r = jnp.broadcast_to(row_ids[:, None], pos.shape)
-        plt.store(o_ref.at[r, pos], jnp.broadcast_to(col[None, :], pos.shape), mask=sel)
-        return n_sel + jnp.sum(sel.astype(jnp.int32), axis=1), n_eq + jnp.sum(eq.astype(jnp.int32), axis=1)
+        key, col = row_keys(c)
+        eq = (key == threshold).astype(jnp.int32)
+        n_eq_here = jnp.sum(eq)
+        # Equal keys are taken in position order up to need_equal: only the chunk where that quota
+        # runs out needs their ranks (a prefix sum); before it all are taken, after it none.
+        quota_ends_here = (n_eq < need_equal) & (n_eq + n_eq_here > need_equal)
+        take_eq = jax.lax.cond(quota_ends_here, lambda: jnp.where(n_eq + jnp.cumsum(eq) - 1 < need_equal, eq, 0),
+                               lambda: eq * (n_eq < need_equal).astype(jnp.int32))
+        sel = ((key > threshold) | (take_eq > 0)) & (key > NEG_INF_KEY)
+        at = n_sel + jnp.cumsum(sel.astype(jnp.int32)) - 1
+        plt.store(o_ref.at[row, jnp.where(sel, at, o_ref.shape[1] - 1)], col, mask=sel)
+        return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + n_eq_here
 
-    over_chunks(emit, (jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32)))
+    jax.lax.fori_loop(0, n_chunks, emit, (zero, zero))
 
     out_cols = jnp.arange(out_chunk, dtype=jnp.int32)
 
-    def pad(c, _):
-        col = c * out_chunk + out_cols
-        plt.store(o_ref.at[pl.ds(row0, rows), pl.ds(pl.multiple_of(c * out_chunk, out_chunk), out_chunk)],
-                  jnp.full((rows, out_chunk), -1, jnp.int32), mask=col[None, :] >= k_eff[:, None])
-        return 0
+    def pad(c, carry):
+        start = pl.multiple_of(c * out_chunk, out_chunk)
+        plt.store(o_ref.at[row, pl.ds(start, out_chunk)], jnp.full((out_chunk,), -1, jnp.int32),
+                  mask=start + out_cols >= k_eff)
+        return carry
 
-    jax.lax.fori_loop(0, (k + out_chunk - 1) // out_chunk, pad, 0)
+    jax.lax.fori_loop(0, (k + out_chunk - 1) // out_chunk, pad, zero)
 
 
 def _pad_to(x, axis: int, multiple: int, value):
@@ -139,16 +239,18 @@ def _pad_to(x, axis: int, multiple: int, value):
 
 def _call(kernel, grid, args, out_shape, poison, num_warps: int, num_stages: int, interpret: bool):
     """pallas_call with every operand left in HBM (the kernels index it themselves). `poison` (tests):
-    the output buffer starts filled with it (an extra input aliased to the output), so an element the
-    kernel fails to write shows."""
+    the first output buffer starts filled with it (an extra input aliased to the output), so an
+    element the kernel fails to write shows. out_shape: one shape or a tuple (the first is poisoned)."""
     aliases = {}
+    first = out_shape[0] if isinstance(out_shape, tuple) else out_shape
     if poison is not None:
         aliases = {len(args): 0}
-        args = list(args) + [jnp.full(out_shape.shape, poison, out_shape.dtype)]
+        args = list(args) + [jnp.full(first.shape, poison, first.dtype)]
+    spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         kernel, grid=grid,
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(args),
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        in_specs=[spec] * len(args),
+        out_specs=tuple(spec for _ in out_shape) if isinstance(out_shape, tuple) else spec,
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -156,27 +258,38 @@ def _call(kernel, grid, args, out_shape, poison, num_warps: int, num_stages: int
     )(*args)
 
 
-def select_topk_pallas(scores, k: int, lengths=None, *, rows: int = 1, chunk: int = 4096, bits: int = 4,
-                       num_warps: int = 16, num_stages: int = 1, interpret: bool = False,
-                       poison: int | None = None):
+def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits: int = 4, capacity: int = 4096,
+                       sample: int = 4096, sub: int = 512, num_warps: int = 16, num_stages: int = 1,
+                       interpret: bool = False, poison: int | None = None, return_path: bool = False,
+                       stop_after: int | None = None):
     """scores [..., N] fp32; lengths [...] (optional): columns at or past a row's length are not
-    visible (as if -inf). Returns [..., k] int32 in the module's convention. `poison` (tests): the
-    output buffer starts filled with it, so an element the kernel fails to write shows."""
+    visible (as if -inf). Returns [..., k] int32 in the module's convention (and, with return_path,
+    each row's path: an index into PATHS). capacity: candidate keys a row keeps; sample: the most
+    keys its bracket is estimated from; sub: keys per step when counting those. `poison` (tests):
+    the output buffer starts filled with it, so an element the kernel fails to write shows.
+    stop_after (benchmarks): end after stage 1 (bracket), 2 (filter) or 3 (threshold), to time the
+    stages by difference; the output is then not the selection."""
     if 32 % bits:
         raise ValueError(f"bits per pass must divide 32, got {bits}")
+    if capacity % sub or sample % sub or sub % 16 or capacity < 2 * sub:
+        raise ValueError(f"capacity ({capacity}) and sample ({sample}) must be multiples of sub ({sub}), "
+                         f"sub of 16, and capacity at least 2 * sub")
     lead, n = scores.shape[:-1], scores.shape[-1]
     s = scores.reshape(-1, n).astype(jnp.float32)
     r = s.shape[0]
     ln = jnp.full((r,), n, jnp.int32) if lengths is None else jnp.minimum(lengths.reshape(-1), n).astype(jnp.int32)
     chunk = min(chunk, pl.next_power_of_2(n))
-    s = _pad_to(_pad_to(s, 1, chunk, NEG_INF), 0, rows, NEG_INF)
-    ln = _pad_to(ln, 0, rows, 0)
+    s = _pad_to(s, 1, chunk, NEG_INF)
     out_chunk = min(1024, pl.next_power_of_2(k))
     k_pad = -(-k // out_chunk) * out_chunk
-    out = _call(functools.partial(_select_kernel, k=k, rows=rows, chunk=chunk, bits=bits, out_chunk=out_chunk),
-                (s.shape[0] // rows,), [ln, s], jax.ShapeDtypeStruct((s.shape[0], k_pad + 1), jnp.int32), poison,
-                num_warps, num_stages, interpret)
-    return out[:r, :k].reshape(lead + (k,))
+    shapes = (jax.ShapeDtypeStruct((r, k_pad + 1), jnp.int32), jax.ShapeDtypeStruct((r, capacity + 1), jnp.int32),
+              jax.ShapeDtypeStruct((r,), jnp.int32))
+    out, _, path = _call(functools.partial(_select_kernel, k=k, chunk=chunk, bits=bits, out_chunk=out_chunk,
+                                           capacity=capacity, sample=sample, sub=sub, interpret=interpret,
+                                           stop_after=stop_after),
+                         (r,), [ln, s], shapes, poison, num_warps, num_stages, interpret)
+    out = out[:, :k].reshape(lead + (k,))
+    return (out, path.reshape(lead)) if return_path else out
 
 
 def index_scores_reference(q, w, keys, positions, head_dim: int):
@@ -268,12 +381,14 @@ MIN_KERNEL_ROWS = 64
 
 
 def select_tiling(width: int) -> dict:
-    """Measured on the H200 (docs/perf.md): rows up to 8192 stay in registers as one chunk with
-    2-bit passes (4 candidate counts per element keep the compare tensor small enough not to
-    spill); wider rows stream 4096-column chunks with 4-bit passes."""
-    if width <= 8192:
-        return {"bits": 2, "chunk": 8192, "num_warps": 16, "num_stages": 1}
-    return {"bits": 4, "chunk": 4096, "num_warps": 16, "num_stages": 3}
+    """The selection kernel's parameters for rows of this width, the fastest measured on the H200
+    (docs/perf.md: 64 x 8192, 2048 x 32768 and 64 x 131072, k = 2048). Wide rows need the larger
+    sample: with 2048 keys, 5 of 64 rows of 131072 missed the bracket and took the full search."""
+    if 8192 < width <= 65536:
+        return {"bits": 4, "chunk": 2048, "capacity": 4096, "sample": 2048, "sub": 1024, "num_warps": 8,
+                "num_stages": 2}
+    return {"bits": 4, "chunk": 4096, "capacity": 4096, "sample": 4096, "sub": 1024, "num_warps": 16,
+            "num_stages": 3}
 
 
 def select_topk(scores, k: int, lengths=None):

@@ -4,7 +4,8 @@
 
 compaction: rows x 6144 bf16 with ~half the rows valid; bytes = valid rows read and written plus
   dummy rows written; utilisation against the copy rate measured in the same run.
-selection: top-k (k = 2048) of fp32 score rows: the Pallas radix select (several tilings) vs
+selection: top-k (k = 2048) of fp32 score rows: the Pallas select (several tilings, with how many
+  rows took each of its paths) vs
   lax.top_k (stable and is_stable=False) and the reference (top_k + position sort); bytes = scores
   read once + positions written once.
 indexer: GLM-5 indexer (32 heads x 128, fp8 keys with per-token scale through a shuffled page table,
@@ -49,8 +50,9 @@ def bench_compaction(args, ceil):
                  "xla_s": best_time(ref, x, perm, repeat=20)}
         entry["xla_util"] = moved / entry["xla_s"] / copy_bw
         for blk in args.gather_tilings.split(","):
-            br, bc = map(int, blk.split("x"))
-            f = jax.jit(lambda a, i, br=br, bc=bc: gather_rows_pallas(a, i, block_rows=br, block_cols=bc))
+            br, bc, steps, stages = (list(map(int, blk.split("x"))) + [1, 0])[:4]
+            f = jax.jit(lambda a, i, br=br, bc=bc, steps=steps, stages=stages: gather_rows_pallas(
+                a, i, block_rows=br, block_cols=bc, steps=steps, num_stages=stages or None))
 
             def run(f=f):
                 ok = bool((f(x, perm) == want).all())
@@ -69,9 +71,22 @@ SELECT_CASES = [(64, 8192), (64, 131072), (2048, 32768)]  # rows x width
 INDEXER_CASES = [  # (label, requests, queries each, keys each, prefill, queries per request for XLA)
     ("prefill", 1, 32768, 32768, True, 1024), ("decode_t1", 8, 1, 131072, False, 1),
     ("decode_t64", 8, 64, 131072, False, 16)]
-SELECT_TILINGS = [  # (bits per pass, rows per program, chunk, warps, stages); the first is the default
-    (4, 1, 4096, 16, 1), (4, 1, 8192, 16, 1), (4, 1, 8192, 32, 1), (4, 1, 4096, 16, 3), (2, 1, 8192, 16, 1),
-    (4, 1, 2048, 8, 1)]
+SELECT_TILINGS = "dispatch,4:4096:4096:4096:1024:16:3,4:2048:4096:2048:1024:8:2,4:4096:4096:4096:512:16:1"
+
+
+def select_variant(tiling: str, width: int, lengths=None, return_path=False, stop_after=None):
+    """tiling: bits per pass : chunk : candidate capacity : sample : sub : warps : pipeline stages, or
+    'dispatch' for what `select_tiling` picks at this width."""
+    from pallas_kernels.topk import select_tiling, select_topk_pallas
+    if tiling == "dispatch":
+        t = select_tiling(width)
+        tiling = ":".join(str(t[f]) for f in ("bits", "chunk", "capacity", "sample", "sub", "num_warps",
+                                              "num_stages"))
+    bits, chunk, capacity, sample, sub, warps, stages = map(int, tiling.split(":"))
+    return (f"pallas_b{bits}_c{chunk}_cap{capacity}_s{sample}_u{sub}_w{warps}_st{stages}",
+            lambda s, k: select_topk_pallas(s, k, lengths, bits=bits, chunk=chunk, capacity=capacity, sample=sample,
+                                            sub=sub, num_warps=warps, num_stages=stages, return_path=return_path,
+                                            stop_after=stop_after))
 
 
 def bench_selection(args, ceil):
@@ -80,7 +95,7 @@ def bench_selection(args, ceil):
     import numpy as np
 
     from cpkv_jax.perf import chained_time
-    from pallas_kernels.topk import select_topk_pallas, select_topk_reference
+    from pallas_kernels.topk import PATHS, select_topk_reference
 
     copy_bw, k = ceil["copy_bytes_per_s"], args.k
     out = []
@@ -93,21 +108,29 @@ def bench_selection(args, ceil):
                         ("lax_top_k_unstable", lambda s: jax.lax.top_k(s, k, is_stable=False)),
                         ("reference", lambda s: select_topk_reference(s, k))):
             entry[name] = _try(lambda f=f: {"s": chained_time(f, x)})
-        for bits, rows, chunk, warps, stages in SELECT_TILINGS:
-            f = lambda s, bits=bits, rows=rows, chunk=chunk, warps=warps, stages=stages: select_topk_pallas(
-                s, k, bits=bits, rows=rows, chunk=chunk, num_warps=warps, num_stages=stages)
+        tilings = args.select_tilings.split(",")
+        for stage in (1, 2, 3) if args.select_stages else ():
+            name, f = select_variant(tilings[0], n, stop_after=stage)
+            entry[f"stages_1_to_{stage}_{name}"] = _try(lambda f=f: {"s": chained_time(lambda s: f(s, k), x)})
+        for tiling in tilings:
+            name, f = select_variant(tiling, n)
+            _, f_path = select_variant(tiling, n, return_path=True)
 
-            def run(f=f):
-                ok = bool((np.asarray(jax.jit(f)(x)) == want).all())
-                t = chained_time(f, x)
-                return {"s": t, "util": moved / t / copy_bw, "equal": ok}
-            entry[f"pallas_b{bits}_r{rows}_c{chunk}_w{warps}_s{stages}"] = _try(run)
+            def run(f=f, f_path=f_path):
+                got, path = jax.jit(lambda s: f_path(s, k))(x)
+                t = chained_time(lambda s: f(s, k), x)
+                paths = np.bincount(np.asarray(path), minlength=len(PATHS))
+                return {"s": t, "util": moved / t / copy_bw, "equal": bool((np.asarray(got) == want).all()),
+                        "rows_by_path": dict(zip(PATHS, paths.tolist()))}
+            entry[name] = _try(run)
         out.append(entry)
         base = entry["lax_top_k_stable"].get("s")
         cells = []
         for key, v in entry.items():
             if isinstance(v, dict) and "s" in v:
                 extra = f" x{base / v['s']:.1f}" if base else ""
+                full = v.get("rows_by_path", {}).get("full search")
+                extra += f" ({full} rows full search)" if full else ""
                 cells.append(f"{key} {v['s'] * 1e6:.0f}us{extra}{'' if v.get('equal', True) else ' WRONG'}")
             elif isinstance(v, dict):
                 cells.append(f"{key} ERR {v['error'][:80]}")
@@ -142,8 +165,7 @@ def bench_indexer(args, ceil):
     import numpy as np
 
     from cpkv_jax.perf import chained_time
-    from pallas_kernels.topk import (index_scores_pallas, index_scores_reference, select_topk_pallas,
-                                     select_topk_reference)
+    from pallas_kernels.topk import index_scores_pallas, index_scores_reference, select_topk_reference
 
     k, H, D = args.k, 32, 128
     out = []
@@ -183,11 +205,10 @@ def bench_indexer(args, ceil):
             fin = np.isfinite(ref)
             entry["scores_max_rel_err"] = float(np.abs(got[fin] - ref[fin]).max() / np.abs(ref[fin]).max())
             entry["scores_inf_pattern_equal"] = bool((np.isneginf(got) == np.isneginf(ref)).all())
-            for bits, rows, chunk, warps, stages in SELECT_TILINGS[:3]:
-                f = lambda s_, bits=bits, rows=rows, chunk=chunk, warps=warps, stages=stages: select_topk_pallas(
-                    s_, k, pos + 1, bits=bits, rows=rows, chunk=chunk, num_warps=warps, num_stages=stages)
-                r = entry[f"select_b{bits}_r{rows}_c{chunk}_w{warps}_s{stages}"] = _try(
-                    lambda f=f: {"s": chained_time(f, scores, n=5 if prefill else 10, repeat=3)})
+            for tiling in args.select_tilings.split(",")[:3]:
+                name, f = select_variant(tiling, N, lengths=pos + 1)
+                entry["select_" + name[len("pallas_"):]] = _try(
+                    lambda f=f: {"s": chained_time(lambda s_: f(s_, k), scores, n=5 if prefill else 10, repeat=3)})
             sel_best = min((v["s"] for key, v in entry.items() if key.startswith("select_") and "s" in v),
                            default=None)
             if sel_best is not None:
@@ -205,11 +226,16 @@ def main() -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
     p.add_argument("--hidden", type=int, default=6144)
     p.add_argument("--gather-tilings", default="32x512,16x1024,64x256,8x2048",
-                   help="row gather tilings to time, rows x columns per program")
+                   help="row gather tilings to time: rows x columns per block [x blocks per program "
+                        "[x pipeline stages]]")
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--only", default="compaction,selection,indexer")
     p.add_argument("--select-cases", default=",".join(f"{r}x{n}" for r, n in SELECT_CASES),
                    help="rows x width of the selection cases")
+    p.add_argument("--select-tilings", default=SELECT_TILINGS,
+                   help="selection tilings, comma-separated bits:chunk:capacity:sample:sub:warps:stages")
+    p.add_argument("--select-stages", action="store_true",
+                   help="also time the first tiling stopped after each stage (bracket, filter, threshold)")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

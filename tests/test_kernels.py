@@ -19,12 +19,12 @@ def cases():
         yield x, idx
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gather_rows_interpret_equals_reference(dtype):
+@pytest.mark.parametrize("dtype,steps", [(jnp.float32, 1), (jnp.bfloat16, 3)])
+def test_gather_rows_interpret_equals_reference(dtype, steps):
     for x, idx in cases():
         xd = jnp.asarray(x, dtype)
         out = gather_rows_pallas(xd, jnp.asarray(idx), block_rows=16, block_cols=min(64, x.shape[1]),
-                                 interpret=True)
+                                 steps=steps, interpret=True)
         np.testing.assert_array_equal(np.asarray(out, np.float32),
                                       np.asarray(gather_rows_reference(xd, jnp.asarray(idx)), np.float32))
 
@@ -52,9 +52,10 @@ def test_gather_rows_compiled_on_gpu_equals_reference():
         for dtype in (jnp.float32, jnp.bfloat16):
             xd = jnp.asarray(x, dtype)
             bc = min(512, x.shape[1])
-            out = jax.jit(lambda a, i: gather_rows_pallas(a, i, block_cols=bc))(xd, jnp.asarray(idx))
-            np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                          np.asarray(gather_rows_reference(xd, jnp.asarray(idx)), np.float32))
+            for steps in (1, 4):
+                out = jax.jit(lambda a, i: gather_rows_pallas(a, i, block_cols=bc, steps=steps))(xd, jnp.asarray(idx))
+                np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                              np.asarray(gather_rows_reference(xd, jnp.asarray(idx)), np.float32))
 
 
 @pytest.mark.gpu
@@ -85,7 +86,7 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 
 # ---- indexer top-k ----------------------------------------------------------------------------
 
-from pallas_kernels.topk import (index_scores_pallas, index_scores_reference, indexer_topk,  # noqa: E402
+from pallas_kernels.topk import (PATHS, index_scores_pallas, index_scores_reference, indexer_topk,  # noqa: E402
                                  select_tiling, select_topk_pallas, select_topk_reference)
 
 
@@ -102,10 +103,25 @@ def topk_oracle(scores, k, lengths=None):
     return out.reshape(scores.shape[:-1] + (k,))
 
 
-def selection_cases(rng, big=False):
+def hide_from_sample(row, length, n_sample, k):
+    """Raise 2k columns the kernel's sample (blocks of 16 columns spread over the row) never reads, so
+    the sampled bracket misses the top-k and the row must take the full search."""
+    n_blocks = n_sample // 16
+    seen = np.zeros(length, bool)
+    for b in range(n_blocks):
+        start = (b * length // n_blocks) // 16 * 16
+        seen[start:start + 16] = True
+    hidden = np.flatnonzero(~seen)[:2 * k]
+    row[hidden] += 100.0
+
+
+def selection_cases(rng, big=False, sample_for=None):
     """(scores, k, lengths): ties, -inf, -0/+0, all-masked rows, fewer visible than k, widths that
-    are not multiples of the chunk."""
-    shapes = [(3, 40, 8), (5, 100, 30), (4, 64, 70), (2, 33, 5), (7, 257, 64), (1, 1, 4)]
+    are not multiples of the chunk, rows wider than the kernel's candidate capacity (sampled
+    bracket), and a row whose top-k the sample cannot see (full search; `sample_for(width)`: the
+    kernel's sample size)."""
+    shapes = [(3, 40, 8), (5, 100, 30), (4, 64, 70), (2, 33, 5), (7, 257, 64), (1, 1, 4), (6, 1000, 50),
+              (6, 3000, 20)]
     if big:
         shapes += [(64, 8192, 2048), (16, 131072, 2048), (96, 32768, 2048), (33, 5000, 777)]
     for R, N, k in shapes:
@@ -118,21 +134,34 @@ def selection_cases(rng, big=False):
             s[2, :] = np.round(s[2, :] * 2)               # many ties at the threshold
         if R > 3:
             s[3, :] = -np.inf                             # nothing visible
+        if R > 4 and sample_for is not None:
+            hide_from_sample(s[4], N, min(sample_for(N), N // 2 // 16 * 16), k)
         lengths = rng.integers(0, N + 1, R).astype(np.int32)
         yield s, k, None
         yield s, k, lengths
 
 
-@pytest.mark.parametrize("bits,rows,chunk", [(4, 1, 32), (2, 2, 16), (8, 4, 64), (1, 1, 128)])
-def test_select_topk_interpret_equals_reference(bits, rows, chunk):
-    rng = np.random.default_rng(bits)
-    for s, k, lengths in selection_cases(rng):
+SMALL_SELECT = [dict(bits=4, chunk=32, capacity=64, sample=64, sub=16),
+                dict(bits=2, chunk=16, capacity=32, sample=32, sub=16),
+                dict(bits=8, chunk=64, capacity=128, sample=128, sub=32),
+                dict(bits=1, chunk=128, capacity=256, sample=512, sub=64)]
+
+
+@pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}")
+def test_select_topk_interpret_equals_reference(kw):
+    """Every case equals the oracle, and every path the kernel has (all visible, sampled bracket,
+    full search) is taken by some row."""
+    rng = np.random.default_rng(kw["bits"])
+    paths = set()
+    for s, k, lengths in selection_cases(rng, sample_for=lambda n: kw["sample"]):
         want = topk_oracle(s, k, lengths)
         ref_in = s if lengths is None else np.where(np.arange(s.shape[1]) < lengths[:, None], s, -np.inf)
         np.testing.assert_array_equal(np.asarray(select_topk_reference(jnp.asarray(ref_in), k)), want)
-        got = select_topk_pallas(jnp.asarray(s), k, None if lengths is None else jnp.asarray(lengths),
-                                 rows=rows, chunk=chunk, bits=bits, interpret=True, poison=-7)
-        np.testing.assert_array_equal(np.asarray(got), want)
+        got, path = select_topk_pallas(jnp.asarray(s), k, None if lengths is None else jnp.asarray(lengths),
+                                       interpret=True, poison=-7, return_path=True, **kw)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{s.shape} k={k}")
+        paths |= set(np.asarray(path).tolist())
+    assert paths == set(range(len(PATHS))), paths
 
 
 def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2):
@@ -202,14 +231,22 @@ def test_index_scores_interpret_equals_reference(fp8):
 def test_select_topk_compiled_on_gpu_equals_reference():
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
-    for s, k, lengths in selection_cases(rng, big=True):
+    paths = set()
+    for s, k, lengths in selection_cases(rng, big=True, sample_for=lambda n: select_tiling(n)["sample"]):
         want = topk_oracle(s, k, lengths)
         ln = None if lengths is None else jnp.asarray(lengths)
         small = s.size < 10 ** 5
-        variants = (select_tiling(s.shape[1]), {"bits": 2, "rows": 2, "chunk": 512}, {"bits": 8, "chunk": 2048})
-        for kw in variants[:3 if small else 1]:
-            got = jax.jit(lambda x, l: select_topk_pallas(x, k, l, poison=-7, **kw))(jnp.asarray(s), ln)
+        variants = [select_tiling(s.shape[1])] + SMALL_SELECT[:3]
+        for kw in variants[:len(variants) if small else 1]:
+            got, path = jax.jit(lambda x, l: select_topk_pallas(x, k, l, poison=-7, return_path=True, **kw))(
+                jnp.asarray(s), ln)
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{s.shape} k={k} {kw}")
+            if kw is variants[0]:
+                paths |= set(np.asarray(path).tolist())
+            if s.shape[1] >= 8192 and lengths is None and kw is variants[0]:
+                fast = np.asarray(path)[5:] == PATHS.index("sampled bracket")  # wide random rows
+                assert fast.mean() >= 0.9, np.asarray(path)
+    assert paths == set(range(len(PATHS))), paths
 
 
 def assert_same_topk_up_to_near_ties(got, scores, k, tol):
