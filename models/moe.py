@@ -70,7 +70,11 @@ def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None):
     y = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
     used = jnp.arange(N * k) < sizes.sum()  # rows past the groups: ragged_dot leaves them unspecified
     y = jnp.where(used[:, None], y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
-    return jnp.zeros((N, D), y.dtype).at[row].add(y).astype(x.dtype)
+    # Back to (row, slot) order by the inverse permutation, then each row's k slots summed in slot
+    # order in fp32: no scatter-add (on the GPU that is atomics in arbitrary order: not bit-stable
+    # run to run, and the mixed-batch profile's costliest fusions were the MoE scatters).
+    unsort = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32), unique_indices=True)
+    return y[unsort].reshape(N, k, D).astype(jnp.float32).sum(axis=1).astype(x.dtype)
 
 
 class MoE(nnx.Module):

@@ -8,7 +8,8 @@ expert-grouped order are all this gather with a different index vector, computed
 scan (`compaction_plan`) and a stable sort (`expert_order`). The kernel uses Pallas's Triton
 backend: a row gather is pointer arithmetic per row, which Triton expresses directly (a vector of
 row offsets, one 2-D load per block); Mosaic GPU's strength (TMA, wgmma pipelines) is for dense
-tiles, not data-dependent rows. Grid: (row blocks, column blocks); each program loads block_rows rows x block_cols columns.
+tiles, not data-dependent rows. Grid: (row groups, column blocks); each program copies `steps`
+blocks of block_rows rows x block_cols columns in a loop that Triton pipelines.
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ KERNELS_ENABLED = True  # read at trace time; tests flip it (and clear jit cache
 
 def gather_rows(x, idx):
     """The dispatch: the Pallas kernel on GPU (rows a multiple of its column block), the jnp
-    reference elsewhere."""
+    reference elsewhere. Tilings measured on the H200 (docs/perf.md, rows x 6144 bf16): 32 x 512
+    per program up to 16k rows; from 64k rows, 8 pipelined blocks of 16 x 1024 (442 against 485 us
+    at 64k rows; no better at 16k)."""
     if KERNELS_ENABLED and jax.default_backend() == "gpu" and x.shape[1] % min(512, x.shape[1]) == 0:
+        if idx.shape[0] >= 65536 and x.shape[1] % 1024 == 0:
+            return gather_rows_pallas(x, idx, block_rows=16, block_cols=1024, steps=8, num_stages=3)
         return gather_rows_pallas(x, idx)
     return gather_rows_reference(x, idx)
 

@@ -6,12 +6,19 @@ Result convention (reference and kernel alike): per row, the positions of the k 
 padded with -1. Ascending order makes the result a canonical set (the attention consumes a set) and
 keeps the later row gathers in address order.
 
-Selection is a radix select over the order-preserving int32 key of each fp32 score (Pallas has no
-sort/top_k lowering): the threshold T (the k-th largest key) is found most significant bits first,
-`bits` bits per pass, each pass counting for every row how many keys reach each of the 2**bits
-candidate thresholds. Then one pass counts keys above T, and the last pass writes the positions of
-keys above T plus the first (k - above) keys equal to T, at offsets given by running prefix sums.
-Every pass streams the row (from L2 when the rows fit there); rows with a visible length stop at it.
+Selection (Pallas has no sort/top_k lowering) works on the order-preserving int32 key of each fp32
+score and needs only the threshold T, the k-th largest key, and how many keys equal to T to take:
+  1. a bracket [lo, hi) for T from a sample of the row (blocks of 16 columns spread over it; the
+     sample's digit search stops once the bracket is tight), meant to hold at most `capacity` keys;
+  2. one pass over the row counts the visible keys and those >= hi and keeps the keys in [lo, hi);
+  3. an exact digit search (`bits` per pass, only below the bits lo and hi - 1 share) among those
+     candidates gives T; when the bracket missed (counts say so) the same search runs over the row;
+  4. one pass writes the positions of keys above T and of the first keys equal to T, at offsets
+     given by running prefix sums.
+So a row is read twice plus a sample when the bracket holds (3-sigma margins on the sampled
+ranks); when it misses, the full search (8 counting passes over the row) keeps the result exact. Two calls, (1-2) and (3-4), each
+over (rows, segments): with few rows a row's columns are split over several programs, whose
+counts the second call combines. Each row reports its path (PATHS) so tests and benchmarks see it.
 
 Both kernels use Pallas's Triton backend: they need masked scatter stores, data-dependent row
 gathers through the page table and per-lane compare/prefix-sum work, which Triton expresses directly;
@@ -57,41 +64,43 @@ def select_topk_reference(scores, k: int):
 
 
 PATHS = ("all visible", "sampled bracket", "full search")  # per-row path ids the kernel reports
+_VIS, _HI, _CAND, _LO_KEY, _HI_KEY = range(5)             # the per-segment record the first call writes
 
 
-def _select_kernel(len_ref, s_ref, *refs, k: int, chunk: int, bits: int, out_chunk: int, capacity: int,
-                   sample: int, sub: int, interpret: bool, stop_after: int | None):
-    """One row per program. Finds the threshold key T (the k-th largest) and how many keys equal to
-    T to take, then writes the selected positions in ascending order (see the module docstring)."""
-    o_ref, cand_ref, path_ref = refs[-3:]                      # (refs[0] is the poisoned input, tests)
-    row = pl.program_id(0)
-    length = jnp.minimum(len_ref[row], s_ref.shape[1])
-    n_chunks = (length + chunk - 1) // chunk
-    cols = jnp.arange(chunk, dtype=jnp.int32)
-    digits = jnp.arange(2 ** bits, dtype=jnp.int32)
-    n_passes = 32 // bits
-    zero = jnp.int32(0)
+class _Row:
+    """The keys of one score row as the selection sees them: order keys, -inf past the row's length,
+    in chunks; the digit search over any set of keys; small-vector helpers Triton lacks."""
 
+    def __init__(self, len_ref, s_ref, row, chunk: int, bits: int):
+        self.s_ref, self.row, self.chunk, self.bits = s_ref, row, chunk, bits
+        self.length = jnp.minimum(len_ref[row], s_ref.shape[1])
+        self.n_chunks = (self.length + chunk - 1) // chunk
+        self.digits = jnp.arange(2 ** bits, dtype=jnp.int32)
+
+    def keys(self, c):
+        start = pl.multiple_of(c * self.chunk, self.chunk)
+        key = order_keys(self.s_ref[self.row, pl.ds(start, self.chunk)])
+        col = start + jnp.arange(self.chunk, dtype=jnp.int32)
+        return jnp.where(col < self.length, key, NEG_INF_KEY), col
+
+    @staticmethod
     def pick(v, i):                                             # v[i] of a small vector (no slicing in Triton)
         return jnp.sum(jnp.where(jnp.arange(v.shape[0]) == i, v, 0))
 
-    def row_keys(c):
-        start = pl.multiple_of(c * chunk, chunk)
-        key = order_keys(s_ref[row, pl.ds(start, chunk)])
-        col = start + cols
-        return jnp.where(col < length, key, NEG_INF_KEY), col
-
-    def count_ge(load, n, width, thresholds):
-        """For each threshold [m, 2**bits], how many of the n * width loaded keys reach it."""
+    @staticmethod
+    def count_ge(load, n, thresholds):
+        """For each threshold [m, 2**bits], how many keys of the n loaded blocks reach it."""
         def body(i, acc):
             key = load(i)
             return acc + jnp.sum((key[:, None, None] >= thresholds[None]).astype(jnp.int32), axis=0)
         return jax.lax.fori_loop(0, n, body, jnp.zeros(thresholds.shape, jnp.int32))
 
-    def search(count, ranks, u, p0, tight=None):
+    def search(self, count, ranks, u, p0, tight=None):
         """Digit search, most significant first, for the ranks-th largest keys ([m] ranks). u: the
         unsigned-domain prefix fixed above pass p0. Returns (u, count >= u's key, count >= the end of
         u's bucket, bucket shift): after all passes u ^ INT_MIN is the key itself."""
+        bits, digits = self.bits, self.digits
+
         def body(st):
             p, u, _, upper, shift, _ = st
             shift = 32 - bits * (p + 1)
@@ -108,16 +117,25 @@ def _select_kernel(len_ref, s_ref, *refs, k: int, chunk: int, bits: int, out_chu
         zeros = jnp.zeros(ranks.shape, jnp.int32)
         p0 = jnp.asarray(p0, jnp.int32)
         st = (p0, u, zeros, zeros, 32 - bits * p0, jnp.zeros((), jnp.bool_))
-        st = jax.lax.while_loop(lambda st: (st[0] < n_passes) & ~st[5], body, st)
+        st = jax.lax.while_loop(lambda st: (st[0] < 32 // bits) & ~st[5], body, st)
         return st[1:5]
 
-    def bucket_end_key(u, shift):
-        """The first key past u's bucket of 2**shift unsigned-domain values (INT_MAX at the top)."""
-        top = (u | ((1 << shift) - 1)) == -1
-        return jnp.where(top, 2 ** 31 - 1, (u + (1 << shift)) ^ INT_MIN)
 
-    # 1. A bracket [lo, hi) meant to hold the k-th largest key and at most `capacity` keys, from a
-    #    sample of the row (blocks of 16 contiguous columns spread over it). Short rows take it all.
+def _bucket_end_key(u, shift):
+    """The first key past u's bucket of 2**shift unsigned-domain values (INT_MAX at the top)."""
+    top = (u | ((1 << shift) - 1)) == -1
+    return jnp.where(top, 2 ** 31 - 1, (u + (1 << shift)) ^ INT_MIN)
+
+
+def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: int, bits: int, capacity: int,
+                           sample: int, sub: int, seg_chunks: int, stop_after: int | None):
+    """Program (row, segment). 1. A bracket [lo, hi) meant to hold the row's k-th largest key and at
+    most `capacity` keys, from a sample of the whole row (blocks of 16 contiguous columns spread over
+    it; every segment of the row computes the same one). Rows of at most `capacity` take all keys.
+    2. One pass over the segment's columns: count the visible keys and those >= hi, and keep the keys
+    in [lo, hi) (in any order: only their set matters)."""
+    r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits)
+    row, seg, length = r.row, pl.program_id(1), r.length
     n_sample = jnp.minimum(sample, (length // 2) // sub * sub)
     n_blocks = n_sample // 16
 
@@ -135,97 +153,159 @@ def _select_kernel(len_ref, s_ref, *refs, k: int, chunk: int, bits: int, out_chu
         spread = (3 * (r_lo - r_hi)) // 2 + 2
 
         def tight(u, n_at, upper, shift):
-            return pick(n_at, 1) - jnp.where(r_hi < 1, 0, pick(upper, 0)) <= spread
+            return r.pick(n_at, 1) - jnp.where(r_hi < 1, 0, r.pick(upper, 0)) <= spread
 
-        u, _, _, shift = search(lambda t: count_ge(sample_keys, n_sample // sub, sub, t), ranks,
-                                jnp.zeros((2,), jnp.int32), 0, tight)
-        hi = jnp.where(r_hi < 1, 2 ** 31 - 1, bucket_end_key(pick(u, 0), shift))
-        return pick(u, 1) ^ INT_MIN, hi
+        u, _, _, shift = r.search(lambda t: r.count_ge(sample_keys, n_sample // sub, t), ranks,
+                                  jnp.zeros((2,), jnp.int32), 0, tight)
+        hi = jnp.where(r_hi < 1, 2 ** 31 - 1, _bucket_end_key(r.pick(u, 0), shift))
+        return r.pick(u, 1) ^ INT_MIN, hi
 
     lo, hi = jax.lax.cond(length > capacity, sampled_bracket,
                           lambda: (length * 0 + (NEG_INF_KEY + 1), length * 0 + (2 ** 31 - 1)))
+    rec_ref[row, seg, _LO_KEY] = lo
+    rec_ref[row, seg, _HI_KEY] = hi
     if stop_after == 1:                                         # (timing a prefix of the stages)
-        path_ref[row] = lo ^ hi
         return
 
-    # 2. One pass over the row: count the visible keys and those >= hi; keep the keys in [lo, hi).
     def filter_chunk(c, carry):
         n_vis, n_hi, n_cand = carry
-        key, _ = row_keys(c)
+        key, _ = r.keys(c)
         inside = (key >= lo) & (key < hi)
         at = n_cand + jnp.cumsum(inside.astype(jnp.int32)) - 1
         keep = inside & (at < capacity)
-        plt.store(cand_ref.at[row, jnp.where(keep, at, capacity)], key, mask=keep)   # (a trash column)
+        plt.store(cand_ref.at[row, seg, jnp.where(keep, at, capacity)], key, mask=keep)   # (a trash column)
         return (n_vis + jnp.sum((key > NEG_INF_KEY).astype(jnp.int32)),
                 n_hi + jnp.sum((key >= hi).astype(jnp.int32)), n_cand + jnp.sum(inside.astype(jnp.int32)))
 
-    n_vis, n_hi, n_cand = jax.lax.fori_loop(0, n_chunks, filter_chunk, (zero, zero, zero))
-    if stop_after == 2:
-        path_ref[row] = n_vis ^ n_hi ^ n_cand
-        return
-    if not interpret:
-        plt.debug_barrier()                                     # the candidates are read back below
+    zero = jnp.int32(0)
+    first = seg * seg_chunks
+    n_vis, n_hi, n_cand = jax.lax.fori_loop(first, jnp.minimum(first + seg_chunks, r.n_chunks), filter_chunk,
+                                            (zero, zero, zero))
+    rec_ref[row, seg, _VIS] = n_vis
+    rec_ref[row, seg, _HI] = n_hi
+    rec_ref[row, seg, _CAND] = n_cand
+
+
+def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chunk: int, bits: int, capacity: int,
+                           sub: int, segs: int, seg_chunks: int, out_chunk: int, stop_after: int | None):
+    """Program (row, segment). 3. The threshold key T (the row's k-th largest) and how many keys equal
+    to T to take: an exact digit search among all segments' candidates when the bracket held, else
+    over the whole row. 4. The segment's selected positions (keys above T, and equal ones in position
+    order while the quota lasts), written after those of the segments before it."""
+    o_ref, path_ref = refs[-2:]                                 # (refs[0] is the poisoned input, tests)
+    r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits)
+    row, seg = r.row, pl.program_id(1)
+    at_segs = jnp.arange(segs, dtype=jnp.int32)
+    vis_s, hi_s, cand_s = (rec_ref[row, at_segs, f] for f in (_VIS, _HI, _CAND))   # [segs] each
+    lo, hi = rec_ref[row, 0, _LO_KEY], rec_ref[row, 0, _HI_KEY]
+    n_vis, n_hi, n_cand = jnp.sum(vis_s), jnp.sum(hi_s), jnp.sum(cand_s)
     k_eff = jnp.minimum(n_vis, k)
 
-    # 3. The threshold: exact search among the candidates when the bracket held, else over the row.
+    def seg_cands(i, n):
+        """The loader of segment i's candidates (n of them), sub at a time; INT_MIN past n."""
+        def load(j):
+            at = j * sub + jnp.arange(sub, dtype=jnp.int32)
+            return jnp.where(at < n, cand_ref[row, i, pl.ds(pl.multiple_of(j * sub, sub), sub)], INT_MIN)
+        return load
+
+    def count_candidates(t):
+        return sum(r.count_ge(seg_cands(i, r.pick(cand_s, i)), (r.pick(cand_s, i) + sub - 1) // sub, t)
+                   for i in range(segs))
+
     def take_all():
         return n_vis * 0 + NEG_INF_KEY, n_vis
 
     def from_candidates():
-        def cand_keys(i):
-            at = i * sub + jnp.arange(sub, dtype=jnp.int32)
-            return jnp.where(at < n_cand, cand_ref[row, pl.ds(pl.multiple_of(i * sub, sub), sub)], INT_MIN)
         common = jax.lax.clz(lo ^ (hi - 1))                     # leading bits shared by every candidate
         p0 = common // bits
         low_bits = 32 - bits * p0
         u0 = jnp.where(p0 == 0, 0, ((lo ^ INT_MIN) >> low_bits) << low_bits)
-        u, _, upper, _ = search(lambda t: count_ge(cand_keys, (n_cand + sub - 1) // sub, sub, t),
-                                jnp.full((1,), k_eff - n_hi), jnp.full((1,), u0), p0)
-        return pick(u, 0) ^ INT_MIN, n_hi + pick(upper, 0)
+        u, _, upper, _ = r.search(count_candidates, jnp.full((1,), k_eff - n_hi), jnp.full((1,), u0), p0)
+        return r.pick(u, 0) ^ INT_MIN, n_hi + r.pick(upper, 0)
 
     def over_row():
-        u, _, upper, _ = search(lambda t: count_ge(lambda c: row_keys(c)[0], n_chunks, chunk, t),
-                                jnp.full((1,), k_eff), jnp.zeros((1,), jnp.int32), 0)
-        return pick(u, 0) ^ INT_MIN, pick(upper, 0)
+        u, _, upper, _ = r.search(lambda t: r.count_ge(lambda c: r.keys(c)[0], r.n_chunks, t),
+                                  jnp.full((1,), k_eff), jnp.zeros((1,), jnp.int32), 0)
+        return r.pick(u, 0) ^ INT_MIN, r.pick(upper, 0)
 
-    held = (n_hi < k_eff) & (n_hi + n_cand >= k_eff) & (n_cand <= capacity)
+    held = (n_hi < k_eff) & (n_hi + n_cand >= k_eff) & (jnp.max(cand_s) <= capacity)
     path = (n_vis > k).astype(jnp.int32) * (2 - held.astype(jnp.int32))   # (no where of two literals:
     # Pallas Triton lowers that to a bool)
     threshold, n_above = jax.lax.cond(path == 0, take_all,
                                       lambda: jax.lax.cond(path == 1, from_candidates, over_row))
     need_equal = k_eff - n_above
-    path_ref[row] = path
-    if stop_after == 3:
+
+    @pl.when(seg == 0)
+    def _():
+        path_ref[row] = path
+
+    if stop_after == 3:                                         # (timing a prefix of the stages)
         path_ref[row] = threshold ^ need_equal
         return
 
-    # 4. Write the positions of the keys above T and of the first need_equal keys equal to T.
+    first = seg * seg_chunks
+    last = jnp.minimum(first + seg_chunks, r.n_chunks)
+    # Where this segment's positions start and how many of its keys equal to T it takes: the counts
+    # above and at T of the segments before it (from their candidates, or their columns when the
+    # bracket missed).
+    start, quota = jnp.int32(0), need_equal
+    if segs > 1:
+        def above_equal_of_candidates(i):
+            n = r.pick(cand_s, i)
+
+            def body(j, acc):
+                key = seg_cands(i, n)(j)
+                return (acc[0] + jnp.sum((key > threshold).astype(jnp.int32)),
+                        acc[1] + jnp.sum((key == threshold).astype(jnp.int32)))
+            gt, eq = jax.lax.fori_loop(0, (n + sub - 1) // sub, body, (jnp.int32(0), jnp.int32(0)))
+            return jnp.where(path == 0, r.pick(vis_s, i), r.pick(hi_s, i) + gt), eq * (path > 0).astype(jnp.int32)
+
+        def above_equal_of_columns(i):
+            def body(c, acc):
+                key, _ = r.keys(c)
+                return (acc[0] + jnp.sum((key > threshold).astype(jnp.int32)),
+                        acc[1] + jnp.sum((key == threshold).astype(jnp.int32)))
+            return jax.lax.fori_loop(i * seg_chunks, jnp.minimum((i + 1) * seg_chunks, r.n_chunks), body,
+                                     (jnp.int32(0), jnp.int32(0)))
+
+        equal_before = jnp.int32(0)
+        for i in range(segs - 1):
+            gt, eq = jax.lax.cond(path == 2, lambda i=i: above_equal_of_columns(i),
+                                  lambda i=i: above_equal_of_candidates(i))
+            taken = jnp.clip(need_equal - equal_before, 0, eq)
+            before = i < seg
+            start = start + jnp.where(before, gt + taken, 0)
+            equal_before = equal_before + jnp.where(before, eq, 0)
+        quota = jnp.maximum(need_equal - equal_before, 0)
+
     def emit(c, carry):
         n_sel, n_eq = carry
-        key, col = row_keys(c)
+        key, col = r.keys(c)
         eq = (key == threshold).astype(jnp.int32)
         n_eq_here = jnp.sum(eq)
-        # Equal keys are taken in position order up to need_equal: only the chunk where that quota
-        # runs out needs their ranks (a prefix sum); before it all are taken, after it none.
-        quota_ends_here = (n_eq < need_equal) & (n_eq + n_eq_here > need_equal)
-        take_eq = jax.lax.cond(quota_ends_here, lambda: jnp.where(n_eq + jnp.cumsum(eq) - 1 < need_equal, eq, 0),
-                               lambda: eq * (n_eq < need_equal).astype(jnp.int32))
+        # Equal keys are taken in position order up to the quota: only the chunk where it runs out
+        # needs their ranks (a prefix sum); before it all are taken, after it none.
+        quota_ends_here = (n_eq < quota) & (n_eq + n_eq_here > quota)
+        take_eq = jax.lax.cond(quota_ends_here, lambda: jnp.where(n_eq + jnp.cumsum(eq) - 1 < quota, eq, 0),
+                               lambda: eq * (n_eq < quota).astype(jnp.int32))
         sel = ((key > threshold) | (take_eq > 0)) & (key > NEG_INF_KEY)
         at = n_sel + jnp.cumsum(sel.astype(jnp.int32)) - 1
         plt.store(o_ref.at[row, jnp.where(sel, at, o_ref.shape[1] - 1)], col, mask=sel)
         return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + n_eq_here
 
-    jax.lax.fori_loop(0, n_chunks, emit, (zero, zero))
+    jax.lax.fori_loop(first, last, emit, (start, jnp.int32(0)))
 
     out_cols = jnp.arange(out_chunk, dtype=jnp.int32)
 
-    def pad(c, carry):
-        start = pl.multiple_of(c * out_chunk, out_chunk)
-        plt.store(o_ref.at[row, pl.ds(start, out_chunk)], jnp.full((out_chunk,), -1, jnp.int32),
-                  mask=start + out_cols >= k_eff)
-        return carry
+    @pl.when(seg == 0)
+    def _():
+        def pad(c, carry):
+            at = pl.multiple_of(c * out_chunk, out_chunk)
+            plt.store(o_ref.at[row, pl.ds(at, out_chunk)], jnp.full((out_chunk,), -1, jnp.int32),
+                      mask=at + out_cols >= k_eff)
+            return carry
 
-    jax.lax.fori_loop(0, (k + out_chunk - 1) // out_chunk, pad, zero)
+        jax.lax.fori_loop(0, (k + out_chunk - 1) // out_chunk, pad, jnp.int32(0))
 
 
 def _pad_to(x, axis: int, multiple: int, value):
@@ -259,35 +339,49 @@ def _call(kernel, grid, args, out_shape, poison, num_warps: int, num_stages: int
 
 
 def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits: int = 4, capacity: int = 4096,
-                       sample: int = 4096, sub: int = 512, num_warps: int = 16, num_stages: int = 1,
-                       interpret: bool = False, poison: int | None = None, return_path: bool = False,
-                       stop_after: int | None = None):
+                       sample: int = 4096, sub: int = 512, segments: int = 1, num_warps: int = 16,
+                       num_stages: int = 1, interpret: bool = False, poison: int | None = None,
+                       return_path: bool = False, stop_after: int | None = None):
     """scores [..., N] fp32; lengths [...] (optional): columns at or past a row's length are not
     visible (as if -inf). Returns [..., k] int32 in the module's convention (and, with return_path,
-    each row's path: an index into PATHS). capacity: candidate keys a row keeps; sample: the most
-    keys its bracket is estimated from; sub: keys per step when counting those. `poison` (tests):
-    the output buffer starts filled with it, so an element the kernel fails to write shows.
-    stop_after (benchmarks): end after stage 1 (bracket), 2 (filter) or 3 (threshold), to time the
-    stages by difference; the output is then not the selection."""
+    each row's path: an index into PATHS). Two calls: bracket + filter, then threshold + emit, each
+    over (rows, segments): `segments` programs share a row's columns (for few rows). capacity:
+    candidate keys a segment keeps; sample: the most keys a row's bracket is estimated from; sub:
+    keys per step when counting those. `poison` (tests): the output buffer starts filled with it, so
+    an element the kernel fails to write shows. stop_after (benchmarks): end after stage 1
+    (bracket), 2 (filter) or 3 (threshold), to time the stages by difference; the output is then
+    not the selection."""
     if 32 % bits:
         raise ValueError(f"bits per pass must divide 32, got {bits}")
     if capacity % sub or sample % sub or sub % 16 or capacity < 2 * sub:
         raise ValueError(f"capacity ({capacity}) and sample ({sample}) must be multiples of sub ({sub}), "
                          f"sub of 16, and capacity at least 2 * sub")
+    if segments < 1 or segments & (segments - 1):
+        raise ValueError(f"segments must be a power of two, got {segments}")
     lead, n = scores.shape[:-1], scores.shape[-1]
     s = scores.reshape(-1, n).astype(jnp.float32)
     r = s.shape[0]
     ln = jnp.full((r,), n, jnp.int32) if lengths is None else jnp.minimum(lengths.reshape(-1), n).astype(jnp.int32)
     chunk = min(chunk, pl.next_power_of_2(n))
     s = _pad_to(s, 1, chunk, NEG_INF)
+    seg_chunks = -(-(s.shape[1] // chunk) // segments)
+    common = dict(k=k, chunk=chunk, bits=bits, capacity=capacity, sub=sub, stop_after=stop_after)
+    record, cands = _call(
+        functools.partial(_bracket_filter_kernel, sample=sample, seg_chunks=seg_chunks, **common), (r, segments),
+        [ln, s], (jax.ShapeDtypeStruct((r, segments, 8), jnp.int32),
+                  jax.ShapeDtypeStruct((r, segments, capacity + 1), jnp.int32)), None, num_warps, num_stages,
+        interpret)
     out_chunk = min(1024, pl.next_power_of_2(k))
     k_pad = -(-k // out_chunk) * out_chunk
-    shapes = (jax.ShapeDtypeStruct((r, k_pad + 1), jnp.int32), jax.ShapeDtypeStruct((r, capacity + 1), jnp.int32),
-              jax.ShapeDtypeStruct((r,), jnp.int32))
-    out, _, path = _call(functools.partial(_select_kernel, k=k, chunk=chunk, bits=bits, out_chunk=out_chunk,
-                                           capacity=capacity, sample=sample, sub=sub, interpret=interpret,
-                                           stop_after=stop_after),
-                         (r,), [ln, s], shapes, poison, num_warps, num_stages, interpret)
+    if stop_after in (1, 2):
+        out = jnp.broadcast_to(record[:, :1, 0] ^ record[:, :1, _LO_KEY] ^ cands[:, 0, :1], (r, k_pad + 1))
+        path = out[:, 0]
+    else:
+        out, path = _call(
+            functools.partial(_threshold_emit_kernel, segs=segments, seg_chunks=seg_chunks, out_chunk=out_chunk,
+                              **common), (r, segments), [ln, s, record, cands],
+            (jax.ShapeDtypeStruct((r, k_pad + 1), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.int32)), poison,
+            num_warps, num_stages, interpret)
     out = out[:, :k].reshape(lead + (k,))
     return (out, path.reshape(lead)) if return_path else out
 
@@ -375,28 +469,33 @@ def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-# One program per row: with fewer rows than this the kernel leaves most of the H200's 132 SMs idle
-# and lax.top_k is faster (measured: 8 rows x 131072 took 0.49 ms in the kernel; see docs/perf.md).
-MIN_KERNEL_ROWS = 64
+# Below this many rows lax.top_k's composition is used (measured on the H200, docs/perf.md: the
+# kernel is faster from 8 rows of 131072).
+MIN_KERNEL_ROWS = 8
 
 
-def select_tiling(width: int) -> dict:
-    """The selection kernel's parameters for rows of this width, the fastest measured on the H200
-    (docs/perf.md: 64 x 8192, 2048 x 32768 and 64 x 131072, k = 2048). Wide rows need the larger
-    sample: with 2048 keys, 5 of 64 rows of 131072 missed the bracket and took the full search."""
+def select_tiling(rows: int, width: int) -> dict:
+    """The selection kernel's parameters, the fastest measured on the H200 (docs/perf.md: k = 2048
+    over 64 x 8192, 2048 x 32768, 64 x 131072 and 8 x 131072). Few rows split their columns over
+    several programs (segments) to use more of the 132 SMs. Wide rows need the larger sample: with
+    2048 keys, 5 of 64 rows of 131072 missed the bracket and took the full search."""
+    segments = 1
+    while segments < 4 and rows * segments * 2 <= 256 and width >= 4096 * segments * 4:
+        segments *= 2
     if 8192 < width <= 65536:
         return {"bits": 4, "chunk": 2048, "capacity": 4096, "sample": 2048, "sub": 1024, "num_warps": 8,
-                "num_stages": 2}
-    return {"bits": 4, "chunk": 4096, "capacity": 4096, "sample": 4096, "sub": 1024, "num_warps": 16,
-            "num_stages": 3}
+                "num_stages": 2, "segments": segments}
+    return {"bits": 4, "chunk": 4096, "capacity": 4096, "sample": 4096, "sub": 1024,
+            "num_warps": 8 if segments > 1 else 16, "num_stages": 3, "segments": segments}
 
 
 def select_topk(scores, k: int, lengths=None):
     """The dispatch for selection over a given score matrix."""
-    if _on_gpu() and scores.size // scores.shape[-1] >= MIN_KERNEL_ROWS:
-        return select_topk_pallas(scores, k, lengths, **select_tiling(scores.shape[-1]))
+    rows, width = scores.size // scores.shape[-1], scores.shape[-1]
+    if _on_gpu() and rows >= MIN_KERNEL_ROWS:
+        return select_topk_pallas(scores, k, lengths, **select_tiling(rows, width))
     if lengths is not None:
-        cols = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+        cols = jnp.arange(width, dtype=jnp.int32)
         scores = jnp.where(cols < lengths[..., None], scores, NEG_INF)
     return select_topk_reference(scores, k)
 

@@ -71,22 +71,21 @@ SELECT_CASES = [(64, 8192), (64, 131072), (2048, 32768)]  # rows x width
 INDEXER_CASES = [  # (label, requests, queries each, keys each, prefill, queries per request for XLA)
     ("prefill", 1, 32768, 32768, True, 1024), ("decode_t1", 8, 1, 131072, False, 1),
     ("decode_t64", 8, 64, 131072, False, 16)]
-SELECT_TILINGS = "dispatch,4:4096:4096:4096:1024:16:3,4:2048:4096:2048:1024:8:2,4:4096:4096:4096:512:16:1"
+SELECT_TILINGS = "dispatch,4:4096:4096:4096:1024:16:3:1,4:2048:4096:2048:1024:8:2:1"
+SELECT_FIELDS = ("bits", "chunk", "capacity", "sample", "sub", "num_warps", "num_stages", "segments")
 
 
-def select_variant(tiling: str, width: int, lengths=None, return_path=False, stop_after=None):
-    """tiling: bits per pass : chunk : candidate capacity : sample : sub : warps : pipeline stages, or
-    'dispatch' for what `select_tiling` picks at this width."""
+def select_variant(tiling: str, rows: int, width: int, lengths=None, return_path=False, stop_after=None):
+    """tiling: bits per pass : chunk : candidate capacity : sample : sub : warps : pipeline stages :
+    segments per row, or 'dispatch' for what `select_tiling` picks for rows x width."""
     from pallas_kernels.topk import select_tiling, select_topk_pallas
     if tiling == "dispatch":
-        t = select_tiling(width)
-        tiling = ":".join(str(t[f]) for f in ("bits", "chunk", "capacity", "sample", "sub", "num_warps",
-                                              "num_stages"))
-    bits, chunk, capacity, sample, sub, warps, stages = map(int, tiling.split(":"))
-    return (f"pallas_b{bits}_c{chunk}_cap{capacity}_s{sample}_u{sub}_w{warps}_st{stages}",
-            lambda s, k: select_topk_pallas(s, k, lengths, bits=bits, chunk=chunk, capacity=capacity, sample=sample,
-                                            sub=sub, num_warps=warps, num_stages=stages, return_path=return_path,
-                                            stop_after=stop_after))
+        t = select_tiling(rows, width)
+        tiling = ":".join(str(t[f]) for f in SELECT_FIELDS)
+    kw = dict(zip(SELECT_FIELDS, map(int, tiling.split(":"))))
+    name = "pallas_b{bits}_c{chunk}_cap{capacity}_s{sample}_u{sub}_w{num_warps}_st{num_stages}_seg{segments}"
+    return (name.format(**kw), lambda s, k: select_topk_pallas(s, k, lengths, return_path=return_path,
+                                                                stop_after=stop_after, **kw))
 
 
 def bench_selection(args, ceil):
@@ -110,11 +109,11 @@ def bench_selection(args, ceil):
             entry[name] = _try(lambda f=f: {"s": chained_time(f, x)})
         tilings = args.select_tilings.split(",")
         for stage in (1, 2, 3) if args.select_stages else ():
-            name, f = select_variant(tilings[0], n, stop_after=stage)
+            name, f = select_variant(tilings[0], r, n, stop_after=stage)
             entry[f"stages_1_to_{stage}_{name}"] = _try(lambda f=f: {"s": chained_time(lambda s: f(s, k), x)})
         for tiling in tilings:
-            name, f = select_variant(tiling, n)
-            _, f_path = select_variant(tiling, n, return_path=True)
+            name, f = select_variant(tiling, r, n)
+            _, f_path = select_variant(tiling, r, n, return_path=True)
 
             def run(f=f, f_path=f_path):
                 got, path = jax.jit(lambda s: f_path(s, k))(x)
@@ -128,7 +127,7 @@ def bench_selection(args, ceil):
         cells = []
         for key, v in entry.items():
             if isinstance(v, dict) and "s" in v:
-                extra = f" x{base / v['s']:.1f}" if base else ""
+                extra = f" x{base / v['s']:.1f}" if base and v["s"] > 0 else ""
                 full = v.get("rows_by_path", {}).get("full search")
                 extra += f" ({full} rows full search)" if full else ""
                 cells.append(f"{key} {v['s'] * 1e6:.0f}us{extra}{'' if v.get('equal', True) else ' WRONG'}")
@@ -206,7 +205,7 @@ def bench_indexer(args, ceil):
             entry["scores_max_rel_err"] = float(np.abs(got[fin] - ref[fin]).max() / np.abs(ref[fin]).max())
             entry["scores_inf_pattern_equal"] = bool((np.isneginf(got) == np.isneginf(ref)).all())
             for tiling in args.select_tilings.split(",")[:3]:
-                name, f = select_variant(tiling, N, lengths=pos + 1)
+                name, f = select_variant(tiling, B * T, N, lengths=pos + 1)
                 entry["select_" + name[len("pallas_"):]] = _try(
                     lambda f=f: {"s": chained_time(lambda s_: f(s_, k), scores, n=5 if prefill else 10, repeat=3)})
             sel_best = min((v["s"] for key, v in entry.items() if key.startswith("select_") and "s" in v),
@@ -233,7 +232,8 @@ def main() -> int:
     p.add_argument("--select-cases", default=",".join(f"{r}x{n}" for r, n in SELECT_CASES),
                    help="rows x width of the selection cases")
     p.add_argument("--select-tilings", default=SELECT_TILINGS,
-                   help="selection tilings, comma-separated bits:chunk:capacity:sample:sub:warps:stages")
+                   help="selection tilings, comma-separated bits:chunk:capacity:sample:sub:warps:stages:segments "
+                        "or 'dispatch'")
     p.add_argument("--select-stages", action="store_true",
                    help="also time the first tiling stopped after each stage (bracket, filter, threshold)")
     p.add_argument("--json", default="bench_kernels.json")

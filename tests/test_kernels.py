@@ -141,13 +141,13 @@ def selection_cases(rng, big=False, sample_for=None):
         yield s, k, lengths
 
 
-SMALL_SELECT = [dict(bits=4, chunk=32, capacity=64, sample=64, sub=16),
-                dict(bits=2, chunk=16, capacity=32, sample=32, sub=16),
-                dict(bits=8, chunk=64, capacity=128, sample=128, sub=32),
-                dict(bits=1, chunk=128, capacity=256, sample=512, sub=64)]
+SMALL_SELECT = [dict(bits=4, chunk=32, capacity=64, sample=64, sub=16, segments=1),
+                dict(bits=2, chunk=16, capacity=32, sample=32, sub=16, segments=4),
+                dict(bits=8, chunk=64, capacity=128, sample=128, sub=32, segments=2),
+                dict(bits=1, chunk=128, capacity=256, sample=512, sub=64, segments=8)]
 
 
-@pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}")
+@pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}s{kw['segments']}")
 def test_select_topk_interpret_equals_reference(kw):
     """Every case equals the oracle, and every path the kernel has (all visible, sampled bracket,
     full search) is taken by some row."""
@@ -232,11 +232,11 @@ def test_select_topk_compiled_on_gpu_equals_reference():
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     paths = set()
-    for s, k, lengths in selection_cases(rng, big=True, sample_for=lambda n: select_tiling(n)["sample"]):
+    for s, k, lengths in selection_cases(rng, big=True, sample_for=lambda n: select_tiling(1, n)["sample"]):
         want = topk_oracle(s, k, lengths)
         ln = None if lengths is None else jnp.asarray(lengths)
         small = s.size < 10 ** 5
-        variants = [select_tiling(s.shape[1])] + SMALL_SELECT[:3]
+        variants = [select_tiling(*s.shape)] + SMALL_SELECT[:3]
         for kw in variants[:len(variants) if small else 1]:
             got, path = jax.jit(lambda x, l: select_topk_pallas(x, k, l, poison=-7, return_path=True, **kw))(
                 jnp.asarray(s), ln)
