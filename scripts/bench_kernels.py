@@ -224,7 +224,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
     p.add_argument("--hidden", type=int, default=6144)
-    p.add_argument("--gather-tilings", default="32x512,16x1024,64x256,8x2048",
+    p.add_argument("--gather-tilings", default="32x512,16x1024x8x3,16x1024,64x256",
                    help="row gather tilings to time: rows x columns per block [x blocks per program "
                         "[x pipeline stages]]")
     p.add_argument("--k", type=int, default=2048)

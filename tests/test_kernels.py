@@ -142,9 +142,8 @@ def selection_cases(rng, big=False, sample_for=None):
 
 
 SMALL_SELECT = [dict(bits=4, chunk=32, capacity=64, sample=64, sub=16, segments=1),
-                dict(bits=2, chunk=16, capacity=32, sample=32, sub=16, segments=4),
-                dict(bits=8, chunk=64, capacity=128, sample=128, sub=32, segments=2),
-                dict(bits=1, chunk=128, capacity=256, sample=512, sub=64, segments=8)]
+                dict(bits=2, chunk=16, capacity=32, sample=32, sub=16, segments=8),
+                dict(bits=8, chunk=64, capacity=128, sample=128, sub=32, segments=2)]
 
 
 @pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}s{kw['segments']}")
