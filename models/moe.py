@@ -71,8 +71,8 @@ def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None):
     used = jnp.arange(N * k) < sizes.sum()  # rows past the groups: ragged_dot leaves them unspecified
     y = jnp.where(used[:, None], y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
     # Back to (row, slot) order by the inverse permutation, then each row's k slots summed in slot
-    # order in fp32: no scatter-add (on the GPU that is atomics in arbitrary order: not bit-stable
-    # run to run, and the mixed-batch profile's costliest fusions were the MoE scatters).
+    # order in fp32: no scatter-add (on the GPU that is atomics in arbitrary order, not bit-stable
+    # run to run).
     unsort = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32), unique_indices=True)
     return y[unsort].reshape(N, k, D).astype(jnp.float32).sum(axis=1).astype(x.dtype)
 
