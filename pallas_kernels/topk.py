@@ -250,23 +250,22 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
     # bracket missed).
     start, quota = jnp.int32(0), need_equal
     if segs > 1:
-        def above_equal_of_candidates(i):
-            n = r.pick(cand_s, i)
-
+        def above_equal(load, first, last):
+            """How many of the loaded blocks' keys are above T and equal to T."""
             def body(j, acc):
-                key = seg_cands(i, n)(j)
+                key = load(j)
                 return (acc[0] + jnp.sum((key > threshold).astype(jnp.int32)),
                         acc[1] + jnp.sum((key == threshold).astype(jnp.int32)))
-            gt, eq = jax.lax.fori_loop(0, (n + sub - 1) // sub, body, (jnp.int32(0), jnp.int32(0)))
+            return jax.lax.fori_loop(first, last, body, (jnp.int32(0), jnp.int32(0)))
+
+        def above_equal_of_candidates(i):
+            n = r.pick(cand_s, i)
+            gt, eq = above_equal(seg_cands(i, n), 0, (n + sub - 1) // sub)
             return jnp.where(path == 0, r.pick(vis_s, i), r.pick(hi_s, i) + gt), eq * (path > 0).astype(jnp.int32)
 
         def above_equal_of_columns(i):
-            def body(c, acc):
-                key, _ = r.keys(c)
-                return (acc[0] + jnp.sum((key > threshold).astype(jnp.int32)),
-                        acc[1] + jnp.sum((key == threshold).astype(jnp.int32)))
-            return jax.lax.fori_loop(i * seg_chunks, jnp.minimum((i + 1) * seg_chunks, r.n_chunks), body,
-                                     (jnp.int32(0), jnp.int32(0)))
+            return above_equal(lambda c: r.keys(c)[0], i * seg_chunks,
+                               jnp.minimum((i + 1) * seg_chunks, r.n_chunks))
 
         equal_before = jnp.int32(0)
         for i in range(segs - 1):
