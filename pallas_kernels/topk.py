@@ -77,6 +77,11 @@ class _Row:
         self.n_chunks = (self.length + chunk - 1) // chunk
         self.digits = jnp.arange(2 ** bits, dtype=jnp.int32)
 
+    def segment(self, seg, seg_chunks: int):
+        """The chunk range [first, last) of segment seg."""
+        first = seg * seg_chunks
+        return first, jnp.minimum(first + seg_chunks, self.n_chunks)
+
     def keys(self, c):
         start = pl.multiple_of(c * self.chunk, self.chunk)
         key = order_keys(self.s_ref[self.row, pl.ds(start, self.chunk)])
@@ -121,6 +126,16 @@ class _Row:
         return st[1:5]
 
 
+def sample_size(length, sample: int, sub: int):
+    """Keys a row's bracket is estimated from: at most `sample` and half the row, whole `sub` blocks."""
+    return jnp.minimum(sample, (length // 2) // sub * sub)
+
+
+def sample_block_start(b, length, n_blocks):
+    """First column of sample block b of n_blocks (16 columns each, spread evenly over the row)."""
+    return (b * length // jnp.maximum(n_blocks, 1)) // 16 * 16
+
+
 def _bucket_end_key(u, shift):
     """The first key past u's bucket of 2**shift unsigned-domain values (INT_MAX at the top)."""
     top = (u | ((1 << shift) - 1)) == -1
@@ -136,13 +151,11 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
     in [lo, hi) (in any order: only their set matters)."""
     r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits)
     row, seg, length = r.row, pl.program_id(1), r.length
-    n_sample = jnp.minimum(sample, (length // 2) // sub * sub)
-    n_blocks = n_sample // 16
+    n_sample = sample_size(length, sample, sub)
 
     def sample_keys(i):
         e = i * sub + jnp.arange(sub, dtype=jnp.int32)
-        start = ((e // 16) * length // jnp.maximum(n_blocks, 1)) // 16 * 16
-        return order_keys(s_ref[row, start + e % 16])
+        return order_keys(s_ref[row, sample_block_start(e // 16, length, n_sample // 16) + e % 16])
 
     def sampled_bracket():
         expect = k * n_sample.astype(jnp.float32) / length.astype(jnp.float32)
@@ -178,9 +191,7 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
                 n_hi + jnp.sum((key >= hi).astype(jnp.int32)), n_cand + jnp.sum(inside.astype(jnp.int32)))
 
     zero = jnp.int32(0)
-    first = seg * seg_chunks
-    n_vis, n_hi, n_cand = jax.lax.fori_loop(first, jnp.minimum(first + seg_chunks, r.n_chunks), filter_chunk,
-                                            (zero, zero, zero))
+    n_vis, n_hi, n_cand = jax.lax.fori_loop(*r.segment(seg, seg_chunks), filter_chunk, (zero, zero, zero))
     rec_ref[row, seg, _VIS] = n_vis
     rec_ref[row, seg, _HI] = n_hi
     rec_ref[row, seg, _CAND] = n_cand
@@ -209,8 +220,8 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         return load
 
     def count_candidates(t):
-        return sum(r.count_ge(seg_cands(i, r.pick(cand_s, i)), (r.pick(cand_s, i) + sub - 1) // sub, t)
-                   for i in range(segs))
+        n = [r.pick(cand_s, i) for i in range(segs)]
+        return sum(r.count_ge(seg_cands(i, n[i]), (n[i] + sub - 1) // sub, t) for i in range(segs))
 
     def take_all():
         return n_vis * 0 + NEG_INF_KEY, n_vis
@@ -243,8 +254,6 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         path_ref[row] = threshold ^ need_equal
         return
 
-    first = seg * seg_chunks
-    last = jnp.minimum(first + seg_chunks, r.n_chunks)
     # Where this segment's positions start and how many of its keys equal to T it takes: the counts
     # above and at T of the segments before it (from their candidates, or their columns when the
     # bracket missed).
@@ -264,8 +273,7 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
             return jnp.where(path == 0, r.pick(vis_s, i), r.pick(hi_s, i) + gt), eq * (path > 0).astype(jnp.int32)
 
         def above_equal_of_columns(i):
-            return above_equal(lambda c: r.keys(c)[0], i * seg_chunks,
-                               jnp.minimum((i + 1) * seg_chunks, r.n_chunks))
+            return above_equal(lambda c: r.keys(c)[0], *r.segment(i, seg_chunks))
 
         equal_before = jnp.int32(0)
         for i in range(segs - 1):
@@ -292,7 +300,7 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         plt.store(o_ref.at[row, jnp.where(sel, at, o_ref.shape[1] - 1)], col, mask=sel)
         return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + n_eq_here
 
-    jax.lax.fori_loop(first, last, emit, (start, jnp.int32(0)))
+    jax.lax.fori_loop(*r.segment(seg, seg_chunks), emit, (start, jnp.int32(0)))
 
     out_cols = jnp.arange(out_chunk, dtype=jnp.int32)
 

@@ -87,7 +87,8 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 # ---- indexer top-k ----------------------------------------------------------------------------
 
 from pallas_kernels.topk import (PATHS, index_scores_pallas, index_scores_reference, indexer_topk,  # noqa: E402
-                                 select_tiling, select_topk_pallas, select_topk_reference)
+                                 sample_block_start, sample_size, select_tiling, select_topk_pallas,
+                                 select_topk_reference)
 
 
 def topk_oracle(scores, k, lengths=None):
@@ -103,23 +104,23 @@ def topk_oracle(scores, k, lengths=None):
     return out.reshape(scores.shape[:-1] + (k,))
 
 
-def hide_from_sample(row, length, n_sample, k):
+def hide_from_sample(row, length, tiling, k):
     """Raise 2k columns the kernel's sample (blocks of 16 columns spread over the row) never reads, so
     the sampled bracket misses the top-k and the row must take the full search."""
-    n_blocks = n_sample // 16
+    n_blocks = int(sample_size(length, tiling["sample"], tiling["sub"])) // 16
     seen = np.zeros(length, bool)
     for b in range(n_blocks):
-        start = (b * length // n_blocks) // 16 * 16
+        start = int(sample_block_start(b, length, n_blocks))
         seen[start:start + 16] = True
     hidden = np.flatnonzero(~seen)[:2 * k]
     row[hidden] += 100.0
 
 
-def selection_cases(rng, big=False, sample_for=None):
+def selection_cases(rng, big=False, tiling_for=None):
     """(scores, k, lengths): ties, -inf, -0/+0, all-masked rows, fewer visible than k, widths that
     are not multiples of the chunk, rows wider than the kernel's candidate capacity (sampled
-    bracket), and a row whose top-k the sample cannot see (full search; `sample_for(width)`: the
-    kernel's sample size)."""
+    bracket), and a row whose top-k the sample cannot see (full search; `tiling_for(width)`: the
+    kernel's parameters)."""
     shapes = [(3, 40, 8), (5, 100, 30), (4, 64, 70), (2, 33, 5), (7, 257, 64), (1, 1, 4), (6, 1000, 50),
               (6, 3000, 20)]
     if big:
@@ -134,8 +135,8 @@ def selection_cases(rng, big=False, sample_for=None):
             s[2, :] = np.round(s[2, :] * 2)               # many ties at the threshold
         if R > 3:
             s[3, :] = -np.inf                             # nothing visible
-        if R > 4 and sample_for is not None:
-            hide_from_sample(s[4], N, min(sample_for(N), N // 2 // 16 * 16), k)
+        if R > 4 and tiling_for is not None:
+            hide_from_sample(s[4], N, tiling_for(N), k)
         lengths = rng.integers(0, N + 1, R).astype(np.int32)
         yield s, k, None
         yield s, k, lengths
@@ -152,7 +153,7 @@ def test_select_topk_interpret_equals_reference(kw):
     full search) is taken by some row."""
     rng = np.random.default_rng(kw["bits"])
     paths = set()
-    for s, k, lengths in selection_cases(rng, sample_for=lambda n: kw["sample"]):
+    for s, k, lengths in selection_cases(rng, tiling_for=lambda n: kw):
         want = topk_oracle(s, k, lengths)
         ref_in = s if lengths is None else np.where(np.arange(s.shape[1]) < lengths[:, None], s, -np.inf)
         np.testing.assert_array_equal(np.asarray(select_topk_reference(jnp.asarray(ref_in), k)), want)
@@ -231,7 +232,7 @@ def test_select_topk_compiled_on_gpu_equals_reference():
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     paths = set()
-    for s, k, lengths in selection_cases(rng, big=True, sample_for=lambda n: select_tiling(1, n)["sample"]):
+    for s, k, lengths in selection_cases(rng, big=True, tiling_for=lambda n: select_tiling(1, n)):
         want = topk_oracle(s, k, lengths)
         ln = None if lengths is None else jnp.asarray(lengths)
         small = s.size < 10 ** 5
