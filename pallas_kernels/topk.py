@@ -22,8 +22,10 @@ counts the second call combines. Each row reports its path (PATHS) so tests and 
 
 Both kernels use Pallas's Triton backend: they need masked scatter stores, data-dependent row
 gathers through the page table and per-lane compare/prefix-sum work, which Triton expresses directly;
-Mosaic GPU's strengths (TMA, wgmma pipelines over dense tiles) fit none of the selection and only the
-small per-tile dots of the scores kernel.
+Mosaic GPU's strengths (TMA, wgmma pipelines over dense tiles) fit none of the selection. The scores
+kernel's prefill path (keys gathered once into a dense copy) would fit them, but Triton's pipelined
+loop already runs it at 63% of the bf16 matmul rate on the H200 (docs/perf.md), and one kernel serves
+both the gathered and the page-table path.
 """
 
 from __future__ import annotations
@@ -405,62 +407,100 @@ def index_scores_reference(q, w, keys, positions, head_dim: int):
 
 
 def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, heads: int, block_t: int,
-                   block_n: int, fp8: bool, head_dim: int):
-    """One (request, query block, key block) tile. The query block's heads are the dot's rows
-    ([block_t * H, D] x [D, block_n]), so a single decode token still fills an MMA tile."""
+                   block_n: int, steps: int, fp8: bool, gathered: bool, epilogue: bool):
+    """One (request, query block, group of `steps` key blocks) program; the query block is loaded once
+    and the key blocks stream through a pipelined loop. The key block is the dot's M ([block_n, D] x
+    [D, block_t * H]): a token's heads are adjacent accumulator columns, so the weighted head sum stays
+    within a thread and its quad (no cross-warp reduction), and one decode token's heads still make
+    an MMA tile's N. Query blocks run last-first: with causal masks the late ones have the most keys.
+    gathered: k_ref (and the scales) are this request's keys already in table order, [B, S, D].
+    epilogue=False (timing only) sums the raw dot over heads instead of relu, weights and scale."""
     scale_ref, o_ref = (rest[0] if fp8 else None), rest[-1]
-    b, it, jn = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, g = pl.program_id(0), pl.program_id(2)
+    it = pl.num_programs(1) - 1 - pl.program_id(1)
     layer = layer_ref[0]
-    t0, n0 = it * block_t, jn * block_n
-    pos = pos_ref[b, pl.ds(t0, block_t)]                       # [bt]
-    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
-    out = o_ref.at[b, pl.ds(t0, block_t), pl.ds(n0, block_n)]
+    t0, m = it * block_t, block_t * heads
+    pos = pos_ref[b, pl.ds(t0, block_t)]                                     # [bt]
+    dot_dtype = jnp.float32 if q_ref.dtype == jnp.float32 else jnp.bfloat16
+    precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None  # fp32: no tf32
+    q = q_ref[b, pl.ds(t0 * heads, m), :].astype(dot_dtype)                   # [bt * H, D]
+    w = w_ref[b, pl.ds(t0 * heads, m)]                                       # [bt * H] fp32, D**-0.5 folded in
+    d = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)
+    first = g * steps
+    n_here = jnp.minimum(steps, table_ref.shape[1] // block_n - first)
+    n_vis = jnp.clip((jnp.max(pos) + block_n) // block_n - first, 0, n_here)  # blocks with a visible key
 
-    @pl.when(n0 > jnp.max(pos))                                # causal: nothing visible in this tile
-    def _():
-        out[...] = jnp.full((block_t, block_n), NEG_INF, jnp.float32)
+    def block(j, carry):
+        n0 = (first + j) * block_n
+        cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
+        if gathered:
+            keys = k_ref[b, pl.ds(n0, block_n), :]                            # [bn, D]
+            scale = scale_ref[b, pl.ds(n0, block_n)] if fp8 else None
+        else:
+            slots = table_ref[b, pl.ds(n0, block_n)]                          # pool slots of these keys
+            keys = k_ref[layer, slots[:, None], d[None, :]]                   # [bn, D] through the page table
+            scale = scale_ref[layer, slots] if fp8 else None
+        s = jnp.dot(keys.astype(dot_dtype), q.T, precision=precision, preferred_element_type=jnp.float32)
+        if epilogue:
+            s = jnp.maximum(s, 0.0) * w[None, :]
+        acc = jnp.sum(s.reshape(block_n, block_t, heads), axis=-1)            # [bn, bt]
+        if fp8 and epilogue:
+            acc = acc * scale[:, None]
+        acc = jnp.where(cols[:, None] <= pos[None, :], acc, NEG_INF)
+        o_ref[b, pl.ds(t0, block_t), pl.ds(n0, block_n)] = acc.T
+        return carry
 
-    @pl.when(n0 <= jnp.max(pos))
-    def _():
-        slots = table_ref[b, pl.ds(n0, block_n)]              # [bn] pool slots of these positions
-        d = jnp.arange(head_dim, dtype=jnp.int32)
-        keys = k_ref[layer, slots[:, None], d[None, :]]       # [bn, D] gathered through the page table
-        dot_dtype = jnp.float32 if q_ref.dtype == jnp.float32 else jnp.bfloat16
-        precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None  # fp32: no tf32
-        q = q_ref[b, pl.ds(t0 * heads, block_t * heads), :].astype(dot_dtype)   # [bt * H, D]
-        s = jnp.dot(q, keys.astype(dot_dtype).T, precision=precision, preferred_element_type=jnp.float32)
-        if fp8:
-            s = s * scale_ref[layer, slots][None, :]
-        s = jnp.maximum(s * head_dim ** -0.5, 0.0).reshape(block_t, heads, block_n)
-        w = w_ref[b, pl.ds(t0, block_t), :]                   # [bt, H] fp32
-        acc = jnp.sum(w[:, :, None] * s, axis=1)
-        out[...] = jnp.where(cols[None, :] <= pos[:, None], acc, NEG_INF)
+    def masked_block(j, carry):
+        o_ref[b, pl.ds(t0, block_t), pl.ds((first + j) * block_n, block_n)] = jnp.full(
+            (block_t, block_n), NEG_INF, jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, n_vis, block, jnp.int32(0))
+    jax.lax.fori_loop(n_vis, n_here, masked_block, jnp.int32(0))
+
+
+# A key read by at least this many query blocks is gathered (fp8 -> bf16, exact) once before the
+# kernel: converting fp8 keys inside the kernel cost 20% of the prefill scores (H200, docs/perf.md),
+# while the copy costs 3 bytes per key per request.
+GATHER_KEYS_MIN_QUERY_BLOCKS = 8
 
 
 def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions, *, block_m: int = 128,
-                        block_n: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
-                        poison: float | None = None):
-    """The indexer's scores with the keys read through the page table inside the kernel (no gathered
-    key copy, no [B, T, H, S] per-head intermediate). q [B, T, H, D]; w [B, T, H] fp32; index_k
-    [L, slots, D] (fp8 with index_scale [L, slots], or plain with index_scale None), read at `layer`
-    (the stacked pool is passed whole: slicing a layer out would copy it); slot_table [B, S];
-    positions [B, T]. Returns [B, T, S] fp32 with -inf where invisible. block_m: query rows x heads
-    per tile."""
+                        block_n: int = 64, steps: int = 32, num_warps: int = 4, num_stages: int = 3,
+                        gather_keys: bool | None = None, interpret: bool = False, poison: float | None = None,
+                        epilogue: bool = True):
+    """The indexer's scores with the keys read through the page table inside the kernel (no
+    [B, T, H, S] per-head intermediate). q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8
+    with index_scale [L, slots], or plain with index_scale None), read at `layer` (the stacked pool is
+    passed whole: slicing a layer out would copy it); slot_table [B, S]; positions [B, T]. Returns
+    [B, T, S] fp32 with -inf where invisible. block_m: query rows x heads per program; steps: key
+    blocks per program; gather_keys (None: by GATHER_KEYS_MIN_QUERY_BLOCKS): copy each request's keys
+    in table order, in the dot's dtype, before the kernel. The defaults were the fastest tiling measured
+    on the H200 for prefill and decode alike (docs/perf.md); they fit shared memory with fp32 queries."""
     B, T, H, D = q.shape
     S = slot_table.shape[1]
-    block_t = max(-(-16 // H), min(block_m // H, pl.next_power_of_2(T)))  # a dot needs >= 16 rows
+    block_t = max(-(-16 // H), min(block_m // H, pl.next_power_of_2(T)))  # a dot needs >= 16 columns
     block_n = min(block_n, max(16, pl.next_power_of_2(S)))
     q = _pad_to(q, 1, block_t, 0)
     Tp = q.shape[1]
     q = q.reshape(B, Tp * H, D)
-    w = _pad_to(w.astype(jnp.float32), 1, block_t, 0)
+    w = _pad_to(w.astype(jnp.float32) * D ** -0.5, 1, block_t, 0).reshape(B, Tp * H)  # relu(x) c = relu(x c), c > 0
     pos = _pad_to(positions.astype(jnp.int32), 1, block_t, -1)
     table = _pad_to(slot_table.astype(jnp.int32), 1, block_n, 0)
+    n_blocks = table.shape[1] // block_n
+    steps = max(1, min(steps, n_blocks))
     fp8 = index_scale is not None
+    if gather_keys is None:
+        gather_keys = Tp // block_t >= GATHER_KEYS_MIN_QUERY_BLOCKS
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    out = _call(functools.partial(_scores_kernel, heads=H, block_t=block_t, block_n=block_n, fp8=fp8, head_dim=D),
-                (B, Tp // block_t, table.shape[1] // block_n),
-                [layer, q, w, pos, table, index_k] + ([index_scale] if fp8 else []),
+    keys = [index_k] + ([index_scale] if fp8 else [])
+    if gather_keys:
+        dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
+        keys = [jnp.take(index_k, layer[0], axis=0)[table].astype(dot_dtype)]
+        keys += [jnp.take(index_scale, layer[0], axis=0)[table]] if fp8 else []
+    kernel = functools.partial(_scores_kernel, heads=H, block_t=block_t, block_n=block_n, steps=steps, fp8=fp8,
+                               gathered=gather_keys, epilogue=epilogue)
+    out = _call(kernel, (B, Tp // block_t, -(-n_blocks // steps)), [layer, q, w, pos, table] + keys,
                 jax.ShapeDtypeStruct((B, Tp, table.shape[1]), jnp.float32), poison, num_warps, num_stages, interpret)
     return out[:, :T, :S]
 

@@ -137,8 +137,21 @@ def bench_selection(args, ceil):
     return out
 
 
-SCORE_TILINGS = [  # (block_m = query rows x heads, block_n, warps, stages)
-    (128, 64, 4, 2), (128, 128, 8, 3), (256, 64, 8, 2), (32, 128, 4, 3)]
+SCORE_TILINGS = "dispatch,256:128:32:8:3,128:128:8:4:3"
+SCORE_FIELDS = ("block_m", "block_n", "steps", "num_warps", "num_stages", "gather_keys")
+
+
+def score_variant(tiling: str) -> tuple[str, dict]:
+    """tiling: query rows x heads : key block : key blocks per program : warps : pipeline stages
+    [: 1/0 keys gathered before the kernel or read through the table], or 'dispatch' (what the
+    indexer uses: the kernel's defaults)."""
+    if tiling == "dispatch":
+        return "dispatch", {}
+    vals = [int(v) for v in tiling.split(":")]
+    kw = dict(zip(SCORE_FIELDS, vals))
+    if "gather_keys" in kw:
+        kw["gather_keys"] = bool(kw["gather_keys"])
+    return "m{}_n{}_steps{}_w{}_s{}".format(*vals[:5]) + ("" if len(vals) < 6 else f"_g{vals[5]}"), kw
 
 
 def indexer_inputs(B, T, N, H=32, D=128, prefill=False):
@@ -182,21 +195,23 @@ def bench_indexer(args, ceil):
         entry["xla_composition"] = _try(lambda: {"s": chained_time(xla, qs, ws, ps), "queries": xla_t * B,
                                                  "note": f"first {xla_t} queries per request only"})
         best = None
-        for bm, bn, warps, stages in SCORE_TILINGS:
-            f = lambda q_, bm=bm, bn=bn, warps=warps, stages=stages: index_scores_pallas(
-                q_, w, ik, sc, 0, table, pos, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        variants = [score_variant(t) for t in args.score_tilings.split(",")]
+        if args.score_breakdown:  # where the dispatch's time goes: leave one part out at a time
+            kw = variants[0][1]
+            variants += [("keys_through_table", {**kw, "gather_keys": False}),
+                         ("no_epilogue", {**kw, "epilogue": False})]
+        for name, kw in variants:
+            f = lambda q_, kw=kw: index_scores_pallas(q_, w, ik, sc, 0, table, pos, **kw)
 
             def run(f=f):
                 t = chained_time(f, q, n=5 if prefill else 10, repeat=3)
                 return {"s": t, "flop_util": flops / t / ceil["matmul_flops_per_s"],
                         "byte_util": moved / t / ceil["copy_bytes_per_s"]}
-            r = entry[f"scores_m{bm}_n{bn}_w{warps}_s{stages}"] = _try(run)
-            if "s" in r and (best is None or r["s"] < best[1]["s"]):
-                best = ((bm, bn, warps, stages), r)
+            r = entry[f"scores_{name}"] = _try(run)
+            if "s" in r and kw.get("epilogue", True) and (best is None or r["s"] < best[1]["s"]):
+                best = (kw, r)
         if best is not None:
-            bm, bn, warps, stages = best[0]
-            scores = index_scores_pallas(q, w, ik, sc, 0, table, pos, block_m=bm, block_n=bn, num_warps=warps,
-                                         num_stages=stages)
+            scores = index_scores_pallas(q, w, ik, sc, 0, table, pos, **best[0])
             # correctness of the whole path on the XLA slice: kernel scores vs reference scores
             ref = np.asarray(index_scores_reference(qs, ws, ik[0][table].astype(np.float32)
                                                     * sc[0][table][..., None], ps, D))
@@ -234,6 +249,12 @@ def main() -> int:
     p.add_argument("--select-tilings", default=SELECT_TILINGS,
                    help="selection tilings, comma-separated bits:chunk:capacity:sample:sub:warps:stages:segments "
                         "or 'dispatch'")
+    p.add_argument("--score-tilings", default=SCORE_TILINGS,
+                   help="indexer scores tilings, comma-separated block_m:block_n:steps:warps:stages[:gather] "
+                        "or 'dispatch'")
+    p.add_argument("--score-breakdown", action="store_true",
+                   help="also time the first scores tiling with the keys read through the page table in the "
+                        "kernel, and without the relu/weight/scale epilogue")
     p.add_argument("--select-stages", action="store_true",
                    help="also time the first tiling stopped after each stage (bracket, filter, threshold)")
     p.add_argument("--json", default="bench_kernels.json")
