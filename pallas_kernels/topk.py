@@ -406,6 +406,12 @@ def index_scores_reference(q, w, keys, positions, head_dim: int):
     return jnp.where(visible, index_scores, NEG_INF)
 
 
+def _dot_dtype(q_dtype):
+    """The scores dot's operand dtype: fp32 queries stay fp32, anything else (bf16) runs in bf16; fp8
+    keys widen to it exactly."""
+    return jnp.float32 if q_dtype == jnp.float32 else jnp.bfloat16
+
+
 def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, heads: int, block_t: int,
                    block_n: int, steps: int, fp8: bool, gathered: bool, epilogue: bool):
     """One (request, query block, group of `steps` key blocks) program; the query block is loaded once
@@ -421,7 +427,7 @@ def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, he
     layer = layer_ref[0]
     t0, m = it * block_t, block_t * heads
     pos = pos_ref[b, pl.ds(t0, block_t)]                                     # [bt]
-    dot_dtype = jnp.float32 if q_ref.dtype == jnp.float32 else jnp.bfloat16
+    dot_dtype = _dot_dtype(q_ref.dtype)
     precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None  # fp32: no tf32
     q = q_ref[b, pl.ds(t0 * heads, m), :].astype(dot_dtype)                   # [bt * H, D]
     w = w_ref[b, pl.ds(t0 * heads, m)]                                       # [bt * H] fp32, D**-0.5 folded in
@@ -460,8 +466,8 @@ def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, he
 
 
 # A key read by at least this many query blocks is gathered (fp8 -> bf16, exact) once before the
-# kernel: converting fp8 keys inside the kernel cost 20% of the prefill scores (H200, docs/perf.md),
-# while the copy costs 3 bytes per key per request.
+# kernel: at prefill, fp8 keys read through the table and converted in the kernel took 15.3 ms against
+# 9.8 ms gathered (H200, docs/perf.md), while the copy costs 3 bytes per key per request.
 GATHER_KEYS_MIN_QUERY_BLOCKS = 8
 
 
@@ -469,8 +475,8 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
                         block_n: int = 64, steps: int = 32, num_warps: int = 4, num_stages: int = 3,
                         gather_keys: bool | None = None, interpret: bool = False, poison: float | None = None,
                         epilogue: bool = True):
-    """The indexer's scores with the keys read through the page table inside the kernel (no
-    [B, T, H, S] per-head intermediate). q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8
+    """The indexer's scores, the keys read through the page table (in the kernel, or gathered once
+    before it when many query blocks read them), with no [B, T, H, S] per-head intermediate. q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8
     with index_scale [L, slots], or plain with index_scale None), read at `layer` (the stacked pool is
     passed whole: slicing a layer out would copy it); slot_table [B, S]; positions [B, T]. Returns
     [B, T, S] fp32 with -inf where invisible. block_m: query rows x heads per program; steps: key
@@ -495,8 +501,7 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     keys = [index_k] + ([index_scale] if fp8 else [])
     if gather_keys:
-        dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
-        keys = [jnp.take(index_k, layer[0], axis=0)[table].astype(dot_dtype)]
+        keys = [jnp.take(index_k, layer[0], axis=0)[table].astype(_dot_dtype(q.dtype))]
         keys += [jnp.take(index_scale, layer[0], axis=0)[table]] if fp8 else []
     kernel = functools.partial(_scores_kernel, heads=H, block_t=block_t, block_n=block_n, steps=steps, fp8=fp8,
                                gathered=gather_keys, epilogue=epilogue)
