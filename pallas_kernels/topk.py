@@ -501,8 +501,9 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     keys = [index_k] + ([index_scale] if fp8 else [])
     if gather_keys:
-        keys = [jnp.take(index_k, layer[0], axis=0)[table].astype(_dot_dtype(q.dtype))]
-        keys += [jnp.take(index_scale, layer[0], axis=0)[table]] if fp8 else []
+        # (one gather indexed by layer and slot: slicing the layer out first could copy it whole)
+        keys = [index_k[layer[0], table].astype(_dot_dtype(q.dtype))]
+        keys += [index_scale[layer[0], table]] if fp8 else []
     kernel = functools.partial(_scores_kernel, heads=H, block_t=block_t, block_n=block_n, steps=steps, fp8=fp8,
                                gathered=gather_keys, epilogue=epilogue)
     out = _call(kernel, (B, Tp // block_t, -(-n_blocks // steps)), [layer, q, w, pos, table] + keys,
