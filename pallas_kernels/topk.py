@@ -16,9 +16,10 @@ score and needs only the threshold T, the k-th largest key, and how many keys eq
   4. one pass writes the positions of keys above T and of the first keys equal to T, at offsets
      given by running prefix sums.
 So a row is read twice plus a sample when the bracket holds (3-sigma margins on the sampled
-ranks); when it misses, the full search (8 counting passes over the row) keeps the result exact. Two calls, (1-2) and (3-4), each
-over (rows, segments): with few rows a row's columns are split over several programs, whose
-counts the second call combines. Each row reports its path (PATHS) so tests and benchmarks see it.
+ranks); when it misses, the full search (8 counting passes over the row) keeps the result exact.
+Two calls, (1-2) and (3-4), each over (rows, segments): with few rows a row's columns are split over
+several programs, whose counts the second call combines. Each row reports its path (PATHS) so tests
+and benchmarks see it.
 
 Both kernels use Pallas's Triton backend: they need masked scatter stores, data-dependent row
 gathers through the page table and per-lane compare/prefix-sum work, which Triton expresses directly;
@@ -36,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from models.kv import dequantize_index_k
 
 NEG_INF = float("-inf")
 INT_MIN = -(2 ** 31)
@@ -406,6 +409,15 @@ def index_scores_reference(q, w, keys, positions, head_dim: int):
     return jnp.where(visible, index_scores, NEG_INF)
 
 
+def index_keys_fp32(index_k, index_scale, layer, slot_table):
+    """The keys at `layer` in table order as fp32, dequantized (index_scale given) or widened: what the
+    reference scores are computed from. [B, S, D]."""
+    keys = index_k[layer][slot_table]
+    if index_scale is None:
+        return keys.astype(jnp.float32)
+    return dequantize_index_k(keys, index_scale[layer][slot_table])
+
+
 def _dot_dtype(q_dtype):
     """The scores dot's operand dtype: fp32 queries stay fp32, anything else (bf16) runs in bf16; fp8
     keys widen to it exactly."""
@@ -476,13 +488,14 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
                         gather_keys: bool | None = None, interpret: bool = False, poison: float | None = None,
                         epilogue: bool = True):
     """The indexer's scores, the keys read through the page table (in the kernel, or gathered once
-    before it when many query blocks read them), with no [B, T, H, S] per-head intermediate. q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8
-    with index_scale [L, slots], or plain with index_scale None), read at `layer` (the stacked pool is
-    passed whole: slicing a layer out would copy it); slot_table [B, S]; positions [B, T]. Returns
-    [B, T, S] fp32 with -inf where invisible. block_m: query rows x heads per program; steps: key
-    blocks per program; gather_keys (None: by GATHER_KEYS_MIN_QUERY_BLOCKS): copy each request's keys
-    in table order, in the dot's dtype, before the kernel. The defaults were the fastest tiling measured
-    on the H200 for prefill and decode alike (docs/perf.md); they fit shared memory with fp32 queries."""
+    before it when many query blocks read them), with no [B, T, H, S] per-head intermediate.
+    q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8 with index_scale [L, slots], or plain
+    with index_scale None), read at `layer` (the stacked pool is passed whole: slicing a layer out would
+    copy it); slot_table [B, S]; positions [B, T]. Returns [B, T, S] fp32 with -inf where invisible.
+    block_m: query rows x heads per program; steps: key blocks per program; gather_keys (None: by
+    GATHER_KEYS_MIN_QUERY_BLOCKS): copy each request's keys in table order, in the dot's dtype, before
+    the kernel. The defaults were the fastest tiling measured on the H200 for prefill and decode alike
+    (docs/perf.md); they fit shared memory with fp32 queries."""
     B, T, H, D = q.shape
     S = slot_table.shape[1]
     block_t = max(-(-16 // H), min(block_m // H, pl.next_power_of_2(T)))  # a dot needs >= 16 columns
@@ -559,7 +572,5 @@ def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: in
     if _on_gpu() and _pow2(q.shape[-1]) and _pow2(q.shape[-2]):  # Triton tiles: power-of-two dims
         scores = index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions)
         return select_topk(scores, k, positions + 1)
-    keys = index_k[layer][slot_table].astype(jnp.float32)
-    if index_scale is not None:
-        keys = keys * index_scale[layer][slot_table][..., None]
+    keys = index_keys_fp32(index_k, index_scale, layer, slot_table)
     return select_topk_reference(index_scores_reference(q, w, keys, positions, q.shape[-1]), k)

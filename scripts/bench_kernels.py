@@ -177,7 +177,8 @@ def bench_indexer(args, ceil):
     import numpy as np
 
     from cpkv_jax.perf import chained_time
-    from pallas_kernels.topk import index_scores_pallas, index_scores_reference, select_topk_reference
+    from pallas_kernels.topk import (index_keys_fp32, index_scores_pallas, index_scores_reference,
+                                     select_topk_reference)
 
     k, H, D = args.k, 32, 128
     out = []
@@ -189,7 +190,7 @@ def bench_indexer(args, ceil):
         entry = {"case": label, "B": B, "T": T, "N": N, "k": k, "flops_visible": flops, "bytes_min": moved}
 
         def xla(qs, ws, ps):
-            keys = ik[0][table].astype(np.float32) * sc[0][table][..., None]
+            keys = index_keys_fp32(ik, sc, 0, table)
             return select_topk_reference(index_scores_reference(qs, ws, keys, ps, D), k)
         qs, ws, ps = q[:, :xla_t], w[:, :xla_t], pos[:, :xla_t]
         entry["xla_composition"] = _try(lambda: {"s": chained_time(xla, qs, ws, ps), "queries": xla_t * B,
@@ -213,8 +214,7 @@ def bench_indexer(args, ceil):
         if best is not None:
             scores = index_scores_pallas(q, w, ik, sc, 0, table, pos, **best[0])
             # correctness of the whole path on the XLA slice: kernel scores vs reference scores
-            ref = np.asarray(index_scores_reference(qs, ws, ik[0][table].astype(np.float32)
-                                                    * sc[0][table][..., None], ps, D))
+            ref = np.asarray(index_scores_reference(qs, ws, index_keys_fp32(ik, sc, 0, table), ps, D))
             got = np.asarray(scores[:, :xla_t])
             fin = np.isfinite(ref)
             entry["scores_max_rel_err"] = float(np.abs(got[fin] - ref[fin]).max() / np.abs(ref[fin]).max())

@@ -86,9 +86,9 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 
 # ---- indexer top-k ----------------------------------------------------------------------------
 
-from pallas_kernels.topk import (PATHS, index_scores_pallas, index_scores_reference, indexer_topk,  # noqa: E402
-                                 sample_block_start, sample_size, select_tiling, select_topk_pallas,
-                                 select_topk_reference)
+from pallas_kernels.topk import (PATHS, index_keys_fp32, index_scores_pallas, index_scores_reference,  # noqa: E402
+                                 indexer_topk, sample_block_start, sample_size, select_tiling,
+                                 select_topk_pallas, select_topk_reference)
 
 
 def topk_oracle(scores, k, lengths=None):
@@ -196,11 +196,8 @@ def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2):
 
 def reference_scores(q, w, index_k, scale, layer, table, pos):
     """In full fp32 (no tf32 on the GPU): the baseline the kernel's rounding is measured against."""
-    keys = index_k[layer][table].astype(jnp.float32)
-    if scale is not None:
-        keys = keys * scale[layer][table][..., None]
     with jax.default_matmul_precision("highest"):
-        return index_scores_reference(q, w, keys, pos, q.shape[-1])
+        return index_scores_reference(q, w, index_keys_fp32(index_k, scale, layer, table), pos, q.shape[-1])
 
 
 @pytest.mark.parametrize("fp8", [False, True])
