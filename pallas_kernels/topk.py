@@ -9,14 +9,15 @@ keeps the later row gathers in address order.
 Selection (Pallas has no sort/top_k lowering) works on the order-preserving int32 key of each fp32
 score and needs only the threshold T, the k-th largest key, and how many keys equal to T to take:
   1. a bracket [lo, hi) for T from a sample of the row (blocks of 16 columns spread over it; the
-     sample's digit search stops once the bracket is tight), meant to hold at most `capacity` keys;
-  2. one pass over the row counts the visible keys and those >= hi and keeps the keys in [lo, hi);
-  3. an exact digit search (`bits` per pass, only below the bits lo and hi - 1 share) among those
+     sample's digit search stops once the bracket is tight);
+  2. one pass over the row counts the visible keys and those >= hi and keeps the keys >= lo with
+     their columns, in column order (the candidates: at most `capacity`, k plus the margin);
+  3. an exact digit search (`bits` per pass, only below the bits lo and hi - 1 share) among the
      candidates gives T; when the bracket missed (counts say so) the same search runs over the row;
-  4. one pass writes the positions of keys above T and of the first keys equal to T, at offsets
-     given by running prefix sums.
-So a row is read twice plus a sample when the bracket holds (3-sigma margins on the sampled
-ranks); when it misses, the full search (8 counting passes over the row) keeps the result exact.
+  4. a pass over the candidates writes the positions of keys above T and of the first keys equal
+     to T, at offsets given by running prefix sums (over the row when the candidates are not complete).
+So a row is read once plus a sample when the bracket holds (3-sigma margins on the sampled ranks);
+when it misses, the full search (8 counting passes over the row) keeps the result exact.
 Two calls, (1-2) and (3-4), each over (rows, segments): with few rows a row's columns are split over
 several programs, whose counts the second call combines. Each row reports its path (PATHS) so tests
 and benchmarks see it.
@@ -147,13 +148,14 @@ def _bucket_end_key(u, shift):
     return jnp.where(top, 2 ** 31 - 1, (u + (1 << shift)) ^ INT_MIN)
 
 
-def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: int, bits: int, capacity: int,
+def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *, k: int, chunk: int, bits: int, capacity: int,
                            sample: int, sub: int, seg_chunks: int, stop_after: int | None):
     """Program (row, segment). 1. A bracket [lo, hi) meant to hold the row's k-th largest key and at
     most `capacity` keys, from a sample of the whole row (blocks of 16 contiguous columns spread over
     it; every segment of the row computes the same one). Rows of at most `capacity` take all keys.
     2. One pass over the segment's columns: count the visible keys and those >= hi, and keep the keys
-    in [lo, hi) (in any order: only their set matters)."""
+    >= lo with their columns, in column order (all the row's selected keys when the bracket holds,
+    so the emit pass reads them instead of the row)."""
     r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits)
     row, seg, length = r.row, pl.program_id(1), r.length
     n_sample = sample_size(length, sample, sub)
@@ -187,11 +189,13 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
 
     def filter_chunk(c, carry):
         n_vis, n_hi, n_cand = carry
-        key, _ = r.keys(c)
-        inside = (key >= lo) & (key < hi)
+        key, col = r.keys(c)
+        inside = key >= lo
         at = n_cand + jnp.cumsum(inside.astype(jnp.int32)) - 1
         keep = inside & (at < capacity)
-        plt.store(cand_ref.at[row, seg, jnp.where(keep, at, capacity)], key, mask=keep)   # (a trash column)
+        at = jnp.where(keep, at, capacity)                      # (a trash column)
+        plt.store(cand_ref.at[row, seg, at], key, mask=keep)
+        plt.store(cand_col_ref.at[row, seg, at], col, mask=keep)
         return (n_vis + jnp.sum((key > NEG_INF_KEY).astype(jnp.int32)),
                 n_hi + jnp.sum((key >= hi).astype(jnp.int32)), n_cand + jnp.sum(inside.astype(jnp.int32)))
 
@@ -202,12 +206,13 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
     rec_ref[row, seg, _CAND] = n_cand
 
 
-def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chunk: int, bits: int, capacity: int,
+def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *refs, k: int, chunk: int, bits: int, capacity: int,
                            sub: int, segs: int, seg_chunks: int, out_chunk: int, stop_after: int | None):
     """Program (row, segment). 3. The threshold key T (the row's k-th largest) and how many keys equal
     to T to take: an exact digit search among all segments' candidates when the bracket held, else
     over the whole row. 4. The segment's selected positions (keys above T, and equal ones in position
-    order while the quota lasts), written after those of the segments before it."""
+    order while the quota lasts), written after those of the segments before it: from its candidates
+    when they hold every key the row selects (T >= lo, none dropped), else from its columns."""
     o_ref, path_ref = refs[-2:]                                 # (refs[0] is the poisoned input, tests)
     r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits)
     row, seg = r.row, pl.program_id(1)
@@ -217,11 +222,14 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
     n_vis, n_hi, n_cand = jnp.sum(vis_s), jnp.sum(hi_s), jnp.sum(cand_s)
     k_eff = jnp.minimum(n_vis, k)
 
-    def seg_cands(i, n):
-        """The loader of segment i's candidates (n of them), sub at a time; INT_MIN past n."""
+    def seg_cands(i, n, with_cols=False):
+        """The loader of segment i's candidates (n of them), sub at a time; INT_MIN past n. with_cols:
+        (keys, columns)."""
         def load(j):
             at = j * sub + jnp.arange(sub, dtype=jnp.int32)
-            return jnp.where(at < n, cand_ref[row, i, pl.ds(pl.multiple_of(j * sub, sub), sub)], INT_MIN)
+            block = pl.ds(pl.multiple_of(j * sub, sub), sub)
+            key = jnp.where(at < n, cand_ref[row, i, block], INT_MIN)
+            return (key, cand_col_ref[row, i, block]) if with_cols else key
         return load
 
     def count_candidates(t):
@@ -236,15 +244,18 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         p0 = common // bits
         low_bits = 32 - bits * p0
         u0 = jnp.where(p0 == 0, 0, ((lo ^ INT_MIN) >> low_bits) << low_bits)
-        u, _, upper, _ = r.search(count_candidates, jnp.full((1,), k_eff - n_hi), jnp.full((1,), u0), p0)
-        return r.pick(u, 0) ^ INT_MIN, n_hi + r.pick(upper, 0)
+        # (every candidate is >= lo and T >= lo: a count of candidates >= t is the row's for t > lo, and
+        # at least k_eff below it, so the search picks the row's digits)
+        u, _, upper, _ = r.search(count_candidates, jnp.full((1,), k_eff), jnp.full((1,), u0), p0)
+        return r.pick(u, 0) ^ INT_MIN, r.pick(upper, 0)
 
     def over_row():
         u, _, upper, _ = r.search(lambda t: r.count_ge(lambda c: r.keys(c)[0], r.n_chunks, t),
                                   jnp.full((1,), k_eff), jnp.zeros((1,), jnp.int32), 0)
         return r.pick(u, 0) ^ INT_MIN, r.pick(upper, 0)
 
-    held = (n_hi < k_eff) & (n_hi + n_cand >= k_eff) & (jnp.max(cand_s) <= capacity)
+    cands_complete = (n_cand >= k_eff) & (jnp.max(cand_s) <= capacity)   # every selected key is a candidate
+    held = (n_hi < k_eff) & cands_complete
     path = (n_vis > k).astype(jnp.int32) * (2 - held.astype(jnp.int32))   # (no where of two literals:
     # Pallas Triton lowers that to a bool)
     threshold, n_above = jax.lax.cond(path == 0, take_all,
@@ -260,8 +271,8 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         return
 
     # Where this segment's positions start and how many of its keys equal to T it takes: the counts
-    # above and at T of the segments before it (from their candidates, or their columns when the
-    # bracket missed).
+    # above and at T of the segments before it (from their candidates, or their columns when those
+    # are not complete).
     start, quota = jnp.int32(0), need_equal
     if segs > 1:
         def above_equal(load, first, last):
@@ -274,25 +285,28 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
 
         def above_equal_of_candidates(i):
             n = r.pick(cand_s, i)
-            gt, eq = above_equal(seg_cands(i, n), 0, (n + sub - 1) // sub)
-            return jnp.where(path == 0, r.pick(vis_s, i), r.pick(hi_s, i) + gt), eq * (path > 0).astype(jnp.int32)
+            return above_equal(seg_cands(i, n), 0, (n + sub - 1) // sub)
 
         def above_equal_of_columns(i):
             return above_equal(lambda c: r.keys(c)[0], *r.segment(i, seg_chunks))
 
         equal_before = jnp.int32(0)
         for i in range(segs - 1):
-            gt, eq = jax.lax.cond(path == 2, lambda i=i: above_equal_of_columns(i),
-                                  lambda i=i: above_equal_of_candidates(i))
+            gt, eq = jax.lax.cond(cands_complete, lambda i=i: above_equal_of_candidates(i),
+                                  lambda i=i: above_equal_of_columns(i))
             taken = jnp.clip(need_equal - equal_before, 0, eq)
             before = i < seg
             start = start + jnp.where(before, gt + taken, 0)
             equal_before = equal_before + jnp.where(before, eq, 0)
         quota = jnp.maximum(need_equal - equal_before, 0)
 
-    def emit(c, carry):
+    def emit(load):
+        def body(j, carry):
+            return emit_block(*load(j), carry)
+        return body
+
+    def emit_block(key, col, carry):
         n_sel, n_eq = carry
-        key, col = r.keys(c)
         eq = (key == threshold).astype(jnp.int32)
         n_eq_here = jnp.sum(eq)
         # Equal keys are taken in position order up to the quota: only the chunk where it runs out
@@ -305,7 +319,14 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         plt.store(o_ref.at[row, jnp.where(sel, at, o_ref.shape[1] - 1)], col, mask=sel)
         return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + n_eq_here
 
-    jax.lax.fori_loop(*r.segment(seg, seg_chunks), emit, (start, jnp.int32(0)))
+    @pl.when(cands_complete)
+    def _():
+        n = r.pick(cand_s, seg)
+        jax.lax.fori_loop(0, (n + sub - 1) // sub, emit(seg_cands(seg, n, with_cols=True)), (start, jnp.int32(0)))
+
+    @pl.when(~cands_complete)
+    def _():
+        jax.lax.fori_loop(*r.segment(seg, seg_chunks), emit(r.keys), (start, jnp.int32(0)))
 
     out_cols = jnp.arange(out_chunk, dtype=jnp.int32)
 
@@ -378,9 +399,10 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
     s = _pad_to(s, 1, chunk, NEG_INF)
     seg_chunks = -(-(s.shape[1] // chunk) // segments)
     common = dict(k=k, chunk=chunk, bits=bits, capacity=capacity, sub=sub, stop_after=stop_after)
-    record, cands = _call(
+    record, cands, cand_cols = _call(
         functools.partial(_bracket_filter_kernel, sample=sample, seg_chunks=seg_chunks, **common), (r, segments),
         [ln, s], (jax.ShapeDtypeStruct((r, segments, 8), jnp.int32),
+                  jax.ShapeDtypeStruct((r, segments, capacity + 1), jnp.int32),
                   jax.ShapeDtypeStruct((r, segments, capacity + 1), jnp.int32)), None, num_warps, num_stages,
         interpret)
     out_chunk = min(1024, pl.next_power_of_2(k))
@@ -391,7 +413,7 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
     else:
         out, path = _call(
             functools.partial(_threshold_emit_kernel, segs=segments, seg_chunks=seg_chunks, out_chunk=out_chunk,
-                              **common), (r, segments), [ln, s, record, cands],
+                              **common), (r, segments), [ln, s, record, cands, cand_cols],
             (jax.ShapeDtypeStruct((r, k_pad + 1), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.int32)), poison,
             num_warps, num_stages, interpret)
     out = out[:, :k].reshape(lead + (k,))
@@ -540,18 +562,22 @@ def _pow2(n: int) -> bool:
 MIN_KERNEL_ROWS = 8
 
 
-def select_tiling(rows: int, width: int) -> dict:
+def select_tiling(rows: int, width: int, k: int = 2048) -> dict:
     """The selection kernel's parameters, the fastest measured on the H200 (docs/perf.md: k = 2048
     over 64 x 8192, 2048 x 32768, 64 x 131072 and 8 x 131072). Few rows split their columns over
     several programs (segments) to use more of the 132 SMs. Wide rows need the larger sample: with
-    2048 keys, 5 of 64 rows of 131072 missed the bracket and took the full search."""
+    2048 keys, 5 of 64 rows of 131072 missed the bracket and took the full search. The candidates
+    (keys >= lo: k plus the bracket's margin) need room for about 3k: on random rows with k = 2048 a
+    row kept on average 2285, 2796 and 3086 of 8192, 32768 and 131072 columns, at most 2477, 3552
+    and 4073 of 512 rows (interpret mode; tests/test_kernels.py keeps random rows on the bracket)."""
+    capacity = max(4096, -(-3 * k // 1024) * 1024)
     segments = 1
     while segments < 4 and rows * segments * 2 <= 256 and width >= 4096 * segments * 4:
         segments *= 2
     if 8192 < width <= 65536:
-        return {"bits": 4, "chunk": 2048, "capacity": 4096, "sample": 2048, "sub": 1024, "num_warps": 8,
+        return {"bits": 4, "chunk": 2048, "capacity": capacity, "sample": 2048, "sub": 1024, "num_warps": 8,
                 "num_stages": 2, "segments": segments}
-    return {"bits": 4, "chunk": 4096, "capacity": 4096, "sample": 4096, "sub": 1024,
+    return {"bits": 4, "chunk": 4096, "capacity": capacity, "sample": 4096, "sub": 1024,
             "num_warps": 8 if segments > 1 else 16, "num_stages": 3, "segments": segments}
 
 
@@ -559,7 +585,7 @@ def select_topk(scores, k: int, lengths=None):
     """The dispatch for selection over a given score matrix."""
     rows, width = scores.size // scores.shape[-1], scores.shape[-1]
     if _on_gpu() and rows >= MIN_KERNEL_ROWS:
-        return select_topk_pallas(scores, k, lengths, **select_tiling(rows, width))
+        return select_topk_pallas(scores, k, lengths, **select_tiling(rows, width, k))
     if lengths is not None:
         cols = jnp.arange(width, dtype=jnp.int32)
         scores = jnp.where(cols < lengths[..., None], scores, NEG_INF)

@@ -147,6 +147,18 @@ SMALL_SELECT = [dict(bits=4, chunk=32, capacity=64, sample=64, sub=16, segments=
                 dict(bits=8, chunk=64, capacity=128, sample=128, sub=32, segments=2)]
 
 
+def test_dispatch_tiling_keeps_random_rows_on_the_sampled_bracket():
+    """The GPU dispatch's tilings in interpret mode at GLM-5's k = 2048 and widths: every random row's
+    candidates (keys >= lo) fit the capacity, so every row takes the sampled bracket (one read of the
+    row; the full search would be 8), and the result is exact."""
+    for rows, width, tiling_rows in ((64, 8192, 64), (64, 32768, 2048), (32, 131072, 64)):
+        s = np.random.default_rng(width).standard_normal((rows, width)).astype(np.float32)
+        got, path = select_topk_pallas(jnp.asarray(s), 2048, interpret=True, poison=-7, return_path=True,
+                                       **select_tiling(tiling_rows, width, 2048))
+        assert (np.asarray(path) == PATHS.index("sampled bracket")).all(), np.asarray(path)
+        np.testing.assert_array_equal(np.asarray(got), topk_oracle(s, 2048))
+
+
 @pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}s{kw['segments']}")
 def test_select_topk_interpret_equals_reference(kw):
     """Every case equals the oracle, and every path the kernel has (all visible, sampled bracket,
