@@ -148,8 +148,8 @@ def _bucket_end_key(u, shift):
     return jnp.where(top, 2 ** 31 - 1, (u + (1 << shift)) ^ INT_MIN)
 
 
-def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *, k: int, chunk: int, bits: int, capacity: int,
-                           sample: int, sub: int, seg_chunks: int, stop_after: int | None):
+def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *, k: int, chunk: int, bits: int,
+                           capacity: int, sample: int, sub: int, seg_chunks: int, stop_after: int | None):
     """Program (row, segment). 1. A bracket [lo, hi) meant to hold the row's k-th largest key and at
     most `capacity` keys, from a sample of the whole row (blocks of 16 contiguous columns spread over
     it; every segment of the row computes the same one). Rows of at most `capacity` take all keys.
@@ -206,8 +206,9 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *, k
     rec_ref[row, seg, _CAND] = n_cand
 
 
-def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *refs, k: int, chunk: int, bits: int, capacity: int,
-                           sub: int, segs: int, seg_chunks: int, out_chunk: int, stop_after: int | None):
+def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *refs, k: int, chunk: int, bits: int,
+                           capacity: int, sub: int, segs: int, seg_chunks: int, out_chunk: int,
+                           stop_after: int | None):
     """Program (row, segment). 3. The threshold key T (the row's k-th largest) and how many keys equal
     to T to take: an exact digit search among all segments' candidates when the bracket held, else
     over the whole row. 4. The segment's selected positions (keys above T, and equal ones in position
