@@ -70,7 +70,7 @@ def select_topk_reference(scores, k: int):
 
 
 PATHS = ("all visible", "sampled bracket", "full search")  # per-row path ids the kernel reports
-_VIS, _HI, _CAND, _LO_KEY, _HI_KEY = range(5)             # the per-segment record the first call writes
+_VIS, _PAST, _CAND, _LO_KEY, _HI_KEY = range(5)           # the per-segment record the first call writes
 
 
 class _Row:
@@ -106,10 +106,11 @@ class _Row:
             return acc + jnp.sum((key[:, None, None] >= thresholds[None]).astype(jnp.int32), axis=0)
         return jax.lax.fori_loop(0, n, body, jnp.zeros(thresholds.shape, jnp.int32))
 
-    def search(self, count, ranks, u, p0, tight=None):
+    def search(self, count, ranks, u, p0, tight=None, past=None):
         """Digit search, most significant first, for the ranks-th largest keys ([m] ranks). u: the
-        unsigned-domain prefix fixed above pass p0. Returns (u, count >= u's key, count >= the end of
-        u's bucket, bucket shift): after all passes u ^ INT_MIN is the key itself."""
+        unsigned-domain prefix fixed above pass p0; past: the count of keys past u's bucket (none by
+        default). Returns (u, count >= u's key, count >= the end of u's bucket, bucket shift): after
+        all passes u ^ INT_MIN is the key itself."""
         bits, digits = self.bits, self.digits
 
         def body(st):
@@ -127,7 +128,7 @@ class _Row:
 
         zeros = jnp.zeros(ranks.shape, jnp.int32)
         p0 = jnp.asarray(p0, jnp.int32)
-        st = (p0, u, zeros, zeros, 32 - bits * p0, jnp.zeros((), jnp.bool_))
+        st = (p0, u, zeros, zeros if past is None else past, 32 - bits * p0, jnp.zeros((), jnp.bool_))
         st = jax.lax.while_loop(lambda st: (st[0] < 32 // bits) & ~st[5], body, st)
         return st[1:5]
 
@@ -148,14 +149,26 @@ def _bucket_end_key(u, shift):
     return jnp.where(top, 2 ** 31 - 1, (u + (1 << shift)) ^ INT_MIN)
 
 
+def _search_start(lo, hi, bits: int):
+    """Where the digit search for a threshold in [lo, hi) starts: the passes p0 whose digits lo and
+    hi - 1 share, the unsigned-domain prefix u0 they fix, and the first key past u0's bucket with
+    whether nothing is past it (the bucket ends at the top)."""
+    p0 = jax.lax.clz(lo ^ (hi - 1)) // bits
+    low_bits = jnp.minimum(32 - bits * p0, 31)                  # (p0 = 0: the whole range; no shift by 32)
+    u0 = jnp.where(p0 == 0, 0, ((lo ^ INT_MIN) >> low_bits) << low_bits)
+    top = (p0 == 0) | ((u0 | ((1 << low_bits) - 1)) == -1)
+    return p0, u0, (u0 + (1 << low_bits)) ^ INT_MIN, top
+
+
 def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *, k: int, chunk: int, bits: int,
                            capacity: int, sample: int, sub: int, seg_chunks: int, stop_after: int | None):
     """Program (row, segment). 1. A bracket [lo, hi) meant to hold the row's k-th largest key and at
     most `capacity` keys, from a sample of the whole row (blocks of 16 contiguous columns spread over
     it; every segment of the row computes the same one). Rows of at most `capacity` take all keys.
-    2. One pass over the segment's columns: count the visible keys and those >= hi, and keep the keys
-    >= lo with their columns, in column order (all the row's selected keys when the bracket holds,
-    so the emit pass reads them instead of the row)."""
+    2. One pass over the segment's columns: count the visible keys and those past the bucket the
+    threshold search starts from (_search_start), and keep the keys >= lo with their columns, in
+    column order (all the row's selected keys when the bracket holds, so the emit pass reads them
+    instead of the row)."""
     r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits)
     row, seg, length = r.row, pl.program_id(1), r.length
     n_sample = sample_size(length, sample, sub)
@@ -187,8 +200,10 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *, k
     if stop_after == 1:                                         # (timing a prefix of the stages)
         return
 
+    _, _, end, top = _search_start(lo, hi, bits)
+
     def filter_chunk(c, carry):
-        n_vis, n_hi, n_cand = carry
+        n_vis, n_past, n_cand = carry
         key, col = r.keys(c)
         inside = key >= lo
         at = n_cand + jnp.cumsum(inside.astype(jnp.int32)) - 1
@@ -197,12 +212,13 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *, k
         plt.store(cand_ref.at[row, seg, at], key, mask=keep)
         plt.store(cand_col_ref.at[row, seg, at], col, mask=keep)
         return (n_vis + jnp.sum((key > NEG_INF_KEY).astype(jnp.int32)),
-                n_hi + jnp.sum((key >= hi).astype(jnp.int32)), n_cand + jnp.sum(inside.astype(jnp.int32)))
+                n_past + jnp.where(top, 0, jnp.sum((key >= end).astype(jnp.int32))),
+                n_cand + jnp.sum(inside.astype(jnp.int32)))
 
     zero = jnp.int32(0)
-    n_vis, n_hi, n_cand = jax.lax.fori_loop(*r.segment(seg, seg_chunks), filter_chunk, (zero, zero, zero))
+    n_vis, n_past, n_cand = jax.lax.fori_loop(*r.segment(seg, seg_chunks), filter_chunk, (zero, zero, zero))
     rec_ref[row, seg, _VIS] = n_vis
-    rec_ref[row, seg, _HI] = n_hi
+    rec_ref[row, seg, _PAST] = n_past
     rec_ref[row, seg, _CAND] = n_cand
 
 
@@ -218,9 +234,9 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *ref
     r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits)
     row, seg = r.row, pl.program_id(1)
     at_segs = jnp.arange(segs, dtype=jnp.int32)
-    vis_s, hi_s, cand_s = (rec_ref[row, at_segs, f] for f in (_VIS, _HI, _CAND))   # [segs] each
+    vis_s, past_s, cand_s = (rec_ref[row, at_segs, f] for f in (_VIS, _PAST, _CAND))   # [segs] each
     lo, hi = rec_ref[row, 0, _LO_KEY], rec_ref[row, 0, _HI_KEY]
-    n_vis, n_hi, n_cand = jnp.sum(vis_s), jnp.sum(hi_s), jnp.sum(cand_s)
+    n_vis, n_past, n_cand = jnp.sum(vis_s), jnp.sum(past_s), jnp.sum(cand_s)
     k_eff = jnp.minimum(n_vis, k)
 
     def seg_cands(i, n, with_cols=False):
@@ -241,13 +257,13 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *ref
         return n_vis * 0 + NEG_INF_KEY, n_vis
 
     def from_candidates():
-        common = jax.lax.clz(lo ^ (hi - 1))                     # leading bits shared by every candidate
-        p0 = common // bits
-        low_bits = 32 - bits * p0
-        u0 = jnp.where(p0 == 0, 0, ((lo ^ INT_MIN) >> low_bits) << low_bits)
-        # (every candidate is >= lo and T >= lo: a count of candidates >= t is the row's for t > lo, and
-        # at least k_eff below it, so the search picks the row's digits)
-        u, _, upper, _ = r.search(count_candidates, jnp.full((1,), k_eff), jnp.full((1,), u0), p0)
+        # T is in [lo, end): the search fixes only the digits below the bucket u0 (lo and hi - 1 share
+        # its digits), and n_past keys are past it. Every candidate is >= lo and T >= lo: a count of
+        # candidates >= t is the row's for t > lo and at least k_eff below, so the search picks the row's
+        # digits.
+        p0, u0, _, _ = _search_start(lo, hi, bits)
+        u, _, upper, _ = r.search(count_candidates, jnp.full((1,), k_eff), jnp.full((1,), u0), p0,
+                                  past=jnp.full((1,), n_past))
         return r.pick(u, 0) ^ INT_MIN, r.pick(upper, 0)
 
     def over_row():
@@ -256,7 +272,7 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *ref
         return r.pick(u, 0) ^ INT_MIN, r.pick(upper, 0)
 
     cands_complete = (n_cand >= k_eff) & (jnp.max(cand_s) <= capacity)   # every selected key is a candidate
-    held = (n_hi < k_eff) & cands_complete
+    held = (n_past < k_eff) & cands_complete
     path = (n_vis > k).astype(jnp.int32) * (2 - held.astype(jnp.int32))   # (no where of two literals:
     # Pallas Triton lowers that to a bool)
     threshold, n_above = jax.lax.cond(path == 0, take_all,

@@ -159,6 +159,21 @@ def test_dispatch_tiling_keeps_random_rows_on_the_sampled_bracket():
         np.testing.assert_array_equal(np.asarray(got), topk_oracle(s, 2048))
 
 
+def test_dispatch_tilings_interpret_equal_reference_on_the_gpu_cases():
+    """The GPU test's wide cases, with the tilings the dispatch picks for them, in interpret mode on
+    their special rows (ties at the threshold, fewer visible than k, nothing visible, a top-k the
+    sample cannot see) and one random row: a bracket of a single key (all ties) included."""
+    rng = np.random.default_rng(0)
+    for s, k, lengths in selection_cases(rng, big=True, tiling_for=lambda n: select_tiling(1, n)):
+        if s.shape[1] < 5000:
+            continue
+        kw = select_tiling(*s.shape)
+        s, lengths = s[:6], None if lengths is None else lengths[:6]
+        got = select_topk_pallas(jnp.asarray(s), k, None if lengths is None else jnp.asarray(lengths),
+                                 interpret=True, poison=-7, **kw)
+        np.testing.assert_array_equal(np.asarray(got), topk_oracle(s, k, lengths), err_msg=f"{s.shape} k={k} {kw}")
+
+
 @pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}s{kw['segments']}")
 def test_select_topk_interpret_equals_reference(kw):
     """Every case equals the oracle, and every path the kernel has (all visible, sampled bracket,
