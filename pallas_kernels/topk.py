@@ -585,13 +585,16 @@ def select_tiling(rows: int, width: int, k: int = 2048) -> dict:
     several programs (segments) to use more of the 132 SMs. Wide rows need the larger sample: with
     2048 keys, 5 of 64 rows of 131072 missed the bracket and took the full search. The candidates
     (keys >= lo: k plus the bracket's margin) need room for about 3k: on random rows with k = 2048 a
-    row kept on average 2285, 2796 and 3086 of 8192, 32768 and 131072 columns, at most 2477, 3552
+    row kept on average 2414, 2796 and 3086 of 8192, 32768 and 131072 columns, at most 2622, 3552
     and 4073 of 512 rows (interpret mode; tests/test_kernels.py keeps random rows on the bracket)."""
     capacity = max(4096, -(-3 * k // 1024) * 1024)
     segments = 1
     while segments < 4 and rows * segments * 2 <= 256 and width >= 4096 * segments * 4:
         segments *= 2
-    if 8192 < width <= 65536:
+    if width <= 8192:
+        return {"bits": 4, "chunk": 4096, "capacity": capacity, "sample": 2048, "sub": 1024, "num_warps": 8,
+                "num_stages": 2, "segments": segments}
+    if width <= 65536:
         return {"bits": 4, "chunk": 2048, "capacity": capacity, "sample": 2048, "sub": 1024, "num_warps": 8,
                 "num_stages": 2, "segments": segments}
     return {"bits": 4, "chunk": 4096, "capacity": capacity, "sample": 4096, "sub": 1024,
