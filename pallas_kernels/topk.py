@@ -10,8 +10,9 @@ Selection (Pallas has no sort/top_k lowering) works on the order-preserving int3
 score and needs only the threshold T, the k-th largest key, and how many keys equal to T to take:
   1. a bracket [lo, hi) for T from a sample of the row (blocks of 16 columns spread over it; the
      sample's digit search stops once the bracket is tight);
-  2. one pass over the row counts the visible keys and those >= hi and keeps the keys >= lo with
-     their columns, in column order (the candidates: at most `capacity`, k plus the margin);
+  2. one pass over the row counts the visible keys and those past the search's starting bucket (the
+     digits lo and hi - 1 share), and keeps the keys >= lo with their columns, in column order (the
+     candidates: at most `capacity`, k plus the margin);
   3. an exact digit search (`bits` per pass, only below the bits lo and hi - 1 share) among the
      candidates gives T; when the bracket missed (counts say so) the same search runs over the row;
   4. a pass over the candidates writes the positions of keys above T and of the first keys equal
