@@ -144,10 +144,14 @@ def sample_block_start(b, length, n_blocks):
     return (b * length // jnp.maximum(n_blocks, 1)) // 16 * 16
 
 
+def _bucket_is_top(u, shift):
+    """Whether u's bucket of 2**shift unsigned-domain values is the last one (nothing past it)."""
+    return (u | ((1 << shift) - 1)) == -1
+
+
 def _bucket_end_key(u, shift):
     """The first key past u's bucket of 2**shift unsigned-domain values (INT_MAX at the top)."""
-    top = (u | ((1 << shift) - 1)) == -1
-    return jnp.where(top, 2 ** 31 - 1, (u + (1 << shift)) ^ INT_MIN)
+    return jnp.where(_bucket_is_top(u, shift), 2 ** 31 - 1, (u + (1 << shift)) ^ INT_MIN)
 
 
 def _search_start(lo, hi, bits: int):
@@ -157,8 +161,7 @@ def _search_start(lo, hi, bits: int):
     p0 = jax.lax.clz(lo ^ (hi - 1)) // bits
     low_bits = jnp.minimum(32 - bits * p0, 31)                  # (p0 = 0: the whole range; no shift by 32)
     u0 = jnp.where(p0 == 0, 0, ((lo ^ INT_MIN) >> low_bits) << low_bits)
-    top = (p0 == 0) | ((u0 | ((1 << low_bits) - 1)) == -1)
-    return p0, u0, (u0 + (1 << low_bits)) ^ INT_MIN, top
+    return p0, u0, _bucket_end_key(u0, low_bits), (p0 == 0) | _bucket_is_top(u0, low_bits)
 
 
 def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, cand_col_ref, *, k: int, chunk: int, bits: int,
