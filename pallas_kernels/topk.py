@@ -469,14 +469,15 @@ def _dot_dtype(q_dtype):
 
 
 def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, heads: int, block_t: int,
-                   block_n: int, steps: int, fp8: bool, gathered: bool, epilogue: bool):
+                   block_n: int, steps: int, fp8: bool, gathered: bool, epilogue: bool, write_invisible: bool):
     """One (request, query block, group of `steps` key blocks) program; the query block is loaded once
     and the key blocks stream through a pipelined loop. The key block is the dot's M ([block_n, D] x
     [D, block_t * H]): a token's heads are adjacent accumulator columns, so the weighted head sum stays
     within a thread and its quad (no cross-warp reduction), and one decode token's heads still make
     an MMA tile's N. Query blocks run last-first: with causal masks the late ones have the most keys.
     gathered: k_ref (and the scales) are this request's keys already in table order, [B, S, D].
-    epilogue=False (timing only) sums the raw dot over heads instead of relu, weights and scale."""
+    epilogue=False (timing only) sums the raw dot over heads instead of relu, weights and scale.
+    write_invisible=False leaves the key blocks no query of the block sees unwritten."""
     scale_ref, o_ref = (rest[0] if fp8 else None), rest[-1]
     b, g = pl.program_id(0), pl.program_id(2)
     it = pl.num_programs(1) - 1 - pl.program_id(1)
@@ -518,7 +519,8 @@ def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, he
         return carry
 
     jax.lax.fori_loop(0, n_vis, block, jnp.int32(0))
-    jax.lax.fori_loop(n_vis, n_here, masked_block, jnp.int32(0))
+    if write_invisible:
+        jax.lax.fori_loop(n_vis, n_here, masked_block, jnp.int32(0))
 
 
 # A key read by at least this many query blocks is gathered (fp8 -> bf16, exact) once before the
@@ -530,7 +532,7 @@ GATHER_KEYS_MIN_QUERY_BLOCKS = 8
 def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions, *, block_m: int = 128,
                         block_n: int = 64, steps: int = 32, num_warps: int = 4, num_stages: int = 3,
                         gather_keys: bool | None = None, interpret: bool = False, poison: float | None = None,
-                        epilogue: bool = True):
+                        epilogue: bool = True, write_invisible: bool = True):
     """The indexer's scores, the keys read through the page table (in the kernel, or gathered once
     before it when many query blocks read them), with no [B, T, H, S] per-head intermediate.
     q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8 with index_scale [L, slots], or plain
@@ -539,7 +541,10 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     block_m: query rows x heads per program; steps: key blocks per program; gather_keys (None: by
     GATHER_KEYS_MIN_QUERY_BLOCKS): copy each request's keys in table order, in the dot's dtype, before
     the kernel. The defaults were the fastest tiling measured on the H200 for prefill and decode alike
-    (docs/perf.md); they fit shared memory with fp32 queries."""
+    (docs/perf.md); they fit shared memory with fp32 queries. write_invisible=False: key blocks that
+    no query of a query block sees are not written (their values are undefined), for a consumer that
+    reads each row only below its length (positions + 1), as the selection does; at a causal prefill
+    that is half of the [T, S] matrix."""
     B, T, H, D = q.shape
     S = slot_table.shape[1]
     block_t = max(-(-16 // H), min(block_m // H, pl.next_power_of_2(T)))  # a dot needs >= 16 columns
@@ -562,7 +567,7 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
         keys = [index_k[layer[0], table].astype(_dot_dtype(q.dtype))]
         keys += [index_scale[layer[0], table]] if fp8 else []
     kernel = functools.partial(_scores_kernel, heads=H, block_t=block_t, block_n=block_n, steps=steps, fp8=fp8,
-                               gathered=gather_keys, epilogue=epilogue)
+                               gathered=gather_keys, epilogue=epilogue, write_invisible=write_invisible)
     out = _call(kernel, (B, Tp // block_t, -(-n_blocks // steps)), [layer, q, w, pos, table] + keys,
                 jax.ShapeDtypeStruct((B, Tp, table.shape[1]), jnp.float32), poison, num_warps, num_stages, interpret)
     return out[:, :T, :S]
@@ -621,7 +626,7 @@ def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: in
     """The dispatch for the whole indexer selection on one device: kernels on GPU (scores through the
     page table, then selection over each row's visible length), the jnp composition elsewhere."""
     if _on_gpu() and _pow2(q.shape[-1]) and _pow2(q.shape[-2]):  # Triton tiles: power-of-two dims
-        scores = index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions)
+        scores = index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions, write_invisible=False)
         return select_topk(scores, k, positions + 1)
     keys = index_keys_fp32(index_k, index_scale, layer, slot_table)
     return select_topk_reference(index_scores_reference(q, w, keys, positions, q.shape[-1]), k)

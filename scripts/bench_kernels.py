@@ -137,16 +137,19 @@ def bench_selection(args, ceil):
     return out
 
 
-SCORE_TILINGS = "dispatch,256:128:32:8:3,128:128:8:4:3"
+SCORE_TILINGS = "indexer,dispatch,256:128:32:8:3,128:128:8:4:3"
 SCORE_FIELDS = ("block_m", "block_n", "steps", "num_warps", "num_stages", "gather_keys")
 
 
 def score_variant(tiling: str) -> tuple[str, dict]:
     """tiling: query rows x heads : key block : key blocks per program : warps : pipeline stages
-    [: 1/0 keys gathered before the kernel or read through the table], or 'dispatch' (what the
-    indexer uses: the kernel's defaults)."""
+    [: 1/0 keys gathered before the kernel or read through the table], 'dispatch' (the kernel's
+    defaults, the whole matrix written) or 'indexer' (what indexer_topk runs: the defaults, with the
+    key blocks no query sees left unwritten)."""
     if tiling == "dispatch":
         return "dispatch", {}
+    if tiling == "indexer":
+        return "indexer", {"write_invisible": False}
     vals = [int(v) for v in tiling.split(":")]
     kw = dict(zip(SCORE_FIELDS, vals))
     if "gather_keys" in kw:
@@ -182,7 +185,7 @@ def bench_indexer(args, ceil):
 
     k, H, D = args.k, 32, 128
     out = []
-    for label, B, T, N, prefill, xla_t in INDEXER_CASES:
+    for label, B, T, N, prefill, xla_t in (c for c in INDEXER_CASES if c[0] in args.indexer_cases.split(",")):
         q, w, ik, sc, table, pos = indexer_inputs(B, T, N, H, D, prefill)
         pairs = float((np.asarray(pos, np.float64) + 1).sum())
         flops = 2.0 * H * D * pairs
@@ -212,7 +215,7 @@ def bench_indexer(args, ceil):
             if "s" in r and kw.get("epilogue", True) and (best is None or r["s"] < best[1]["s"]):
                 best = (kw, r)
         if best is not None:
-            scores = index_scores_pallas(q, w, ik, sc, 0, table, pos, **best[0])
+            scores = index_scores_pallas(q, w, ik, sc, 0, table, pos, **{**best[0], "write_invisible": True})
             # correctness of the whole path on the XLA slice: kernel scores vs reference scores
             ref = np.asarray(index_scores_reference(qs, ws, index_keys_fp32(ik, sc, 0, table), ps, D))
             got = np.asarray(scores[:, :xla_t])
@@ -252,6 +255,8 @@ def main() -> int:
     p.add_argument("--score-tilings", default=SCORE_TILINGS,
                    help="indexer scores tilings, comma-separated block_m:block_n:steps:warps:stages[:gather] "
                         "or 'dispatch'")
+    p.add_argument("--indexer-cases", default=",".join(c[0] for c in INDEXER_CASES),
+                   help="indexer cases to run, comma-separated labels")
     p.add_argument("--score-breakdown", action="store_true",
                    help="also time the first scores tiling with the keys read through the page table in the "
                         "kernel, and without the relu/weight/scale epilogue")

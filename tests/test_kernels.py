@@ -232,27 +232,39 @@ def test_index_scores_interpret_equals_reference(fp8):
     """Both key paths (through the page table, and gathered before the kernel). Integer inputs with
     D**-0.5 a power of two: every sum exact in any order, so scores and top-k set equal exactly."""
     rng = np.random.default_rng(int(fp8))
+    saw_unwritten = False
     for B, T, H, D, S in ((2, 5, 4, 16, 40), (1, 20, 2, 64, 70), (3, 1, 4, 32, 16)):
         for integer in (True, False):
             q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer)
             ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
             exact = integer and D in (16, 64)
+            visible = np.arange(S)[None, None, :] <= np.asarray(pos)[:, :, None]
             for gather_keys in (False, True):
-                got = np.asarray(index_scores_pallas(q, w, ik, sc, 1, table, pos, block_m=16, block_n=16, steps=2,
-                                                     gather_keys=gather_keys, interpret=True, poison=np.nan))
-                assert not np.isnan(got).any()
-                np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
-                fin = np.isfinite(ref)
-                if exact:
-                    np.testing.assert_array_equal(got[fin], ref[fin])
-                else:
-                    np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-5)
-            if exact:  # exact scores -> the fused selection picks exactly the reference's set
-                k = 9
-                sel = select_topk_pallas(jnp.asarray(got), k, pos + 1, chunk=16, interpret=True, poison=-7)
-                np.testing.assert_array_equal(np.asarray(sel), topk_oracle(ref, k))
+                for write_invisible in (True, False):
+                    got = np.asarray(index_scores_pallas(q, w, ik, sc, 1, table, pos, block_m=16, block_n=16,
+                                                         steps=2, gather_keys=gather_keys, interpret=True,
+                                                         poison=np.nan, write_invisible=write_invisible))
+                    # write_invisible=False: exactly the visible scores are written (and -inf beside them
+                    # within their key blocks); the rest keeps the poison
+                    unwritten = np.isnan(got)
+                    assert not (unwritten & visible).any()
+                    assert not (write_invisible and unwritten.any())
+                    saw_unwritten |= bool(unwritten.any())
+                    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref) & ~unwritten)
+                    fin = np.isfinite(ref)
+                    if exact:
+                        np.testing.assert_array_equal(got[fin], ref[fin])
+                    else:
+                        np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-5)
+                    if exact:  # exact scores -> the selection picks exactly the reference's set, and with
+                        # lengths it never reads the unwritten (NaN, which would rank above every score)
+                        k = 9
+                        sel = select_topk_pallas(jnp.asarray(got), k, pos + 1, chunk=16, interpret=True, poison=-7)
+                        np.testing.assert_array_equal(np.asarray(sel), topk_oracle(ref, k))
+            if exact:
                 np.testing.assert_array_equal(np.asarray(indexer_topk(q, w, ik, sc, 1, table, pos, k)),
                                               topk_oracle(ref, k))
+    assert saw_unwritten
 
 
 @pytest.mark.gpu
