@@ -38,6 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -364,6 +365,37 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         jax.lax.fori_loop(0, (k + out_chunk - 1) // out_chunk, pad, jnp.int32(0))
 
 
+def check_selection_args(scores, k, lengths):
+    """Clear errors for what the kernels would otherwise read out of bounds or silently convert."""
+    if not isinstance(k, (int, np.integer)) or k < 0:
+        raise ValueError(f"k must be a non-negative int, got {k!r}")
+    if scores.ndim < 1 or not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise TypeError(f"scores must be a float array of at least one dimension, got {scores.dtype} "
+                        f"{scores.shape}")
+    if lengths is not None and tuple(lengths.shape) != tuple(scores.shape[:-1]):
+        raise ValueError(f"lengths {tuple(lengths.shape)} must have the shape of scores without its last axis "
+                         f"{tuple(scores.shape[:-1])}")
+
+
+def check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions):
+    """Clear errors for mismatched indexer operands: the kernels index them unchecked, so a short
+    positions or table would be read out of bounds."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, D], got {tuple(q.shape)}")
+    B, T, H, D = q.shape
+    for name, x, want in (("w", w, (B, T, H)), ("positions", positions, (B, T))):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} {tuple(x.shape)} must be {want} for q {tuple(q.shape)}")
+    if slot_table.ndim != 2 or slot_table.shape[0] != B:
+        raise ValueError(f"slot_table {tuple(slot_table.shape)} must be [B, S] with B = {B}")
+    if index_k.ndim != 3 or index_k.shape[2] != D:
+        raise ValueError(f"index_k {tuple(index_k.shape)} must be [layers, slots, {D}]")
+    if index_scale is not None and tuple(index_scale.shape) != tuple(index_k.shape[:2]):
+        raise ValueError(f"index_scale {tuple(index_scale.shape)} must be {tuple(index_k.shape[:2])}")
+    if isinstance(layer, int) and not 0 <= layer < index_k.shape[0]:
+        raise ValueError(f"layer {layer} out of range for {index_k.shape[0]} layers")
+
+
 def _pad_to(x, axis: int, multiple: int, value):
     extra = -x.shape[axis] % multiple
     if not extra:
@@ -407,6 +439,7 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
     an element the kernel fails to write shows. stop_after (benchmarks): end after stage 1
     (bracket), 2 (filter) or 3 (threshold), to time the stages by difference; the output is then
     not the selection."""
+    check_selection_args(scores, k, lengths)
     if 32 % bits:
         raise ValueError(f"bits per pass must divide 32, got {bits}")
     if capacity % sub or sample % sub or sub % 16 or capacity < 2 * sub:
@@ -545,6 +578,7 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     no query of a query block sees are not written (their values are undefined), for a consumer that
     reads each row only below its length (positions + 1), as the selection does; at a causal prefill
     that is half of the [T, S] matrix."""
+    check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
     B, T, H, D = q.shape
     S = slot_table.shape[1]
     block_t = max(-(-16 // H), min(block_m // H, pl.next_power_of_2(T)))  # a dot needs >= 16 columns
@@ -613,6 +647,7 @@ def select_tiling(rows: int, width: int, k: int = 2048) -> dict:
 
 def select_topk(scores, k: int, lengths=None):
     """The dispatch for selection over a given score matrix."""
+    check_selection_args(scores, k, lengths)
     rows, width = scores.size // scores.shape[-1], scores.shape[-1]
     if _on_gpu() and rows >= MIN_KERNEL_ROWS:
         return select_topk_pallas(scores, k, lengths, **select_tiling(rows, width, k))
@@ -625,6 +660,7 @@ def select_topk(scores, k: int, lengths=None):
 def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int):
     """The dispatch for the whole indexer selection on one device: kernels on GPU (scores through the
     page table, then selection over each row's visible length), the jnp composition elsewhere."""
+    check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
     if _on_gpu() and _pow2(q.shape[-1]) and _pow2(q.shape[-2]):  # Triton tiles: power-of-two dims
         scores = index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions, write_invisible=False)
         return select_topk(scores, k, positions + 1)

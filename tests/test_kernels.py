@@ -88,7 +88,7 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 
 from pallas_kernels.topk import (PATHS, index_keys_fp32, index_scores_pallas, index_scores_reference,  # noqa: E402
                                  indexer_topk, sample_block_start, sample_size, select_tiling,
-                                 select_topk_pallas, select_topk_reference)
+                                 select_topk, select_topk_pallas, select_topk_reference)
 
 
 def topk_oracle(scores, k, lengths=None):
@@ -265,6 +265,30 @@ def test_index_scores_interpret_equals_reference(fp8):
                 np.testing.assert_array_equal(np.asarray(indexer_topk(q, w, ik, sc, 1, table, pos, k)),
                                               topk_oracle(ref, k))
     assert saw_unwritten
+
+
+def test_topk_entry_points_reject_bad_input():
+    """The kernels index their operands unchecked (a short lengths or positions would be read out of
+    bounds on the GPU), so every entry point checks shapes first and names the problem."""
+    x = jnp.zeros((4, 100), jnp.float32)
+    for select in (select_topk, lambda *a: select_topk_pallas(*a, interpret=True)):
+        with pytest.raises(ValueError, match="lengths \\(3,\\) must have the shape"):
+            select(x, 8, jnp.ones((3,), jnp.int32))
+        with pytest.raises(ValueError, match="k must be a non-negative int"):
+            select(x, -1)
+        with pytest.raises(TypeError, match="scores must be a float array"):
+            select(x.astype(jnp.int32), 8)
+    assert select_topk(x, np.int64(8), jnp.full((4,), 50, jnp.int32)).shape == (4, 8)
+    rng = np.random.default_rng(0)
+    q, w, ik, sc, table, pos = scores_inputs(rng, 2, 5, 4, 16, 40, True, True)
+    bad = {"w ": (q, w[:, :3], ik, sc, 1, table, pos), "positions ": (q, w, ik, sc, 1, table, pos[:, :3]),
+           "slot_table ": (q, w, ik, sc, 1, table[:1], pos), "index_scale ": (q, w, ik, sc[:, :5], 1, table, pos),
+           "index_k ": (q, w, ik[..., :8], sc, 1, table, pos), "layer 2 out of range": (q, w, ik, sc, 2, table, pos)}
+    for problem, args in bad.items():
+        for entry in (lambda *a: indexer_topk(*a, 8), lambda *a: index_scores_pallas(*a, interpret=True)):
+            with pytest.raises(ValueError, match="^" + problem):
+                entry(*args)
+    assert indexer_topk(q, w, ik, sc, 1, table, pos, 8).shape == (2, 5, 8)
 
 
 @pytest.mark.gpu
