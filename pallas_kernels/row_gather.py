@@ -22,7 +22,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 
+def check_gather_args(x, idx):
+    if x.ndim != 2 or idx.ndim != 1 or not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"gather_rows takes rows x [N, D] and integer indices idx [M], got x {tuple(x.shape)}, "
+                         f"idx {tuple(idx.shape)} {idx.dtype}")
+
+
 def gather_rows_reference(x, idx):
+    check_gather_args(x, idx)
     return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.zeros((), x.dtype))
 
 
@@ -42,6 +49,7 @@ def _gather_rows_kernel(idx_ref, x_ref, o_ref, *, block_rows: int, block_cols: i
 def gather_rows_pallas(x, idx, *, block_rows: int = 32, block_cols: int = 512, steps: int = 1,
                        num_stages: int | None = None, interpret: bool = False):
     """steps: row blocks each program copies in a loop (Triton pipelines the loop's loads)."""
+    check_gather_args(x, idx)
     N, D = x.shape
     M = idx.shape[0]
     block_cols = min(block_cols, D)
@@ -71,6 +79,7 @@ def gather_rows(x, idx):
     reference elsewhere. Tilings measured on the H200 (docs/perf.md, rows x 6144 bf16): 32 x 512
     per program up to 16k rows; from 64k rows, 8 pipelined blocks of 16 x 1024 (442 against 485 us
     at 64k rows; no better at 16k)."""
+    check_gather_args(x, idx)
     if KERNELS_ENABLED and jax.default_backend() == "gpu" and x.shape[1] % min(512, x.shape[1]) == 0:
         if idx.shape[0] >= 65536 and x.shape[1] % 1024 == 0:
             return gather_rows_pallas(x, idx, block_rows=16, block_cols=1024, steps=8, num_stages=3)

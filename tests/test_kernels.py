@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.row_gather import (compaction_plan, expert_order, gather_rows_pallas,
+from pallas_kernels.row_gather import (compaction_plan, expert_order, gather_rows, gather_rows_pallas,
                                        gather_rows_reference)
 
 
@@ -27,6 +27,16 @@ def test_gather_rows_interpret_equals_reference(dtype, steps):
                                  steps=steps, interpret=True)
         np.testing.assert_array_equal(np.asarray(out, np.float32),
                                       np.asarray(gather_rows_reference(xd, jnp.asarray(idx)), np.float32))
+
+
+def test_gather_rows_rejects_bad_shapes():
+    x = jnp.zeros((8, 16), jnp.float32)
+    for gather in (gather_rows, lambda *a: gather_rows_pallas(*a, block_cols=16, interpret=True)):
+        for bad_x, bad_idx in ((x[0], jnp.zeros((4,), jnp.int32)), (x, jnp.zeros((4, 1), jnp.int32)),
+                               (x, jnp.zeros((4,), jnp.float32))):
+            with pytest.raises(ValueError, match="gather_rows takes rows x"):
+                gather(bad_x, bad_idx)
+        assert gather(x, jnp.array([3, -1, 0], jnp.int32)).shape == (3, 16)
 
 
 def test_compaction_and_expert_order_plans():
