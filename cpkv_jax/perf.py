@@ -95,11 +95,28 @@ def best_time(fn, *args, repeat: int = 5) -> float:
     return best
 
 
+def pipelined_time(fn, *args, n: int = 20, repeat: int = 5) -> float:
+    """Per-call device time of fn(*args) from n calls dispatched back to back and one block at the
+    end, best of `repeat`: each call is its own launch on the same stream (nothing is narrowed or
+    overlapped), and host dispatch hides behind the device work as long as it is shorter."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t) / n)
+    return best
+
+
 def chained_time(fn, x, *rest, n: int = 10, repeat: int = 5) -> float:
     """Per-call device time of fn(x, *rest) for kernels too short to time one host call each: n calls
     chained in one executable (each call's x depends on the previous result through a negligible
     update, so XLA can neither hoist nor overlap them), minus the same chain of 1, over n - 1. Host
-    dispatch and the first call's input copy cancel; launch gaps inside the executable stay in."""
+    dispatch and the first call's input copy cancel; launch gaps inside the executable stay in.
+    Only for work XLA cannot narrow to the one element the chain reads (Pallas kernels, sorts): an
+    XLA gather or elementwise op would be sliced down to it. Time those with pipelined_time."""
     def chain(m):
         def run(x, *rest):
             for _ in range(m):
