@@ -262,8 +262,8 @@ def main() -> int:
                    help="selection tilings, comma-separated bits:chunk:capacity:sample:sub:warps:stages:segments "
                         "or 'dispatch'")
     p.add_argument("--score-tilings", default=SCORE_TILINGS,
-                   help="indexer scores tilings, comma-separated block_m:block_n:steps:warps:stages[:gather] "
-                        "or 'dispatch'")
+                   help="indexer scores tilings, comma-separated block_m:block_n:steps:warps:stages[:gather], "
+                        "'dispatch' or 'indexer'")
     p.add_argument("--indexer-cases", default=",".join(c[0] for c in INDEXER_CASES),
                    help="indexer cases to run, comma-separated labels")
     p.add_argument("--score-breakdown", action="store_true",
@@ -276,17 +276,9 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jax
 
-    import jax.numpy as jnp
-
-    from cpkv_jax.perf import measure_ceilings, pipelined_time
+    from cpkv_jax.perf import measure_ceilings
 
     ceil = measure_ceilings()
-    # The same matmul sustained (20 back to back, about 30 ms on an H200), closer to how a long kernel
-    # runs; the one-matmul rate above varied 604-700 TFLOP/s between runs (docs/perf.md). Reported
-    # beside it, not used as the denominator.
-    n = ceil["matmul_n"]
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    ceil["matmul_flops_per_s_sustained"] = 2.0 * n ** 3 / pipelined_time(jax.jit(lambda x, y: x @ y), a, a)
     print(f"ceilings: bf16 matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s "
           f"({ceil['matmul_flops_per_s_sustained'] / 1e12:.0f} sustained), "
           f"copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
