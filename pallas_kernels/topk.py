@@ -24,6 +24,11 @@ Two calls, (1-2) and (3-4), each over (rows, segments): with few rows a row's co
 several programs, whose counts the second call combines. Each row reports its path (PATHS) so tests
 and benchmarks see it.
 
+The fused indexer (indexer_topk_fused) never writes the [T, S] scores: the scores of a sample of the
+columns give each row's bracket, the scores kernel itself keeps the keys >= lo (the same column-ordered
+candidates as step 2), and the selection's second call finishes from them; rows whose bracket missed
+are redone the unfused way. It is not yet the dispatch's choice: not measured on the H200.
+
 Both kernels use Pallas's Triton backend: they need masked scatter stores, data-dependent row
 gathers through the page table and per-lane compare/prefix-sum work, which Triton expresses directly;
 Mosaic GPU's strengths (TMA, wgmma pipelines over dense tiles) fit none of the selection. The scores
@@ -80,9 +85,11 @@ class _Row:
     """The keys of one score row as the selection sees them: order keys, -inf past the row's length,
     in chunks; the digit search over any set of keys; small-vector helpers Triton lacks."""
 
-    def __init__(self, len_ref, s_ref, row, chunk: int, bits: int):
+    def __init__(self, len_ref, s_ref, row, chunk: int, bits: int, width: int | None = None):
+        """s_ref None (the fused indexer: no score rows in HBM): only the search helpers, over
+        rows of `width` columns."""
         self.s_ref, self.row, self.chunk, self.bits = s_ref, row, chunk, bits
-        self.length = jnp.minimum(len_ref[row], s_ref.shape[1])
+        self.length = jnp.minimum(len_ref[row], s_ref.shape[1] if width is None else width)
         self.n_chunks = (self.length + chunk - 1) // chunk
         self.digits = jnp.arange(2 ** bits, dtype=jnp.int32)
 
@@ -166,6 +173,47 @@ def _search_start(lo, hi, bits: int):
     return p0, u0, _bucket_end_key(u0, low_bits), (p0 == 0) | _bucket_is_top(u0, low_bits)
 
 
+def _sampled_bracket(r, sample_keys, n_blocks, n_sample, length, k: int):
+    """[lo, hi) meant to hold the k-th largest of a row's `length` keys (and about k plus a 3-sigma
+    margin of keys >= lo), from n_sample of them spread evenly over the row: sample_keys(i) is block
+    i of n_blocks (INT_MIN past the sample). The digit search stops once
+    the bracket is tight."""
+    expect = k * n_sample.astype(jnp.float32) / length.astype(jnp.float32)
+    margin = 3.0 * jnp.sqrt(expect) + 3.0
+    r_hi = jnp.floor(expect - margin).astype(jnp.int32)
+    r_lo = jnp.minimum(jnp.ceil(expect + margin).astype(jnp.int32), n_sample)
+    ranks = jnp.where(jnp.arange(2) == 0, jnp.maximum(r_hi, 1), r_lo)
+    spread = (3 * (r_lo - r_hi)) // 2 + 2
+
+    def tight(u, n_at, upper, shift):
+        return r.pick(n_at, 1) - jnp.where(r_hi < 1, 0, r.pick(upper, 0)) <= spread
+
+    u, _, _, shift = r.search(lambda t: r.count_ge(sample_keys, n_blocks, t), ranks,
+                              jnp.zeros((2,), jnp.int32), 0, tight)
+    hi = jnp.where(r_hi < 1, 2 ** 31 - 1, _bucket_end_key(r.pick(u, 0), shift))
+    return r.pick(u, 1) ^ INT_MIN, hi
+
+
+def _keep_candidates(key, col, lo, end, top, n_cand, n_past, capacity: int, store):
+    """The filter step the selection and the fused indexer share, over axis 0 of key (a chunk of one
+    row, or [keys, tokens] with lo, end, top, n_cand, n_past per token): keep the keys >= lo as
+    (key, column) pairs at the running offsets n_cand, in column order (none past `capacity`), and
+    count the keys past the threshold search's starting bucket (from _search_start: end, top). One
+    masked store of the pairs, store(index, pair, mask): two separate stores cost more (docs/perf.md)."""
+    inside = key >= lo
+    at = n_cand + jnp.cumsum(inside.astype(jnp.int32), axis=0) - 1
+    keep = inside & (at < capacity)
+    at = jnp.where(keep, at, capacity)                          # (a trash column)
+    key_or_col = jnp.arange(2, dtype=jnp.int32).reshape((1,) * key.ndim + (2,))
+    pair = jnp.where(key_or_col == 0, key[..., None], jnp.broadcast_to(col, key.shape)[..., None])
+    store((at[..., None], key_or_col), pair, keep[..., None])
+    return (n_cand + jnp.sum(inside.astype(jnp.int32), axis=0),
+            n_past + jnp.where(top, 0, jnp.sum((key >= end).astype(jnp.int32), axis=0)))
+
+
+TAKE_ALL = (NEG_INF_KEY + 1, 2 ** 31 - 1)   # the bracket of a row of at most `capacity` keys: keep them all
+
+
 def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: int, bits: int,
                            capacity: int, sample: int, sub: int, seg_chunks: int, stop_after: int | None):
     """Program (row, segment). 1. A bracket [lo, hi) meant to hold the row's k-th largest key and at
@@ -184,43 +232,23 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
         return order_keys(s_ref[row, sample_block_start(e // 16, length, n_sample // 16) + e % 16])
 
     def sampled_bracket():
-        expect = k * n_sample.astype(jnp.float32) / length.astype(jnp.float32)
-        margin = 3.0 * jnp.sqrt(expect) + 3.0
-        r_hi = jnp.floor(expect - margin).astype(jnp.int32)
-        r_lo = jnp.minimum(jnp.ceil(expect + margin).astype(jnp.int32), n_sample)
-        ranks = jnp.where(jnp.arange(2) == 0, jnp.maximum(r_hi, 1), r_lo)
-        spread = (3 * (r_lo - r_hi)) // 2 + 2
+        return _sampled_bracket(r, sample_keys, n_sample // sub, n_sample, length, k)
 
-        def tight(u, n_at, upper, shift):
-            return r.pick(n_at, 1) - jnp.where(r_hi < 1, 0, r.pick(upper, 0)) <= spread
-
-        u, _, _, shift = r.search(lambda t: r.count_ge(sample_keys, n_sample // sub, t), ranks,
-                                  jnp.zeros((2,), jnp.int32), 0, tight)
-        hi = jnp.where(r_hi < 1, 2 ** 31 - 1, _bucket_end_key(r.pick(u, 0), shift))
-        return r.pick(u, 1) ^ INT_MIN, hi
-
-    lo, hi = jax.lax.cond(length > capacity, sampled_bracket,
-                          lambda: (length * 0 + (NEG_INF_KEY + 1), length * 0 + (2 ** 31 - 1)))
+    lo, hi = jax.lax.cond(length > capacity, sampled_bracket, lambda: (length * 0 + TAKE_ALL[0], length * 0 + TAKE_ALL[1]))
     rec_ref[row, seg, _LO_KEY] = lo
     rec_ref[row, seg, _HI_KEY] = hi
     if stop_after == 1:                                         # (timing a prefix of the stages)
         return
 
     _, _, end, top = _search_start(lo, hi, bits)
-    key_or_col = jnp.arange(2, dtype=jnp.int32)
 
     def filter_chunk(c, carry):
         n_vis, n_past, n_cand = carry
         key, col = r.keys(c)
-        inside = key >= lo
-        at = n_cand + jnp.cumsum(inside.astype(jnp.int32)) - 1
-        keep = inside & (at < capacity)
-        at = jnp.where(keep, at, capacity)                      # (a trash column)
-        pair = jnp.where(key_or_col[None, :] == 0, key[:, None], col[:, None])
-        plt.store(cand_ref.at[row, seg, at[:, None], key_or_col[None, :]], pair, mask=keep[:, None])
-        return (n_vis + jnp.sum((key > NEG_INF_KEY).astype(jnp.int32)),
-                n_past + jnp.where(top, 0, jnp.sum((key >= end).astype(jnp.int32))),
-                n_cand + jnp.sum(inside.astype(jnp.int32)))
+        n_cand, n_past = _keep_candidates(key, col, lo, end, top, n_cand, n_past, capacity,
+                                          lambda at, pair, keep: plt.store(cand_ref.at[row, seg, at[0], at[1]],
+                                                                           pair, mask=keep))
+        return n_vis + jnp.sum((key > NEG_INF_KEY).astype(jnp.int32)), n_past, n_cand
 
     zero = jnp.int32(0)
     n_vis, n_past, n_cand = jax.lax.fori_loop(*r.segment(seg, seg_chunks), filter_chunk, (zero, zero, zero))
@@ -231,14 +259,18 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
 
 def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chunk: int, bits: int,
                            capacity: int, sub: int, segs: int, seg_chunks: int, out_chunk: int,
-                           stop_after: int | None):
+                           stop_after: int | None, width: int | None = None):
     """Program (row, segment). 3. The threshold key T (the row's k-th largest) and how many keys equal
     to T to take: an exact digit search among all segments' candidates when the bracket held, else
     over the whole row. 4. The segment's selected positions (keys above T, and equal ones in position
     order while the quota lasts), written after those of the segments before it: from its candidates
-    when they hold every key the row selects (T >= lo, none dropped), else from its columns."""
+    when they hold every key the row selects (T >= lo, none dropped), else from its columns.
+    s_ref None (the fused indexer: rows of `width` columns, not in HBM): a row whose bracket missed
+    or whose candidates are incomplete is only reported (path 2), for the caller to redo."""
     o_ref, path_ref = refs[-2:]                                 # (refs[0] is the poisoned input, tests)
-    r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits)
+    r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits, width)
+    rows_in_hbm = s_ref is not None
+    assert rows_in_hbm or segs == 1, "without score rows a row is one segment"
     row, seg = r.row, pl.program_id(1)
     at_segs = jnp.arange(segs, dtype=jnp.int32)
     vis_s, past_s, cand_s = (rec_ref[row, at_segs, f] for f in (_VIS, _PAST, _CAND))   # [segs] each
@@ -282,8 +314,8 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
     held = (n_past < k_eff) & cands_complete
     path = (n_vis > k).astype(jnp.int32) * (2 - held.astype(jnp.int32))   # (no where of two literals:
     # Pallas Triton lowers that to a bool)
-    threshold, n_above = jax.lax.cond(path == 0, take_all,
-                                      lambda: jax.lax.cond(path == 1, from_candidates, over_row))
+    threshold, n_above = jax.lax.cond(path == 0, take_all, lambda: jax.lax.cond(
+        path == 1, from_candidates, over_row if rows_in_hbm else lambda: (n_vis * 0 + (2 ** 31 - 1), n_vis * 0)))
     need_equal = k_eff - n_above
 
     @pl.when(seg == 0)
@@ -343,14 +375,15 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         plt.store(o_ref.at[row, jnp.where(sel, at, o_ref.shape[1] - 1)], col, mask=sel)
         return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + n_eq_here
 
-    @pl.when(cands_complete)
+    @pl.when(cands_complete if rows_in_hbm else cands_complete & (path != 2))
     def _():
         n = r.pick(cand_s, seg)
         jax.lax.fori_loop(0, (n + sub - 1) // sub, emit(seg_cands(seg, n, with_cols=True)), (start, jnp.int32(0)))
 
-    @pl.when(~cands_complete)
-    def _():
-        jax.lax.fori_loop(*r.segment(seg, seg_chunks), emit(r.keys), (start, jnp.int32(0)))
+    if rows_in_hbm:
+        @pl.when(~cands_complete)
+        def _():
+            jax.lax.fori_loop(*r.segment(seg, seg_chunks), emit(r.keys), (start, jnp.int32(0)))
 
     out_cols = jnp.arange(out_chunk, dtype=jnp.int32)
 
@@ -502,7 +535,8 @@ def _dot_dtype(q_dtype):
 
 
 def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, heads: int, block_t: int,
-                   block_n: int, steps: int, fp8: bool, gathered: bool, epilogue: bool, write_invisible: bool):
+                   block_n: int, steps: int, fp8: bool, gathered: bool, epilogue: bool, write_invisible: bool,
+                   capacity: int | None, bits: int, width: int):
     """One (request, query block, group of `steps` key blocks) program; the query block is loaded once
     and the key blocks stream through a pipelined loop. The key block is the dot's M ([block_n, D] x
     [D, block_t * H]): a token's heads are adjacent accumulator columns, so the weighted head sum stays
@@ -510,8 +544,18 @@ def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, he
     an MMA tile's N. Query blocks run last-first: with causal masks the late ones have the most keys.
     gathered: k_ref (and the scales) are this request's keys already in table order, [B, S, D].
     epilogue=False (timing only) sums the raw dot over heads instead of relu, weights and scale.
-    write_invisible=False leaves the key blocks no query of the block sees unwritten."""
-    scale_ref, o_ref = (rest[0] if fp8 else None), rest[-1]
+    write_invisible=False leaves the key blocks no query of the block sees unwritten.
+    capacity (the fused indexer; one group of all key blocks per program, so a token's keys arrive in
+    column order): instead of writing the scores, keep each token's keys >= the lo of its bracket
+    (br_ref [B * Tp, 2], before the outputs) as the selection's first call does, in rec_ref
+    [B * Tp, 1, 8] and cand_ref [B * Tp, 1, capacity + 1, 2]: the selection's second call then runs
+    without the [T, S] scores ever written. Keys at or past `width` (the table's padding) are not
+    visible."""
+    scale_ref = rest[0] if fp8 else None
+    if capacity is None:
+        o_ref = rest[-1]
+    else:
+        br_ref, rec_ref, cand_ref = rest[-3:]
     b, g = pl.program_id(0), pl.program_id(2)
     it = pl.num_programs(1) - 1 - pl.program_id(1)
     layer = layer_ref[0]
@@ -525,6 +569,10 @@ def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, he
     first = g * steps
     n_here = jnp.minimum(steps, table_ref.shape[1] // block_n - first)
     n_vis = jnp.clip((jnp.max(pos) + block_n) // block_n - first, 0, n_here)  # blocks with a visible key
+    if capacity is not None:
+        rows = b * pos_ref.shape[1] + t0 + jnp.arange(block_t, dtype=jnp.int32)   # [bt] rows of B * Tp
+        lo, hi = br_ref[rows, 0], br_ref[rows, 1]
+        _, _, end, top = _search_start(lo, hi, bits)
 
     def block(j, carry):
         n0 = (first + j) * block_n
@@ -542,15 +590,26 @@ def _scores_kernel(layer_ref, q_ref, w_ref, pos_ref, table_ref, k_ref, *rest, he
         acc = jnp.sum(s.reshape(block_n, block_t, heads), axis=-1)            # [bn, bt]
         if fp8 and epilogue:
             acc = acc * scale[:, None]
-        acc = jnp.where(cols[:, None] <= pos[None, :], acc, NEG_INF)
-        o_ref[b, pl.ds(t0, block_t), pl.ds(n0, block_n)] = acc.T
-        return carry
+        if capacity is None:
+            o_ref[b, pl.ds(t0, block_t), pl.ds(n0, block_n)] = jnp.where(cols[:, None] <= pos[None, :], acc, NEG_INF).T
+            return carry
+        key = jnp.where((cols[:, None] <= pos[None, :]) & (cols[:, None] < width), order_keys(acc), NEG_INF_KEY)
+        return _keep_candidates(key, cols[:, None], lo[None, :], end[None, :], top, *carry, capacity,
+                                lambda at, pair, keep: plt.store(
+                                    cand_ref.at[rows[None, :, None], 0, at[0], at[1]], pair, mask=keep))
 
     def masked_block(j, carry):
         o_ref[b, pl.ds(t0, block_t), pl.ds((first + j) * block_n, block_n)] = jnp.full(
             (block_t, block_n), NEG_INF, jnp.float32)
         return carry
 
+    if capacity is not None:
+        zeros = jnp.zeros((block_t,), jnp.int32)
+        n_cand, n_past = jax.lax.fori_loop(0, n_vis, block, (zeros, zeros))
+        for field, value in ((_VIS, jnp.clip(pos + 1, 0, width)), (_PAST, n_past), (_CAND, n_cand),
+                             (_LO_KEY, lo), (_HI_KEY, hi)):
+            plt.store(rec_ref.at[rows, 0, field], value)
+        return
     jax.lax.fori_loop(0, n_vis, block, jnp.int32(0))
     if write_invisible:
         jax.lax.fori_loop(n_vis, n_here, masked_block, jnp.int32(0))
@@ -579,9 +638,27 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     reads each row only below its length (positions + 1), as the selection does; at a causal prefill
     that is half of the [T, S] matrix."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
+    T, S = q.shape[1], slot_table.shape[1]
+    out = _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, block_m=block_m, block_n=block_n,
+                       steps=steps, num_warps=num_warps, num_stages=num_stages, gather_keys=gather_keys,
+                       interpret=interpret, poison=poison, epilogue=epilogue, write_invisible=write_invisible)
+    return out[:, :T, :S]
+
+
+def query_block(T: int, H: int, block_m: int = 128) -> int:
+    """Query tokens per scores program: block_m rows of heads, at least 16 rows (a dot's minimum)."""
+    return max(-(-16 // H), min(block_m // H, pl.next_power_of_2(T)))
+
+
+def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, block_m: int, block_n: int, steps: int,
+                 num_warps: int, num_stages: int, gather_keys: bool | None, interpret: bool, poison=None,
+                 epilogue: bool = True, write_invisible: bool = True, bracket=None, capacity: int | None = None,
+                 bits: int = 4):
+    """The scores kernel on padded operands: [B, Tp, Sp] scores, or with a bracket ([B * Tp, 2] lo/hi
+    per padded row) the fused indexer's (record, candidates) over all key blocks in one group."""
     B, T, H, D = q.shape
     S = slot_table.shape[1]
-    block_t = max(-(-16 // H), min(block_m // H, pl.next_power_of_2(T)))  # a dot needs >= 16 columns
+    block_t = query_block(T, H, block_m)
     block_n = min(block_n, max(16, pl.next_power_of_2(S)))
     q = _pad_to(q, 1, block_t, 0)
     Tp = q.shape[1]
@@ -590,7 +667,7 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     pos = _pad_to(positions.astype(jnp.int32), 1, block_t, -1)
     table = _pad_to(slot_table.astype(jnp.int32), 1, block_n, 0)
     n_blocks = table.shape[1] // block_n
-    steps = max(1, min(steps, n_blocks))
+    steps = n_blocks if bracket is not None else max(1, min(steps, n_blocks))
     fp8 = index_scale is not None
     if gather_keys is None:
         gather_keys = Tp // block_t >= GATHER_KEYS_MIN_QUERY_BLOCKS
@@ -601,10 +678,17 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
         keys = [index_k[layer[0], table].astype(_dot_dtype(q.dtype))]
         keys += [index_scale[layer[0], table]] if fp8 else []
     kernel = functools.partial(_scores_kernel, heads=H, block_t=block_t, block_n=block_n, steps=steps, fp8=fp8,
-                               gathered=gather_keys, epilogue=epilogue, write_invisible=write_invisible)
-    out = _call(kernel, (B, Tp // block_t, -(-n_blocks // steps)), [layer, q, w, pos, table] + keys,
-                jax.ShapeDtypeStruct((B, Tp, table.shape[1]), jnp.float32), poison, num_warps, num_stages, interpret)
-    return out[:, :T, :S]
+                               gathered=gather_keys, epilogue=epilogue, write_invisible=write_invisible,
+                               capacity=capacity if bracket is not None else None, bits=bits, width=S)
+    args = [layer, q, w, pos, table] + keys
+    if bracket is None:
+        out_shape = jax.ShapeDtypeStruct((B, Tp, table.shape[1]), jnp.float32)
+    else:
+        args.append(bracket)
+        out_shape = (jax.ShapeDtypeStruct((B * Tp, 1, 8), jnp.int32),
+                     jax.ShapeDtypeStruct((B * Tp, 1, capacity + 1, 2), jnp.int32))
+    return _call(kernel, (B, Tp // block_t, -(-n_blocks // steps)), args, out_shape, poison, num_warps, num_stages,
+                 interpret)
 
 
 KERNELS_ENABLED = True  # read at trace time; tests flip it (and clear jit caches) to compare on/off
@@ -666,3 +750,106 @@ def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: in
         return select_topk(scores, k, positions + 1)
     keys = index_keys_fp32(index_k, index_scale, layer, slot_table)
     return select_topk_reference(index_scores_reference(q, w, keys, positions, q.shape[-1]), k)
+
+
+def _sample_bracket_kernel(len_ref, m_ref, s_ref, br_ref, *, k: int, bits: int, capacity: int, sub: int):
+    """Program (row) of the fused indexer: the bracket of a row of len_ref[row] visible keys from the
+    scores of its m_ref[row] visible sampled columns (s_ref [rows, S_s]: the sample's columns are
+    spread evenly over the table, so a row's visible ones are spread evenly over the row)."""
+    r = _Row(len_ref, None, pl.program_id(0), sub, bits, width=2 ** 31 - 1)
+    row, length, m = r.row, r.length, m_ref[pl.program_id(0)]
+
+    def sample_keys(i):
+        at = i * sub + jnp.arange(sub, dtype=jnp.int32)
+        return jnp.where(at < m, order_keys(s_ref[row, pl.ds(pl.multiple_of(i * sub, sub), sub)]), INT_MIN)
+
+    lo, hi = jax.lax.cond(length > capacity, lambda: _sampled_bracket(r, sample_keys, (m + sub - 1) // sub, m, length, k),
+                          lambda: (length * 0 + TAKE_ALL[0], length * 0 + TAKE_ALL[1]))
+    br_ref[row, 0] = lo
+    br_ref[row, 1] = hi
+
+
+def sample_columns(S: int, sample: int) -> np.ndarray:
+    """The fused indexer's sample: blocks of 16 consecutive columns spread evenly over a table of S."""
+    n_blocks = max(1, min(sample, S) // 16)
+    start = (np.arange(n_blocks) * S // n_blocks) // 16 * 16
+    return (start[:, None] + np.arange(16)[None, :]).reshape(-1)
+
+
+def indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions, k: int, *,
+                       capacity: int | None = None, sample: int = 2048, sample_sub: int = 256, sub: int = 1024,
+                       bits: int = 4, block_m: int = 128, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                       select_warps: int = 8, fallback_rows: int = 64, interpret: bool = False,
+                       poison: int | None = None, return_path: bool = False):
+    """The indexer's top-k without the [T, S] scores in HBM (for prefill: T query tokens per request).
+    1. The scores of a sample of the columns (blocks of 16 spread over the table) give each row's
+       bracket [lo, hi) (_sample_bracket_kernel; rows of at most `capacity` visible keys keep all).
+    2. The scores kernel, one program per query block over all its key blocks, keeps each token's
+       keys >= lo with their columns instead of writing the scores (_scores_kernel with a capacity).
+    3. The selection's second call finds each row's threshold among its candidates and writes the
+       positions.
+    A row whose bracket missed or whose candidates overflowed (path 2) is redone the unfused way: up to
+    `fallback_rows` such rows one by one, more than that with the whole batch. Same result convention
+    as indexer_topk; with return_path also each row's path (before any redo). poison (tests): the
+    positions buffer starts filled with it, so a position the kernels fail to write shows."""
+    check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
+    B, T, H, D = q.shape
+    S = slot_table.shape[1]
+    capacity = capacity or max(4096, -(-3 * k // 1024) * 1024)
+    if capacity % sub or sub % 16 or sample_sub % 16 or k > capacity:
+        raise ValueError(f"capacity ({capacity}) must be a multiple of sub ({sub}) and at least k ({k}); "
+                         f"sub and sample_sub ({sample_sub}) multiples of 16")
+    block_t = query_block(T, H, block_m)
+    q, w = _pad_to(q, 1, block_t, 0), _pad_to(w, 1, block_t, 0)
+    positions = _pad_to(positions.astype(jnp.int32), 1, block_t, -1)
+    Tp = q.shape[1]
+    rows = B * Tp
+    length = jnp.clip(positions + 1, 0, S).reshape(rows)
+    common = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if S > capacity:
+        cols = sample_columns(S, sample)
+        n_visible = jnp.searchsorted(jnp.asarray(cols), positions, side="right").astype(jnp.int32)
+        s_scores = _scores_call(q, w, index_k, index_scale, layer, slot_table[:, cols], n_visible - 1, steps=32,
+                                gather_keys=None, write_invisible=False, **common)[:, :, :cols.size]
+        s_scores = _pad_to(s_scores.reshape(rows, cols.size), 1, sample_sub, NEG_INF)
+        bracket = _call(functools.partial(_sample_bracket_kernel, k=k, bits=bits, capacity=capacity, sub=sample_sub),
+                        (rows,), [length, n_visible.reshape(rows), s_scores],
+                        jax.ShapeDtypeStruct((rows, 2), jnp.int32), None, select_warps, 1, interpret)
+    else:
+        bracket = jnp.broadcast_to(jnp.asarray(TAKE_ALL, jnp.int32), (rows, 2))
+    record, cands = _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, steps=0, gather_keys=None,
+                                 bracket=bracket, capacity=capacity, bits=bits, **common)
+    out_chunk = min(1024, pl.next_power_of_2(k))
+    k_pad = -(-k // out_chunk) * out_chunk
+    emit = functools.partial(_threshold_emit_kernel, k=k, chunk=sub, bits=bits, capacity=capacity, sub=sub, segs=1,
+                             seg_chunks=1, out_chunk=out_chunk, stop_after=None, width=S)
+    out, path = _call(lambda len_ref, rec_ref, cand_ref, *refs: emit(len_ref, None, rec_ref, cand_ref, *refs),
+                      (rows, 1), [length, record, cands],
+                      (jax.ShapeDtypeStruct((rows, k_pad + 1), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)),
+                      poison, select_warps, 1, interpret)
+    out = out[:, :k].reshape(B, Tp, k)[:, :T]
+    path = path.reshape(B, Tp)[:, :T]
+    q, w, positions = q[:, :T], w[:, :T], positions[:, :T]
+
+    redo = (path == 2).reshape(-1)
+    n_redo = jnp.sum(redo.astype(jnp.int32))
+    n_fix = min(fallback_rows, B * T)
+
+    def unfused(q_, w_, table_, pos_):
+        scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, table_, pos_, write_invisible=False,
+                                     **common)
+        if interpret or not _on_gpu() or scores.size // S < MIN_KERNEL_ROWS:
+            return select_topk_reference(jnp.where(jnp.arange(S) <= pos_[..., None], scores, NEG_INF), k)
+        return select_topk(scores, k, pos_ + 1)
+
+    def redo_rows(out):
+        idx = jnp.nonzero(redo, size=n_fix, fill_value=0)[0]
+        b, t = idx // T, idx % T
+        pos_r = jnp.where(jnp.arange(n_fix) < n_redo, positions[b, t], -1)[:, None]
+        sel = unfused(q[b, t][:, None], w[b, t][:, None], slot_table[b], pos_r)[:, 0]
+        dest = jnp.where(jnp.arange(n_fix) < n_redo, idx, B * T)
+        return out.reshape(B * T, k).at[dest].set(sel, mode="drop").reshape(B, T, k)
+
+    out = jax.lax.cond(n_redo == 0, lambda o: o, lambda o: jax.lax.cond(
+        n_redo <= n_fix, redo_rows, lambda _: unfused(q, w, slot_table, positions), o), out)
+    return (out, path) if return_path else out

@@ -185,11 +185,12 @@ def indexer_inputs(B, T, N, H=32, D=128, prefill=False):
 
 
 def bench_indexer(args, ceil):
+    import jax
     import numpy as np
 
     from cpkv_jax.perf import chained_time
-    from pallas_kernels.topk import (index_keys_fp32, index_scores_pallas, index_scores_reference,
-                                     select_topk_reference)
+    from pallas_kernels.topk import (index_keys_fp32, index_scores_pallas, index_scores_reference, indexer_topk,
+                                     indexer_topk_fused, select_topk_reference)
 
     k, H, D = args.k, 32, 128
     out = []
@@ -242,6 +243,19 @@ def bench_indexer(args, ceil):
                 entry["total_flop_util"] = flops / total / ceil["matmul_flops_per_s"]
                 entry["total_flop_util_sustained"] = flops / total / ceil["matmul_flops_per_s_sustained"]
                 entry["total_byte_util"] = moved / total / ceil["copy_bytes_per_s"]
+        if args.fused:
+            def fused(q_):
+                return indexer_topk_fused(q_, w, ik, sc, 0, table, pos, k)
+
+            def run_fused():
+                got, path = jax.jit(lambda q_: indexer_topk_fused(q_, w, ik, sc, 0, table, pos, k, return_path=True))(q)
+                want = jax.jit(lambda q_: indexer_topk(q_, w, ik, sc, 0, table, pos, k))(q)
+                t = chained_time(fused, q, n=5 if prefill else 10, repeat=3)
+                return {"s": t, "flop_util": flops / t / ceil["matmul_flops_per_s"],
+                        "byte_util": moved / t / ceil["copy_bytes_per_s"],
+                        "equal_to_unfused": bool((got == want).all()),
+                        "rows_by_path": np.bincount(np.asarray(path).ravel(), minlength=3).tolist()}
+            entry["fused"] = _try(run_fused)
         out.append(entry)
         print(f"indexer {label}: " + json.dumps({kk: v for kk, v in entry.items()}, default=str)[:3000], flush=True)
     return out
@@ -266,6 +280,8 @@ def main() -> int:
                         "'dispatch' or 'indexer'")
     p.add_argument("--indexer-cases", default=",".join(c[0] for c in INDEXER_CASES),
                    help="indexer cases to run, comma-separated labels")
+    p.add_argument("--fused", action="store_true",
+                   help="also time indexer_topk_fused (no [T, S] scores in HBM) against the unfused path")
     p.add_argument("--score-breakdown", action="store_true",
                    help="also time the first scores tiling with the keys read through the page table in the "
                         "kernel, and without the relu/weight/scale epilogue")

@@ -97,7 +97,7 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 # ---- indexer top-k ----------------------------------------------------------------------------
 
 from pallas_kernels.topk import (PATHS, index_keys_fp32, index_scores_pallas, index_scores_reference,  # noqa: E402
-                                 indexer_topk, sample_block_start, sample_size, select_tiling,
+                                 indexer_topk, indexer_topk_fused, sample_block_start, sample_size, select_tiling,
                                  select_topk, select_topk_pallas, select_topk_reference)
 
 
@@ -275,6 +275,62 @@ def test_index_scores_interpret_equals_reference(fp8):
                 np.testing.assert_array_equal(np.asarray(indexer_topk(q, w, ik, sc, 1, table, pos, k)),
                                               topk_oracle(ref, k))
     assert saw_unwritten
+
+
+FUSED_SMALL = dict(capacity=64, sub=16, sample=64, sample_sub=16, block_m=16, block_n=16)  # small tiles: every path
+
+
+def test_indexer_topk_fused_interpret_equals_reference():
+    """The fused indexer (sampled bracket, candidates kept by the scores kernel, no score rows) against
+    the exact selection of the reference scores: integer inputs (exact sums, many ties) and random
+    ones, fp8 and plain keys, padding lanes, T not a multiple of the query block, rows of fewer keys
+    than k and than the capacity. Rows whose bracket missed are redone one by one (fallback_rows 64)
+    or with the whole batch (fallback_rows 1); the positions buffer is poisoned."""
+    rng = np.random.default_rng(0)
+    paths, redone_alone, redone_whole = np.zeros(3, int), False, False
+    for B, T, H, D, S, k, integer, fp8 in ((2, 40, 4, 16, 300, 9, True, True), (1, 70, 2, 64, 500, 20, False, False),
+                                           (2, 5, 4, 16, 40, 9, True, False), (1, 33, 4, 16, 260, 40, True, True)):
+        q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer)
+        ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
+        want = topk_oracle(ref, k) if integer and D in (16, 64) else None
+        for fallback_rows in (64, 1):
+            got, path = indexer_topk_fused(q, w, ik, sc, 1, table, pos, k, fallback_rows=fallback_rows, poison=-7,
+                                           interpret=True, return_path=True, **FUSED_SMALL)
+            got, path = np.asarray(got), np.asarray(path)
+            if want is not None:
+                np.testing.assert_array_equal(got, want)
+            else:
+                assert_same_topk_up_to_near_ties(got, ref, k, 1e-5 * np.abs(ref[np.isfinite(ref)]).max())
+            paths += np.bincount(path.ravel(), minlength=3)
+            n_redo = int((path == 2).sum())
+            redone_alone |= 0 < n_redo <= fallback_rows
+            redone_whole |= n_redo > fallback_rows
+    assert paths.min() > 0 and paths[1] > paths[2], paths    # every path, most rows from their candidates
+    assert redone_alone and redone_whole
+
+
+@pytest.mark.gpu
+def test_indexer_topk_fused_compiled_on_gpu():
+    """Compiled for the GPU, at GLM-5's indexer shape (32 heads x 128, fp8 keys, k = 2048) with the
+    default tiling, against the reference scores' selection up to near-ties; and with integer
+    inputs over 32 x 64 heads, exactly."""
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(0)
+    for B, T, H, D, S, k, integer in ((2, 256, 32, 128, 12000, 2048, False), (1, 64, 32, 64, 9000, 2048, True),
+                                      (2, 48, 32, 64, 3000, 64, True)):
+        q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, True, integer, jnp.bfloat16)
+        if not integer:                                     # the last T rows: most keys visible
+            pos = jnp.where(pos < 0, -1, S - T + jnp.arange(T, dtype=jnp.int32)[None, :])
+        ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
+        got, path = jax.jit(lambda *a: indexer_topk_fused(*a, k, poison=-7, return_path=True))(
+            q, w, ik, sc, 1, table, pos)
+        got, path = np.asarray(got), np.asarray(path)
+        print("fused indexer paths", np.bincount(path.ravel(), minlength=3))
+        if integer:
+            np.testing.assert_array_equal(got, topk_oracle(ref, k))
+        else:
+            assert_same_topk_up_to_near_ties(got, ref, k, 1e-5 * np.abs(ref[np.isfinite(ref)]).max())
+            assert (path == 1).mean() > 0.9
 
 
 def test_topk_entry_points_reject_bad_input():
