@@ -741,11 +741,19 @@ def select_topk(scores, k: int, lengths=None):
     return select_topk_reference(scores, k)
 
 
+# From this many query tokens per request the dispatch runs indexer_topk_fused (None: never). Unset
+# until the fused path is measured on the H200.
+FUSED_MIN_QUERIES: int | None = None
+
+
 def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int):
     """The dispatch for the whole indexer selection on one device: kernels on GPU (scores through the
-    page table, then selection over each row's visible length), the jnp composition elsewhere."""
+    page table, then selection over each row's visible length; or the fused path from
+    FUSED_MIN_QUERIES query tokens), the jnp composition elsewhere."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
     if _on_gpu() and _pow2(q.shape[-1]) and _pow2(q.shape[-2]):  # Triton tiles: power-of-two dims
+        if FUSED_MIN_QUERIES is not None and q.shape[1] >= FUSED_MIN_QUERIES:
+            return indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions, k)
         scores = index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions, write_invisible=False)
         return select_topk(scores, k, positions + 1)
     keys = index_keys_fp32(index_k, index_scale, layer, slot_table)

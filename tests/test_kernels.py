@@ -425,8 +425,9 @@ def test_index_scores_compiled_on_gpu():
 
 @pytest.mark.gpu
 def test_model_outputs_with_topk_kernels_on_and_off():
-    """The indexer through the kernels vs the jnp composition inside the model: greedy tokens and
-    logits to rounding (score rounding differs, so a near-tie may pick another key)."""
+    """The indexer through the kernels (unfused, and the fused path forced) vs the jnp composition
+    inside the model: greedy tokens and logits to rounding (score rounding differs, so a near-tie may
+    pick another key)."""
     import pallas_kernels.topk as tk
     from models.model import prefill_logits
     from tests.helpers import hf_model, rel_err
@@ -435,16 +436,17 @@ def test_model_outputs_with_topk_kernels_on_and_off():
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 40))
     out = {}
     try:
-        for on in (True, False):
-            tk.KERNELS_ENABLED = on
+        for mode, on, fused_from in (("kernels", True, None), ("fused", True, 1), ("off", False, None)):
+            tk.KERNELS_ENABLED, tk.FUSED_MIN_QUERIES = on, fused_from
             jax.clear_caches()
-            out[on] = {p: np.asarray(prefill_logits(model, tokens, attn_path=p, index_dtype=d))
-                       for p, d in (("expanded", "same"), ("absorbed", "fp8"))}
+            out[mode] = {p: np.asarray(prefill_logits(model, tokens, attn_path=p, index_dtype=d))
+                         for p, d in (("expanded", "same"), ("absorbed", "fp8"))}
     finally:
-        tk.KERNELS_ENABLED = True
+        tk.KERNELS_ENABLED, tk.FUSED_MIN_QUERIES = True, None
         jax.clear_caches()
-    for p in out[True]:
-        err = rel_err(out[True][p], out[False][p])
-        print(f"top-k kernels on vs off ({p}): rel err {err:.2e}")
-        assert err <= 1e-4, (p, err)
-        np.testing.assert_array_equal(out[True][p].argmax(-1), out[False][p].argmax(-1))
+    for mode in ("kernels", "fused"):
+        for p in out[mode]:
+            err = rel_err(out[mode][p], out["off"][p])
+            print(f"top-k {mode} vs off ({p}): rel err {err:.2e}")
+            assert err <= 1e-4, (mode, p, err)
+            np.testing.assert_array_equal(out[mode][p].argmax(-1), out["off"][p].argmax(-1))
