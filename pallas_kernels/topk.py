@@ -796,8 +796,8 @@ def indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions,
        keys >= lo with their columns instead of writing the scores (_scores_kernel with a capacity).
     3. The selection's second call finds each row's threshold among its candidates and writes the
        positions.
-    A row whose bracket missed or whose candidates overflowed (path 2) is redone the unfused way: up to
-    `fallback_rows` such rows one by one, more than that with the whole batch. Same result convention
+    A row whose bracket missed or whose candidates overflowed (path 2) is redone the unfused way,
+    `fallback_rows` rows at a time (so at most fallback_rows x S scores exist at once). Same result convention
     as indexer_topk; with return_path also each row's path (before any redo). poison (tests): the
     positions buffer starts filled with it, so a position the kernels fail to write shows."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
@@ -842,6 +842,7 @@ def indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions,
     redo = (path == 2).reshape(-1)
     n_redo = jnp.sum(redo.astype(jnp.int32))
     n_fix = min(fallback_rows, B * T)
+    redo_rows = jnp.nonzero(redo, size=B * T, fill_value=0)[0]
 
     def unfused(q_, w_, table_, pos_):
         scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, table_, pos_, write_invisible=False,
@@ -850,14 +851,14 @@ def indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions,
             return select_topk_reference(jnp.where(jnp.arange(S) <= pos_[..., None], scores, NEG_INF), k)
         return select_topk(scores, k, pos_ + 1)
 
-    def redo_rows(out):
-        idx = jnp.nonzero(redo, size=n_fix, fill_value=0)[0]
+    def redo_chunk(c, out):
+        at = c * n_fix + jnp.arange(n_fix)
+        valid = at < n_redo
+        idx = redo_rows[jnp.minimum(at, B * T - 1)]
         b, t = idx // T, idx % T
-        pos_r = jnp.where(jnp.arange(n_fix) < n_redo, positions[b, t], -1)[:, None]
+        pos_r = jnp.where(valid, positions[b, t], -1)[:, None]
         sel = unfused(q[b, t][:, None], w[b, t][:, None], slot_table[b], pos_r)[:, 0]
-        dest = jnp.where(jnp.arange(n_fix) < n_redo, idx, B * T)
-        return out.reshape(B * T, k).at[dest].set(sel, mode="drop").reshape(B, T, k)
+        return out.at[jnp.where(valid, idx, B * T)].set(sel, mode="drop")
 
-    out = jax.lax.cond(n_redo == 0, lambda o: o, lambda o: jax.lax.cond(
-        n_redo <= n_fix, redo_rows, lambda _: unfused(q, w, slot_table, positions), o), out)
+    out = jax.lax.fori_loop(0, (n_redo + n_fix - 1) // n_fix, redo_chunk, out.reshape(B * T, k)).reshape(B, T, k)
     return (out, path) if return_path else out

@@ -284,10 +284,10 @@ def test_indexer_topk_fused_interpret_equals_reference():
     """The fused indexer (sampled bracket, candidates kept by the scores kernel, no score rows) against
     the exact selection of the reference scores: integer inputs (exact sums, many ties) and random
     ones, fp8 and plain keys, padding lanes, T not a multiple of the query block, rows of fewer keys
-    than k and than the capacity. Rows whose bracket missed are redone one by one (fallback_rows 64)
-    or with the whole batch (fallback_rows 1); the positions buffer is poisoned."""
+    than k and than the capacity. Rows whose bracket missed are redone in one chunk (fallback_rows 64)
+    or in several (fallback_rows 1); the positions buffer is poisoned."""
     rng = np.random.default_rng(0)
-    paths, redone_alone, redone_whole = np.zeros(3, int), False, False
+    paths, redone_in_one, redone_in_several = np.zeros(3, int), False, False
     for B, T, H, D, S, k, integer, fp8 in ((2, 40, 4, 16, 300, 9, True, True), (1, 70, 2, 64, 500, 20, False, False),
                                            (2, 5, 4, 16, 40, 9, True, False), (1, 33, 4, 16, 260, 40, True, True)):
         q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer)
@@ -303,10 +303,10 @@ def test_indexer_topk_fused_interpret_equals_reference():
                 assert_same_topk_up_to_near_ties(got, ref, k, 1e-5 * np.abs(ref[np.isfinite(ref)]).max())
             paths += np.bincount(path.ravel(), minlength=3)
             n_redo = int((path == 2).sum())
-            redone_alone |= 0 < n_redo <= fallback_rows
-            redone_whole |= n_redo > fallback_rows
+            redone_in_one |= 0 < n_redo <= fallback_rows
+            redone_in_several |= n_redo > fallback_rows
     assert paths.min() > 0 and paths[1] > paths[2], paths    # every path, most rows from their candidates
-    assert redone_alone and redone_whole
+    assert redone_in_one and redone_in_several
 
 
 @pytest.mark.gpu
