@@ -252,6 +252,7 @@ def bench_indexer(args, ceil):
                 want = jax.jit(lambda q_: indexer_topk(q_, w, ik, sc, 0, table, pos, k))(q)
                 t = chained_time(fused, q, n=5 if prefill else 10, repeat=3)
                 return {"s": t, "flop_util": flops / t / ceil["matmul_flops_per_s"],
+                        "flop_util_sustained": flops / t / ceil["matmul_flops_per_s_sustained"],
                         "byte_util": moved / t / ceil["copy_bytes_per_s"],
                         "equal_to_unfused": bool((got == want).all()),
                         "rows_by_path": np.bincount(np.asarray(path).ravel(), minlength=3).tolist()}
