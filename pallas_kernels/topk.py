@@ -27,14 +27,15 @@ and benchmarks see it.
 The fused indexer (indexer_topk_fused) never writes the [T, S] scores: the scores of a sample of the
 columns give each row's bracket, the scores kernel itself keeps the keys >= lo (the same column-ordered
 candidates as step 2), and the selection's second call finishes from them; rows whose bracket missed
-are redone the unfused way. It is not yet the dispatch's choice: not measured on the H200.
+are redone the unfused way. It is not the dispatch's choice (USE_FUSED): on the H200 the candidates
+kept inside the scores loop cost more than writing the scores and reading them back (docs/perf.md).
 
 Both kernels use Pallas's Triton backend: they need masked scatter stores, data-dependent row
 gathers through the page table and per-lane compare/prefix-sum work, which Triton expresses directly;
 Mosaic GPU's strengths (TMA, wgmma pipelines over dense tiles) fit none of the selection. The scores
 kernel's prefill path (keys gathered once into a dense copy) would fit them, but Triton's pipelined
-loop already runs it at 63% of the bf16 matmul rate on the H200 (docs/perf.md), and one kernel serves
-both the gathered and the page-table path.
+loop already runs it at 59% of the bf16 matmul rate sustained on the H200 (docs/perf.md), and one
+kernel serves both the gathered and the page-table path.
 """
 
 from __future__ import annotations
@@ -741,23 +742,41 @@ def select_topk(scores, k: int, lengths=None):
     return select_topk_reference(scores, k)
 
 
-# From this many query tokens per request the dispatch runs indexer_topk_fused (None: never). Unset
-# until the fused path is measured on the H200.
-FUSED_MIN_QUERIES: int | None = None
+# The dispatch runs indexer_topk_fused (no score matrix) instead of scores + selection. Off: on the
+# H200 it measured 17.9 ms against 13.5 ms at a T = N = 32768 prefill and 3.5 against 2.2 ms at
+# decode T = 64 (docs/perf.md): keeping candidates inside the scores loop costs more than writing and
+# re-reading the scores. Tests flip it.
+USE_FUSED = False
+
+# The largest score buffer one indexer call may hold: the kernels' [B, T, S] fp32 scores, or the jnp
+# composition's [B, T, H, S] per-head scores. A longer call runs its query tokens in chunks (each
+# chunk's scores, then its selection), so a long prefill's memory stays bounded at the unfused speed.
+# 4 GiB is T = S = 32768 on the kernels.
+SCORES_MAX_BYTES = 4 << 30
 
 
 def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int):
     """The dispatch for the whole indexer selection on one device: kernels on GPU (scores through the
-    page table, then selection over each row's visible length; or the fused path from
-    FUSED_MIN_QUERIES query tokens), the jnp composition elsewhere."""
+    page table, then selection over each row's visible length; or the fused path with USE_FUSED), the
+    jnp composition elsewhere; in query chunks of at most SCORES_MAX_BYTES of scores."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
-    if _on_gpu() and _pow2(q.shape[-1]) and _pow2(q.shape[-2]):  # Triton tiles: power-of-two dims
-        if FUSED_MIN_QUERIES is not None and q.shape[1] >= FUSED_MIN_QUERIES:
-            return indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions, k)
-        scores = index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions, write_invisible=False)
-        return select_topk(scores, k, positions + 1)
-    keys = index_keys_fp32(index_k, index_scale, layer, slot_table)
-    return select_topk_reference(index_scores_reference(q, w, keys, positions, q.shape[-1]), k)
+    B, T, H, D = q.shape
+    kernels = _on_gpu() and _pow2(D) and _pow2(H)  # Triton tiles: power-of-two dims
+    if kernels and USE_FUSED:
+        return indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions, k)
+    chunk = max(1, SCORES_MAX_BYTES // (B * slot_table.shape[1] * 4 * (1 if kernels else H)))
+    chunk -= chunk % 128 if chunk >= 128 else 0
+    keys = None if kernels else index_keys_fp32(index_k, index_scale, layer, slot_table)
+
+    def select(t0):
+        q_, w_, pos_ = q[:, t0:t0 + chunk], w[:, t0:t0 + chunk], positions[:, t0:t0 + chunk]
+        if kernels:
+            scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, slot_table, pos_, write_invisible=False)
+            return select_topk(scores, k, pos_ + 1)
+        return select_topk_reference(index_scores_reference(q_, w_, keys, pos_, D), k)
+    if T <= chunk:
+        return select(0)
+    return jnp.concatenate([select(t0) for t0 in range(0, T, chunk)], axis=1)
 
 
 def _sample_bracket_kernel(len_ref, m_ref, s_ref, br_ref, *, k: int, bits: int, capacity: int, sub: int):

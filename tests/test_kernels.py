@@ -277,6 +277,37 @@ def test_index_scores_interpret_equals_reference(fp8):
     assert saw_unwritten
 
 
+def in_query_chunks(chunk, q, w, ik, sc, layer, table, pos, k):
+    """indexer_topk with SCORES_MAX_BYTES set for `chunk` query tokens per chunk; checks that the
+    scores were computed in pieces of at most that many (and more than one)."""
+    import pallas_kernels.topk as tk
+    B, T, H, _ = q.shape
+    seen, saved = [], (tk.SCORES_MAX_BYTES, tk.index_scores_pallas, tk.index_scores_reference)
+
+    def recording(f):
+        return lambda q_, *a, **kw: (seen.append(q_.shape[1]), f(q_, *a, **kw))[1]
+    tk.index_scores_pallas, tk.index_scores_reference = map(recording, saved[1:])
+    tk.SCORES_MAX_BYTES = B * table.shape[1] * 4 * (1 if tk._on_gpu() else H) * chunk
+    try:
+        got = np.asarray(jax.jit(lambda *a: tk.indexer_topk(*a, k))(q, w, ik, sc, layer, table, pos))
+    finally:
+        tk.SCORES_MAX_BYTES, tk.index_scores_pallas, tk.index_scores_reference = saved
+    assert len(seen) > 1 and max(seen) <= chunk and sum(seen) == T, seen
+    return got
+
+
+def test_indexer_topk_in_query_chunks_equals_one_call():
+    """A call whose scores would pass SCORES_MAX_BYTES runs its query tokens in chunks (T not a
+    multiple of the chunk; padding lanes; rows of fewer visible keys than k): the same positions as
+    one call."""
+    rng = np.random.default_rng(3)
+    for B, T, H, D, S, k, fp8 in ((2, 40, 4, 16, 300, 9, True), (1, 37, 2, 64, 50, 20, False)):
+        q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, False)
+        whole = np.asarray(indexer_topk(q, w, ik, sc, 1, table, pos, k))
+        np.testing.assert_array_equal(in_query_chunks(16, q, w, ik, sc, 1, table, pos, k), whole)
+        assert (whole == -1).any() and (whole >= 0).any()
+
+
 FUSED_SMALL = dict(capacity=64, sub=16, sample=64, sample_sub=16, block_m=16, block_n=16)  # small tiles: every path
 
 
@@ -330,7 +361,7 @@ def test_indexer_topk_fused_compiled_on_gpu():
             np.testing.assert_array_equal(got, topk_oracle(ref, k))
         else:
             assert_same_topk_up_to_near_ties(got, ref, k, 1e-5 * np.abs(ref[np.isfinite(ref)]).max())
-            assert (path == 1).mean() > 0.9
+            assert (path[np.asarray(pos) >= 0] == 1).mean() > 0.9   # padding lanes take path 0
 
 
 def test_topk_entry_points_reject_bad_input():
@@ -414,6 +445,8 @@ def test_index_scores_compiled_on_gpu():
                     fin = np.isfinite(ref)
                     k = min(64, S)
                     sel = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k))(q, w, ik, sc, 1, table, pos))
+                    if T > 1:                          # the same in query chunks (of 16: 2 x 4 + ...)
+                        np.testing.assert_array_equal(in_query_chunks(16, q, w, ik, sc, 1, table, pos, k), sel)
                     if integer and D in (16, 64):
                         np.testing.assert_array_equal(got[fin], ref[fin])
                         np.testing.assert_array_equal(sel, topk_oracle(ref, k))
@@ -425,26 +458,37 @@ def test_index_scores_compiled_on_gpu():
 
 @pytest.mark.gpu
 def test_model_outputs_with_topk_kernels_on_and_off():
-    """The indexer through the kernels (unfused, and the fused path forced) vs the jnp composition
-    inside the model: greedy tokens and logits to rounding (score rounding differs, so a near-tie may
-    pick another key)."""
+    """The indexer through the kernels (unfused, in query chunks of 16, and the fused path forced) vs
+    the jnp composition inside the model: greedy tokens and logits to rounding (score rounding differs,
+    so a near-tie may pick another key)."""
     import pallas_kernels.topk as tk
     from models.model import prefill_logits
     from tests.helpers import hf_model, rel_err
 
     model = hf_model("glm_indexcache")
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 40))
-    out = {}
+    out, default_max_bytes, score_calls = {}, tk.SCORES_MAX_BYTES, []
+    unrecorded = tk.index_scores_pallas
+    tk.index_scores_pallas = lambda q_, *a, **kw: (score_calls.append(q_.shape[1]), unrecorded(q_, *a, **kw))[1]
     try:
-        for mode, on, fused_from in (("kernels", True, None), ("fused", True, 1), ("off", False, None)):
-            tk.KERNELS_ENABLED, tk.FUSED_MIN_QUERIES = on, fused_from
+        for mode, on, fused, max_bytes in (("kernels", True, False, tk.SCORES_MAX_BYTES),
+                                           ("chunked", True, False, 2 * 40 * 4 * 16),  # B x S x fp32 x 16
+                                           ("fused", True, True, tk.SCORES_MAX_BYTES),
+                                           ("off", False, False, tk.SCORES_MAX_BYTES)):
+            tk.KERNELS_ENABLED, tk.USE_FUSED, tk.SCORES_MAX_BYTES = on, fused, max_bytes
             jax.clear_caches()
+            score_calls.clear()
             out[mode] = {p: np.asarray(prefill_logits(model, tokens, attn_path=p, index_dtype=d))
                          for p, d in (("expanded", "same"), ("absorbed", "fp8"))}
+            if mode == "kernels":                  # the 40 query tokens in one call, or in chunks of 16 or fewer
+                assert max(score_calls) == 40, score_calls
+            if mode == "chunked":
+                assert len(score_calls) > 1 and max(score_calls) <= 16, score_calls
     finally:
-        tk.KERNELS_ENABLED, tk.FUSED_MIN_QUERIES = True, None
+        tk.KERNELS_ENABLED, tk.USE_FUSED, tk.SCORES_MAX_BYTES = True, False, default_max_bytes
+        tk.index_scores_pallas = unrecorded
         jax.clear_caches()
-    for mode in ("kernels", "fused"):
+    for mode in ("kernels", "chunked", "fused"):
         for p in out[mode]:
             err = rel_err(out[mode][p], out["off"][p])
             print(f"top-k {mode} vs off ({p}): rel err {err:.2e}")
