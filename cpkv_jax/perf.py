@@ -131,21 +131,22 @@ def chained_time(fn, x, *rest, n: int = 10, repeat: int = 5) -> float:
 
 def measure_ceilings(dtype=jnp.bfloat16, matmul_n: int | None = None, copy_mib: int | None = None) -> dict:
     """Matmul FLOP rate (square matmul in `dtype`) and copy bandwidth (read + write of one array),
-    measured now on the default device: the denominators of MFU and bandwidth utilisation. The matmul
-    rate also sustained (20 back to back, about 30 ms on an H200), beside the one-matmul rate that
-    varied 604-700 TFLOP/s between runs (docs/perf.md); reported, not used as a denominator."""
+    measured now on the default device: the denominators of MFU and bandwidth utilisation. Both are
+    rates sustained over back-to-back calls (pipelined_time). One blocking call each (the `_one_call`
+    entries, the denominators before 2026-11-30) read 17-20% low for the matmul (651-673 against
+    795-804 TFLOP/s on the H200) and 2570-3684 GB/s for the copy, from run to run (docs/perf.md)."""
     gpu = jax.default_backend() == "gpu"
     n = matmul_n or (8192 if gpu else 1024)
     mib = copy_mib or (2048 if gpu else 256)
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     mm = jax.jit(lambda x, y: x @ y)
-    t_mm = best_time(mm, a, b)
-    t_mm_sustained = pipelined_time(mm, a, b)
     x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
     cp = jax.jit(lambda v: v + 1.0)
-    t_cp = best_time(cp, x)
-    return {"matmul_flops_per_s": 2.0 * n ** 3 / t_mm, "matmul_flops_per_s_sustained": 2.0 * n ** 3 / t_mm_sustained,
+    flops, moved = 2.0 * n ** 3, 2.0 * x.nbytes
+    return {"matmul_flops_per_s": flops / pipelined_time(mm, a, b),
+            "matmul_flops_per_s_one_call": flops / best_time(mm, a, b),
             "matmul_n": n, "matmul_dtype": str(jnp.dtype(dtype)),
-            "copy_bytes_per_s": 2.0 * x.nbytes / t_cp, "copy_mib": mib, "backend": jax.default_backend(),
-            "device": str(jax.devices()[0].device_kind)}
+            "copy_bytes_per_s": moved / pipelined_time(cp, x, n=10),
+            "copy_bytes_per_s_one_call": moved / best_time(cp, x),
+            "copy_mib": mib, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)}
