@@ -133,8 +133,8 @@ def measure_ceilings(dtype=jnp.bfloat16, matmul_n: int | None = None, copy_mib: 
     """Matmul FLOP rate (square matmul in `dtype`) and copy bandwidth (read + write of one array),
     measured now on the default device: the denominators of MFU and bandwidth utilisation. Both are
     rates sustained over back-to-back calls (pipelined_time). One blocking call each (the `_one_call`
-    entries, the denominators before 2026-11-30) read 17-20% low for the matmul (651-673 against
-    795-804 TFLOP/s on the H200) and 2570-3684 GB/s for the copy, from run to run (docs/perf.md)."""
+    entries, the denominators before 2026-11-30) read 16-33% low for the matmul (542-673 against
+    786-808 TFLOP/s on the H200) and 2570-3684 against 4124-4178 GB/s for the copy (docs/perf.md)."""
     gpu = jax.default_backend() == "gpu"
     n = matmul_n or (8192 if gpu else 1024)
     mib = copy_mib or (2048 if gpu else 256)
