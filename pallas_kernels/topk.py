@@ -743,7 +743,7 @@ def select_topk(scores, k: int, lengths=None):
 
 
 # The dispatch runs indexer_topk_fused (no score matrix) instead of scores + selection. Off: on the
-# H200 it measured 17.9 ms against 13.5 ms at a T = N = 32768 prefill and 3.5 against 2.2 ms at
+# H200 it measured 17.2 ms against 13.2 ms at a T = N = 32768 prefill and 2.8 against 2.0 ms at
 # decode T = 64 (docs/perf.md): keeping candidates inside the scores loop costs more than writing and
 # re-reading the scores. Tests flip it.
 USE_FUSED = False
