@@ -1,6 +1,8 @@
 """Pallas kernels equal their references: interpret mode on CPU (semantics), compiled on the GPU
 (marked gpu: interpret mode does not prove a kernel lowers)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,21 +279,34 @@ def test_index_scores_interpret_equals_reference(fp8):
     assert saw_unwritten
 
 
+@contextlib.contextmanager
+def recorded_score_calls():
+    """The query tokens of every call of the indexer's scores (kernel or jnp composition) while
+    inside: how a dispatch split its queries."""
+    import pallas_kernels.topk as tk
+    seen, saved = [], (tk.index_scores_pallas, tk.index_scores_reference)
+
+    def recording(f):
+        return lambda q_, *a, **kw: (seen.append(q_.shape[1]), f(q_, *a, **kw))[1]
+    tk.index_scores_pallas, tk.index_scores_reference = map(recording, saved)
+    try:
+        yield seen
+    finally:
+        tk.index_scores_pallas, tk.index_scores_reference = saved
+
+
 def in_query_chunks(chunk, q, w, ik, sc, layer, table, pos, k):
     """indexer_topk with SCORES_MAX_BYTES set for `chunk` query tokens per chunk; checks that the
     scores were computed in pieces of at most that many (and more than one)."""
     import pallas_kernels.topk as tk
     B, T, H, _ = q.shape
-    seen, saved = [], (tk.SCORES_MAX_BYTES, tk.index_scores_pallas, tk.index_scores_reference)
-
-    def recording(f):
-        return lambda q_, *a, **kw: (seen.append(q_.shape[1]), f(q_, *a, **kw))[1]
-    tk.index_scores_pallas, tk.index_scores_reference = map(recording, saved[1:])
+    saved = tk.SCORES_MAX_BYTES
     tk.SCORES_MAX_BYTES = B * table.shape[1] * 4 * (1 if tk._on_gpu() else H) * chunk
     try:
-        got = np.asarray(jax.jit(lambda *a: tk.indexer_topk(*a, k))(q, w, ik, sc, layer, table, pos))
+        with recorded_score_calls() as seen:
+            got = np.asarray(jax.jit(lambda *a: tk.indexer_topk(*a, k))(q, w, ik, sc, layer, table, pos))
     finally:
-        tk.SCORES_MAX_BYTES, tk.index_scores_pallas, tk.index_scores_reference = saved
+        tk.SCORES_MAX_BYTES = saved
     assert len(seen) > 1 and max(seen) <= chunk and sum(seen) == T, seen
     return got
 
@@ -467,27 +482,25 @@ def test_model_outputs_with_topk_kernels_on_and_off():
 
     model = hf_model("glm_indexcache")
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 40))
-    out, default_max_bytes, score_calls = {}, tk.SCORES_MAX_BYTES, []
-    unrecorded = tk.index_scores_pallas
-    tk.index_scores_pallas = lambda q_, *a, **kw: (score_calls.append(q_.shape[1]), unrecorded(q_, *a, **kw))[1]
-    try:
-        for mode, on, fused, max_bytes in (("kernels", True, False, tk.SCORES_MAX_BYTES),
-                                           ("chunked", True, False, 2 * 40 * 4 * 16),  # B x S x fp32 x 16
-                                           ("fused", True, True, tk.SCORES_MAX_BYTES),
-                                           ("off", False, False, tk.SCORES_MAX_BYTES)):
-            tk.KERNELS_ENABLED, tk.USE_FUSED, tk.SCORES_MAX_BYTES = on, fused, max_bytes
+    out, default_max_bytes = {}, tk.SCORES_MAX_BYTES
+    with recorded_score_calls() as score_calls:
+        try:
+            for mode, on, fused, max_bytes in (("kernels", True, False, tk.SCORES_MAX_BYTES),
+                                               ("chunked", True, False, 2 * 40 * 4 * 16),  # B x S x fp32 x 16
+                                               ("fused", True, True, tk.SCORES_MAX_BYTES),
+                                               ("off", False, False, tk.SCORES_MAX_BYTES)):
+                tk.KERNELS_ENABLED, tk.USE_FUSED, tk.SCORES_MAX_BYTES = on, fused, max_bytes
+                jax.clear_caches()
+                score_calls.clear()
+                out[mode] = {p: np.asarray(prefill_logits(model, tokens, attn_path=p, index_dtype=d))
+                             for p, d in (("expanded", "same"), ("absorbed", "fp8"))}
+                if mode == "kernels":              # the 40 query tokens in one call, or in chunks of 16 or fewer
+                    assert max(score_calls) == 40, score_calls
+                if mode == "chunked":
+                    assert len(score_calls) > 1 and max(score_calls) <= 16, score_calls
+        finally:
+            tk.KERNELS_ENABLED, tk.USE_FUSED, tk.SCORES_MAX_BYTES = True, False, default_max_bytes
             jax.clear_caches()
-            score_calls.clear()
-            out[mode] = {p: np.asarray(prefill_logits(model, tokens, attn_path=p, index_dtype=d))
-                         for p, d in (("expanded", "same"), ("absorbed", "fp8"))}
-            if mode == "kernels":                  # the 40 query tokens in one call, or in chunks of 16 or fewer
-                assert max(score_calls) == 40, score_calls
-            if mode == "chunked":
-                assert len(score_calls) > 1 and max(score_calls) <= 16, score_calls
-    finally:
-        tk.KERNELS_ENABLED, tk.USE_FUSED, tk.SCORES_MAX_BYTES = True, False, default_max_bytes
-        tk.index_scores_pallas = unrecorded
-        jax.clear_caches()
     for mode in ("kernels", "chunked", "fused"):
         for p in out[mode]:
             err = rel_err(out[mode][p], out["off"][p])
