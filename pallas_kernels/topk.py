@@ -386,17 +386,54 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         def _():
             jax.lax.fori_loop(*r.segment(seg, seg_chunks), emit(r.keys), (start, jnp.int32(0)))
 
-    out_cols = jnp.arange(out_chunk, dtype=jnp.int32)
-
     @pl.when(seg == 0)
     def _():
-        def pad(c, carry):
-            at = pl.multiple_of(c * out_chunk, out_chunk)
-            plt.store(o_ref.at[row, pl.ds(at, out_chunk)], jnp.full((out_chunk,), -1, jnp.int32),
-                      mask=at + out_cols >= k_eff)
-            return carry
+        _pad_positions(o_ref, row, k_eff, k, out_chunk)
 
-        jax.lax.fori_loop(0, (k + out_chunk - 1) // out_chunk, pad, jnp.int32(0))
+
+def _pad_positions(o_ref, row, k_eff, k: int, out_chunk: int):
+    """-1 in o_ref[row, k_eff:k], out_chunk at a time."""
+    out_cols = jnp.arange(out_chunk, dtype=jnp.int32)
+
+    def pad(c, carry):
+        at = pl.multiple_of(c * out_chunk, out_chunk)
+        plt.store(o_ref.at[row, pl.ds(at, out_chunk)], jnp.full((out_chunk,), -1, jnp.int32),
+                  mask=at + out_cols >= k_eff)
+        return carry
+
+    jax.lax.fori_loop(0, (k + out_chunk - 1) // out_chunk, pad, jnp.int32(0))
+
+
+def _resident_row_kernel(len_ref, s_ref, *refs, k: int, bits: int, out_chunk: int):
+    """Program (row) for rows short enough to stay in registers (s_ref [rows, width], width a power
+    of two): the row is read once, the threshold found by the digit search over the resident keys
+    (`bits` per pass, every pass a count against all its digits at once), and the positions written
+    from them: one call, no candidates buffer, no sample. Path 0 (all visible) or 2 (searched)."""
+    o_ref, path_ref = refs[-2:]                                 # (refs[0] is the poisoned input, tests)
+    r = _Row(len_ref, s_ref, pl.program_id(0), s_ref.shape[1], bits)
+    row = r.row
+    col = jnp.arange(s_ref.shape[1], dtype=jnp.int32)
+    key = jnp.where(col < r.length, order_keys(s_ref[row, :]), NEG_INF_KEY)
+    n_vis = jnp.sum((key > NEG_INF_KEY).astype(jnp.int32))
+    k_eff = jnp.minimum(n_vis, k)
+
+    def search():
+        u, _, upper, _ = r.search(lambda t: jnp.sum((key[:, None, None] >= t[None]).astype(jnp.int32), axis=0),
+                                  jnp.full((1,), k_eff), jnp.zeros((1,), jnp.int32), 0)
+        return r.pick(u, 0) ^ INT_MIN, r.pick(upper, 0)
+
+    searched = n_vis > k
+    threshold, n_above = jax.lax.cond(searched, search, lambda: (n_vis * 0 + NEG_INF_KEY, n_vis))
+    path_ref[row] = searched.astype(jnp.int32) * 2
+    eq = ((key == threshold) & (key > NEG_INF_KEY)).astype(jnp.int32)
+    need_equal = k_eff - n_above
+    # (equal keys in position order up to the quota; a prefix sum only when there are more than it)
+    take_eq = jax.lax.cond(jnp.sum(eq) > need_equal, lambda: jnp.where(jnp.cumsum(eq) <= need_equal, eq, 0),
+                           lambda: eq)
+    sel = ((key > threshold) & (key > NEG_INF_KEY)) | (take_eq > 0)
+    at = jnp.cumsum(sel.astype(jnp.int32)) - 1
+    plt.store(o_ref.at[row, jnp.where(sel, at, o_ref.shape[1] - 1)], col, mask=sel)
+    _pad_positions(o_ref, row, k_eff, k, out_chunk)
 
 
 def check_selection_args(scores, k, lengths):
@@ -462,8 +499,8 @@ def _call(kernel, grid, args, out_shape, poison, num_warps: int, num_stages: int
 
 def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits: int = 4, capacity: int = 4096,
                        sample: int = 4096, sub: int = 512, segments: int = 1, num_warps: int = 16,
-                       num_stages: int = 1, interpret: bool = False, poison: int | None = None,
-                       return_path: bool = False, stop_after: int | None = None):
+                       num_stages: int = 1, resident: bool = False, interpret: bool = False,
+                       poison: int | None = None, return_path: bool = False, stop_after: int | None = None):
     """scores [..., N] fp32; lengths [...] (optional): columns at or past a row's length are not
     visible (as if -inf). Returns [..., k] int32 in the module's convention (and, with return_path,
     each row's path: an index into PATHS). Two calls: bracket + filter, then threshold + emit, each
@@ -472,7 +509,8 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
     keys per step when counting those. `poison` (tests): the output buffer starts filled with it, so
     an element the kernel fails to write shows. stop_after (benchmarks): end after stage 1
     (bracket), 2 (filter) or 3 (threshold), to time the stages by difference; the output is then
-    not the selection."""
+    not the selection. resident: rows of up to RESIDENT_MAX_WIDTH columns in one call of one program per
+    row that keeps the row in registers (_resident_row_kernel; bits and num_warps apply, the rest not)."""
     check_selection_args(scores, k, lengths)
     if 32 % bits:
         raise ValueError(f"bits per pass must divide 32, got {bits}")
@@ -485,6 +523,17 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
     s = scores.reshape(-1, n).astype(jnp.float32)
     r = s.shape[0]
     ln = jnp.full((r,), n, jnp.int32) if lengths is None else jnp.minimum(lengths.reshape(-1), n).astype(jnp.int32)
+    out_chunk = min(1024, pl.next_power_of_2(k))
+    k_pad = -(-k // out_chunk) * out_chunk
+    if resident:
+        if n > RESIDENT_MAX_WIDTH:
+            raise ValueError(f"resident rows hold at most {RESIDENT_MAX_WIDTH} columns, got {n}")
+        s = _pad_to(s, 1, max(16, pl.next_power_of_2(n)), NEG_INF)
+        out, path = _call(functools.partial(_resident_row_kernel, k=k, bits=bits, out_chunk=out_chunk), (r,),
+                          [ln, s], (jax.ShapeDtypeStruct((r, k_pad + 1), jnp.int32),
+                                    jax.ShapeDtypeStruct((r,), jnp.int32)), poison, num_warps, 1, interpret)
+        out = out[:, :k].reshape(lead + (k,))
+        return (out, path.reshape(lead)) if return_path else out
     chunk = min(chunk, pl.next_power_of_2(n))
     s = _pad_to(s, 1, chunk, NEG_INF)
     seg_chunks = -(-(s.shape[1] // chunk) // segments)
@@ -494,8 +543,6 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
         [ln, s], (jax.ShapeDtypeStruct((r, segments, 8), jnp.int32),
                   jax.ShapeDtypeStruct((r, segments, capacity + 1, 2), jnp.int32)), None, num_warps, num_stages,
         interpret)
-    out_chunk = min(1024, pl.next_power_of_2(k))
-    k_pad = -(-k // out_chunk) * out_chunk
     if stop_after in (1, 2):
         out = jnp.broadcast_to(record[:, :1, 0] ^ record[:, :1, _LO_KEY] ^ cands[:, 0, :1, 0], (r, k_pad + 1))
         path = out[:, 0]
@@ -702,6 +749,9 @@ def _on_gpu() -> bool:
 def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
+
+# The widest row _resident_row_kernel keeps in registers (32 keys per thread at 16 warps).
+RESIDENT_MAX_WIDTH = 16384
 
 # Below this many rows lax.top_k's composition is used (measured on the H200, docs/perf.md: the
 # kernel is faster from 8 rows of 131072).

@@ -85,8 +85,13 @@ SELECT_FIELDS = ("bits", "chunk", "capacity", "sample", "sub", "num_warps", "num
 
 def select_variant(tiling: str, rows: int, width: int, lengths=None, return_path=False, stop_after=None):
     """tiling: bits per pass : chunk : candidate capacity : sample : sub : warps : pipeline stages :
-    segments per row, or 'dispatch' for what `select_tiling` picks for rows x width."""
+    segments per row, 'dispatch' for what `select_tiling` picks for rows x width, or
+    'resident:bits:warps' for the resident-row kernel."""
     from pallas_kernels.topk import select_tiling, select_topk_pallas
+    if tiling.startswith("resident:"):
+        bits, warps = map(int, tiling.split(":")[1:])
+        return (f"pallas_resident_b{bits}_w{warps}", lambda s, k: select_topk_pallas(
+            s, k, lengths, bits=bits, num_warps=warps, resident=True, return_path=return_path))
     if tiling == "dispatch":
         t = select_tiling(rows, width)
         tiling = ":".join(str(t[f]) for f in SELECT_FIELDS)
@@ -275,7 +280,7 @@ def main() -> int:
                    help="rows x width of the selection cases")
     p.add_argument("--select-tilings", default=SELECT_TILINGS,
                    help="selection tilings, comma-separated bits:chunk:capacity:sample:sub:warps:stages:segments "
-                        "or 'dispatch'")
+                        "or 'dispatch' or resident:bits:warps")
     p.add_argument("--score-tilings", default=SCORE_TILINGS,
                    help="indexer scores tilings, comma-separated block_m:block_n:steps:warps:stages[:gather], "
                         "'dispatch' or 'indexer'")

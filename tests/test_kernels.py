@@ -98,9 +98,9 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 
 # ---- indexer top-k ----------------------------------------------------------------------------
 
-from pallas_kernels.topk import (PATHS, index_keys_fp32, index_scores_pallas, index_scores_reference,  # noqa: E402
-                                 indexer_topk, indexer_topk_fused, sample_block_start, sample_size, select_tiling,
-                                 select_topk, select_topk_pallas, select_topk_reference)
+from pallas_kernels.topk import (PATHS, RESIDENT_MAX_WIDTH, index_keys_fp32, index_scores_pallas,  # noqa: E402
+                                 index_scores_reference, indexer_topk, indexer_topk_fused, sample_block_start,
+                                 sample_size, select_tiling, select_topk, select_topk_pallas, select_topk_reference)
 
 
 def topk_oracle(scores, k, lengths=None):
@@ -201,6 +201,23 @@ def test_select_topk_interpret_equals_reference(kw):
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{s.shape} k={k}")
         paths |= set(np.asarray(path).tolist())
     assert paths == set(range(len(PATHS))), paths
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_select_topk_resident_interpret_equals_reference(bits):
+    """The resident-row kernel (one call, the row in registers) on every selection case: ties at the
+    threshold, -inf, -0/+0, nothing visible, fewer visible than k, lengths; rows of a power of two
+    and not. Both paths are taken; wider rows than it holds are refused."""
+    rng = np.random.default_rng(10 + bits)
+    paths = set()
+    for s, k, lengths in selection_cases(rng):
+        got, path = select_topk_pallas(jnp.asarray(s), k, None if lengths is None else jnp.asarray(lengths),
+                                       bits=bits, resident=True, interpret=True, poison=-7, return_path=True)
+        np.testing.assert_array_equal(np.asarray(got), topk_oracle(s, k, lengths), err_msg=f"{s.shape} k={k}")
+        paths |= set(np.asarray(path).tolist())
+    assert paths == {PATHS.index("all visible"), PATHS.index("full search")}, paths
+    with pytest.raises(ValueError, match="resident rows hold at most"):
+        select_topk_pallas(jnp.zeros((2, RESIDENT_MAX_WIDTH + 1)), 8, resident=True, interpret=True)
 
 
 def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2):
@@ -413,7 +430,10 @@ def test_select_topk_compiled_on_gpu_equals_reference():
         ln = None if lengths is None else jnp.asarray(lengths)
         small = s.size < 10 ** 5
         variants = [select_tiling(*s.shape)] + SMALL_SELECT[:3]
-        for kw in variants[:len(variants) if small else 1]:
+        variants = variants[:len(variants) if small else 1]
+        if s.shape[1] <= RESIDENT_MAX_WIDTH:         # the resident-row kernel at every digit width
+            variants += [dict(resident=True, bits=b, num_warps=w) for b, w in ((1, 8), (2, 8), (4, 16))]
+        for kw in variants:
             got, path = jax.jit(lambda x, l: select_topk_pallas(x, k, l, poison=-7, return_path=True, **kw))(
                 jnp.asarray(s), ln)
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{s.shape} k={k} {kw}")
