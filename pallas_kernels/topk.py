@@ -406,9 +406,10 @@ def _pad_positions(o_ref, row, k_eff, k: int, out_chunk: int):
 
 def _resident_row_kernel(len_ref, s_ref, *refs, k: int, bits: int, out_chunk: int):
     """Program (row) for rows short enough to stay in registers (s_ref [rows, width], width a power
-    of two): the row is read once, the threshold found by the digit search over the resident keys
-    (`bits` per pass, every pass a count against all its digits at once), and the positions written
-    from them: one call, no candidates buffer, no sample. Path 0 (all visible) or 2 (searched)."""
+    of two): the row is read once, the threshold (the k-th largest key) is built `bits` at a time from
+    the top, each pass one count of the resident keys against all its digits at once, and the positions
+    are written from them: one call, no candidates buffer, no sample. Path 0 (all visible) or 2
+    (searched)."""
     o_ref, path_ref = refs[-2:]                                 # (refs[0] is the poisoned input, tests)
     r = _Row(len_ref, s_ref, pl.program_id(0), s_ref.shape[1], bits)
     row = r.row
@@ -417,10 +418,21 @@ def _resident_row_kernel(len_ref, s_ref, *refs, k: int, bits: int, out_chunk: in
     n_vis = jnp.sum((key > NEG_INF_KEY).astype(jnp.int32))
     k_eff = jnp.minimum(n_vis, k)
 
+    # (Triton tensors have power-of-two sizes: digit 0, which always passes, is counted too unless
+    # bits = 1)
+    first = 1 if bits == 1 else 0
+    digits = jnp.arange(first, 2 ** bits, dtype=jnp.int32)
+
+    def digit(p, u):
+        # u: the unsigned-domain prefix of the threshold fixed so far; this pass's digit is how many
+        # of its nonzero extensions keep at least k_eff keys at or above them
+        shift = 32 - bits * (p + 1)
+        counts = jnp.sum((key[:, None] >= ((u | (digits << shift)) ^ INT_MIN)[None, :]).astype(jnp.int32), axis=0)
+        return u | ((jnp.sum((counts >= k_eff).astype(jnp.int32)) + first - 1) << shift)
+
     def search():
-        u, _, upper, _ = r.search(lambda t: jnp.sum((key[:, None, None] >= t[None]).astype(jnp.int32), axis=0),
-                                  jnp.full((1,), k_eff), jnp.zeros((1,), jnp.int32), 0)
-        return r.pick(u, 0) ^ INT_MIN, r.pick(upper, 0)
+        threshold = jax.lax.fori_loop(0, 32 // bits, digit, jnp.int32(0)) ^ INT_MIN
+        return threshold, jnp.sum((key > threshold).astype(jnp.int32))
 
     searched = n_vis > k
     threshold, n_above = jax.lax.cond(searched, search, lambda: (n_vis * 0 + NEG_INF_KEY, n_vis))
