@@ -22,7 +22,11 @@ So a row is read once plus a sample when the bracket holds (3-sigma margins on t
 when it misses, the full search (8 counting passes over the row) keeps the result exact.
 Two calls, (1-2) and (3-4), each over (rows, segments): with few rows a row's columns are split over
 several programs, whose counts the second call combines. Each row reports its path (PATHS) so tests
-and benchmarks see it.
+and benchmarks see it. Rows of up to RESIDENT_MAX_WIDTH columns (all up to 8192, and up to 16384 while
+there are at most 512 rows) take one call instead (_resident_row_kernel): the row stays in registers,
+the threshold is searched one bit per pass over it, stopping as soon as exactly k keys are above the
+prefix, and the positions are emitted from the same registers; on the H200 that halves the two-call
+time at 64 x 8192 (docs/perf.md).
 
 The fused indexer (indexer_topk_fused) never writes the [T, S] scores: the scores of a sample of the
 columns give each row's bracket, the scores kernel itself keeps the keys >= lo (the same column-ordered
@@ -408,8 +412,10 @@ def _resident_row_kernel(len_ref, s_ref, *refs, k: int, bits: int, out_chunk: in
     """Program (row) for rows short enough to stay in registers (s_ref [rows, width], width a power
     of two): the row is read once, the threshold (the k-th largest key) is built `bits` at a time from
     the top, each pass one count of the resident keys against all its digits at once, and the positions
-    are written from them: one call, no candidates buffer, no sample. Path 0 (all visible) or 2
-    (searched)."""
+    are written from them: one call, no candidates buffer, no sample. The search stops as soon as
+    exactly k keys reach the prefix fixed so far (they are the selection: the prefix with its lower
+    bits zero serves as the threshold); only ties at the threshold need all 32 bits. Path 0 (all
+    visible) or 2 (searched)."""
     o_ref, path_ref = refs[-2:]                                 # (refs[0] is the poisoned input, tests)
     r = _Row(len_ref, s_ref, pl.program_id(0), s_ref.shape[1], bits)
     row = r.row
@@ -423,15 +429,20 @@ def _resident_row_kernel(len_ref, s_ref, *refs, k: int, bits: int, out_chunk: in
     first = 1 if bits == 1 else 0
     digits = jnp.arange(first, 2 ** bits, dtype=jnp.int32)
 
-    def digit(p, u):
-        # u: the unsigned-domain prefix of the threshold fixed so far; this pass's digit is how many
-        # of its nonzero extensions keep at least k_eff keys at or above them
+    def digit(st):
+        # u: the unsigned-domain prefix of the threshold fixed so far, n_ge: how many keys reach it;
+        # this pass's digit is how many of u's nonzero extensions keep at least k_eff keys
+        p, u, n_ge = st
         shift = 32 - bits * (p + 1)
         counts = jnp.sum((key[:, None] >= ((u | (digits << shift)) ^ INT_MIN)[None, :]).astype(jnp.int32), axis=0)
-        return u | ((jnp.sum((counts >= k_eff).astype(jnp.int32)) + first - 1) << shift)
+        d = jnp.sum((counts >= k_eff).astype(jnp.int32)) + first - 1
+        n_ge = jnp.where(d >= first, jnp.sum(jnp.where(digits == d, counts, 0)), n_ge)
+        return p + 1, u | (d << shift), n_ge
 
     def search():
-        threshold = jax.lax.fori_loop(0, 32 // bits, digit, jnp.int32(0)) ^ INT_MIN
+        _, u, _ = jax.lax.while_loop(lambda st: (st[0] < 32 // bits) & (st[2] > k_eff), digit,
+                                     (jnp.int32(0), jnp.int32(0), k_eff + 1))
+        threshold = u ^ INT_MIN
         return threshold, jnp.sum((key > threshold).astype(jnp.int32))
 
     searched = n_vis > k
@@ -771,9 +782,20 @@ MIN_KERNEL_ROWS = 8
 
 
 def select_tiling(rows: int, width: int, k: int = 2048) -> dict:
-    """The selection kernel's parameters, the fastest measured on the H200 (docs/perf.md: k = 2048
-    over 64 x 8192, 2048 x 32768, 64 x 131072 and 8 x 131072). Few rows split their columns over
-    several programs (segments) to use more of the 132 SMs. Wide rows need the larger sample: with
+    """The selection kernel's parameters, the fastest measured on the H200 at k = 2048 (docs/perf.md):
+    rows in registers (one call, one bit per pass) up to 8192 columns, 18 against 37 µs at 64 x 8192
+    and 132 against 329 at 2048 x 8192, and at 16384 columns up to 512 rows (87 against 93 µs; at 2048
+    rows the two calls win, 291 against 310); 16 warps up to 512 rows, 8 above (184 against 132 µs
+    at 2048 x 8192). Wider rows take the two calls (bracket_tiling)."""
+    if width <= 8192 or (width <= RESIDENT_MAX_WIDTH and rows <= 512):
+        return {"resident": True, "bits": 1, "num_warps": 16 if rows <= 512 else 8}
+    return bracket_tiling(rows, width, k)
+
+
+def bracket_tiling(rows: int, width: int, k: int = 2048) -> dict:
+    """The two-call selection's parameters (k = 2048 over 64 x 8192, 2048 x 32768, 64 x 131072 and
+    8 x 131072 on the H200). Few rows split their columns over several programs (segments) to use
+    more of the 132 SMs. Wide rows need the larger sample: with
     2048 keys, 5 of 64 rows of 131072 missed the bracket and took the full search. The candidates
     (keys >= lo: k plus the bracket's margin) need room for about 3k: on random rows with k = 2048 a
     row kept on average 2414, 2796 and 3086 of 8192, 32768 and 131072 columns, at most 2622, 3552

@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpkv_jax.perf import chained_time  # noqa: E402
+from scripts.bench_kernels import SELECT_CHAIN  # noqa: E402
 
 
 def load_version(name: str, path: str):
@@ -63,8 +64,8 @@ def main():
                     "rows_by_path": np.bincount(np.asarray(path), minlength=len(m.PATHS)).tolist()}
             for stage in (1, 2, 3) if args.stages else ():
                 cell[f"stages_1_to_{stage}_us"] = 1e6 * chained_time(
-                    lambda s: m.select_topk_pallas(s, args.k, stop_after=stage, **tiling), x)
-            cell["us"] = 1e6 * chained_time(lambda s: m.select_topk_pallas(s, args.k, **tiling), x)
+                    lambda s: m.select_topk_pallas(s, args.k, stop_after=stage, **tiling), x, **SELECT_CHAIN)
+            cell["us"] = 1e6 * chained_time(lambda s: m.select_topk_pallas(s, args.k, **tiling), x, **SELECT_CHAIN)
             entry[name] = cell
             timings = " ".join(f"{key} {v:.1f}" for key, v in cell.items() if key.endswith("us"))
             print(f"{rows}x{width} {name}: equal={cell['equal']} paths={cell['rows_by_path']} {timings} "

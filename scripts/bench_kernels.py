@@ -75,26 +75,30 @@ def bench_compaction(args, ceil):
     return out
 
 
+# Chains for selection timings (tens of µs each): with chains of 10, best of 5, one version timed
+# twice read 10 and 33 µs; chains of 50, best of 10, agree within a few µs (docs/perf.md).
+SELECT_CHAIN = dict(n=50, repeat=10)
 SELECT_CASES = [(64, 8192), (64, 131072), (2048, 32768)]  # rows x width
 INDEXER_CASES = [  # (label, requests, queries each, keys each, prefill, queries per request for XLA)
     ("prefill", 1, 32768, 32768, True, 1024), ("decode_t1", 8, 1, 131072, False, 1),
     ("decode_t64", 8, 64, 131072, False, 16)]
-SELECT_TILINGS = "dispatch,4:4096:4096:4096:1024:16:3:1,4:2048:4096:2048:1024:8:2:1"
+SELECT_TILINGS = "dispatch,bracket,resident:1:16,resident:1:8"
 SELECT_FIELDS = ("bits", "chunk", "capacity", "sample", "sub", "num_warps", "num_stages", "segments")
 
 
 def select_variant(tiling: str, rows: int, width: int, lengths=None, return_path=False, stop_after=None):
     """tiling: bits per pass : chunk : candidate capacity : sample : sub : warps : pipeline stages :
-    segments per row, 'dispatch' for what `select_tiling` picks for rows x width, or
-    'resident:bits:warps' for the resident-row kernel."""
-    from pallas_kernels.topk import select_tiling, select_topk_pallas
+    segments per row, 'dispatch' for what `select_tiling` picks for rows x width, 'bracket' for the
+    two-call kernel's `bracket_tiling`, or 'resident:bits:warps' for the resident-row kernel."""
+    from pallas_kernels.topk import bracket_tiling, select_tiling, select_topk_pallas
+    if tiling in ("dispatch", "bracket"):
+        t = (select_tiling if tiling == "dispatch" else bracket_tiling)(rows, width)
+        tiling = (f"resident:{t['bits']}:{t['num_warps']}" if t.get("resident")
+                  else ":".join(str(t[f]) for f in SELECT_FIELDS))
     if tiling.startswith("resident:"):
         bits, warps = map(int, tiling.split(":")[1:])
         return (f"pallas_resident_b{bits}_w{warps}", lambda s, k: select_topk_pallas(
             s, k, lengths, bits=bits, num_warps=warps, resident=True, return_path=return_path))
-    if tiling == "dispatch":
-        t = select_tiling(rows, width)
-        tiling = ":".join(str(t[f]) for f in SELECT_FIELDS)
     kw = dict(zip(SELECT_FIELDS, map(int, tiling.split(":"))))
     name = "pallas_b{bits}_c{chunk}_cap{capacity}_s{sample}_u{sub}_w{num_warps}_st{num_stages}_seg{segments}"
     return (name.format(**kw), lambda s, k: select_topk_pallas(s, k, lengths, return_path=return_path,
@@ -119,18 +123,19 @@ def bench_selection(args, ceil):
         for name, f in (("lax_top_k_stable", lambda s: jax.lax.top_k(s, k)),
                         ("lax_top_k_unstable", lambda s: jax.lax.top_k(s, k, is_stable=False)),
                         ("reference", lambda s: select_topk_reference(s, k))):
-            entry[name] = _try(lambda f=f: {"s": chained_time(f, x)})
+            entry[name] = _try(lambda f=f: {"s": chained_time(f, x, **SELECT_CHAIN)})
         tilings = args.select_tilings.split(",")
         for stage in (1, 2, 3) if args.select_stages else ():
             name, f = select_variant(tilings[0], r, n, stop_after=stage)
-            entry[f"stages_1_to_{stage}_{name}"] = _try(lambda f=f: {"s": chained_time(lambda s: f(s, k), x)})
+            entry[f"stages_1_to_{stage}_{name}"] = _try(
+                lambda f=f: {"s": chained_time(lambda s: f(s, k), x, **SELECT_CHAIN)})
         for tiling in tilings:
             name, f = select_variant(tiling, r, n)
             _, f_path = select_variant(tiling, r, n, return_path=True)
 
             def run(f=f, f_path=f_path):
                 got, path = jax.jit(lambda s: f_path(s, k))(x)
-                t = chained_time(lambda s: f(s, k), x)
+                t = chained_time(lambda s: f(s, k), x, **SELECT_CHAIN)
                 paths = np.bincount(np.asarray(path), minlength=len(PATHS))
                 return {"s": t, "util": moved / t / copy_bw, "equal": bool((np.asarray(got) == want).all()),
                         "rows_by_path": dict(zip(PATHS, paths.tolist()))}
