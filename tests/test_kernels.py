@@ -160,7 +160,7 @@ SMALL_SELECT = [dict(bits=4, chunk=32, capacity=64, sample=64, sub=16, segments=
                 dict(bits=8, chunk=64, capacity=128, sample=128, sub=32, segments=2)]
 
 
-def test_dispatch_tiling_keeps_random_rows_on_the_sampled_bracket():
+def test_bracket_tilings_keep_random_rows_on_the_sampled_bracket():
     """The two-call tilings in interpret mode at GLM-5's k = 2048 and widths: every random row's
     candidates (keys >= lo) fit the capacity, so every row takes the sampled bracket (one read of the
     row; the full search would be 8), and the result is exact."""
