@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from models.kv import dequantize_index_k
+from pallas_kernels import scores_mgpu
 
 NEG_INF = float("-inf")
 INT_MIN = -(2 ** 31)
@@ -697,7 +698,7 @@ GATHER_KEYS_MIN_QUERY_BLOCKS = 8
 def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions, *, block_m: int = 128,
                         block_n: int = 64, steps: int = 32, num_warps: int = 4, num_stages: int = 3,
                         gather_keys: bool | None = None, interpret: bool = False, poison: float | None = None,
-                        epilogue: bool = True, write_invisible: bool = True):
+                        epilogue: bool = True, write_invisible: bool = True, mgpu: bool | dict = False):
     """The indexer's scores, the keys read through the page table (in the kernel, or gathered once
     before it when many query blocks read them), with no [B, T, H, S] per-head intermediate.
     q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8 with index_scale [L, slots], or plain
@@ -709,13 +710,27 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     (docs/perf.md); they fit shared memory with fp32 queries. write_invisible=False: key blocks that
     no query of a query block sees are not written (their values are undefined), for a consumer that
     reads each row only below its length (positions + 1), as the selection does; at a causal prefill
-    that is half of the [T, S] matrix."""
+    that is half of the [T, S] matrix. mgpu (True, or a scores_mgpu tiling dict): the gathered path
+    runs the Mosaic GPU kernel instead (bf16 queries; the keys are then always gathered; operands it
+    cannot take raise ValueError naming why). interpret: True, or Mosaic GPU interpreter parameters
+    for the mgpu kernel (plgpu.InterpretGPUParams)."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
     T, S = q.shape[1], slot_table.shape[1]
     out = _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, block_m=block_m, block_n=block_n,
                        steps=steps, num_warps=num_warps, num_stages=num_stages, gather_keys=gather_keys,
-                       interpret=interpret, poison=poison, epilogue=epilogue, write_invisible=write_invisible)
+                       interpret=interpret, poison=poison, epilogue=epilogue, write_invisible=write_invisible,
+                       mgpu=mgpu)
     return out[:, :T, :S]
+
+
+def mgpu_tiling(mgpu: bool | dict, T: int, H: int, D: int, q_dtype) -> dict:
+    """The Mosaic GPU scores kernel's tiling for an mgpu request, or ValueError saying why these
+    operands cannot take it."""
+    tiling = {**scores_mgpu.DEFAULT_TILING, **(mgpu if isinstance(mgpu, dict) else {})}
+    err = scores_mgpu.mgpu_shape_error(T, H, D, q_dtype, **tiling)
+    if err is not None:
+        raise ValueError(f"index_scores_pallas(mgpu=...): {err}")
+    return tiling
 
 
 def query_block(T: int, H: int, block_m: int = 128) -> int:
@@ -726,13 +741,16 @@ def query_block(T: int, H: int, block_m: int = 128) -> int:
 def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, block_m: int, block_n: int, steps: int,
                  num_warps: int, num_stages: int, gather_keys: bool | None, interpret: bool, poison=None,
                  epilogue: bool = True, write_invisible: bool = True, bracket=None, capacity: int | None = None,
-                 bits: int = 4):
+                 bits: int = 4, mgpu: bool | dict = False):
     """The scores kernel on padded operands: [B, Tp, Sp] scores, or with a bracket ([B * Tp, 2] lo/hi
     per padded row) the fused indexer's (record, candidates) over all key blocks in one group."""
     B, T, H, D = q.shape
     S = slot_table.shape[1]
     block_t = query_block(T, H, block_m)
     block_n = min(block_n, max(16, pl.next_power_of_2(S)))
+    tiling = mgpu_tiling(mgpu, T, H, D, q.dtype) if mgpu and bracket is None and epilogue else None
+    if tiling is not None:
+        block_t, block_n, gather_keys = scores_mgpu.COMPUTE_WGS * tiling["block_t"], tiling["block_kv"], True
     q = _pad_to(q, 1, block_t, 0)
     Tp = q.shape[1]
     q = q.reshape(B, Tp * H, D)
@@ -750,6 +768,9 @@ def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, bl
         # (one gather indexed by layer and slot: slicing the layer out first could copy it whole)
         keys = [index_k[layer[0], table].astype(_dot_dtype(q.dtype))]
         keys += [index_scale[layer[0], table]] if fp8 else []
+    if tiling is not None:
+        return scores_mgpu.gathered_scores_mgpu(q, w, pos, *keys[:1], keys[1] if fp8 else None, heads=H,
+                                                write_invisible=write_invisible, interpret=interpret, **tiling)
     kernel = functools.partial(_scores_kernel, heads=H, block_t=block_t, block_n=block_n, steps=steps, fp8=fp8,
                                gathered=gather_keys, epilogue=epilogue, write_invisible=write_invisible,
                                capacity=capacity if bracket is not None else None, bits=bits, width=S)
@@ -834,11 +855,27 @@ def select_topk(scores, k: int, lengths=None):
 # re-reading the scores. Tests flip it.
 USE_FUSED = False
 
+# The dispatch runs the gathered scores (calls of at least GATHER_KEYS_MIN_QUERY_BLOCKS query blocks:
+# prefill) through the Mosaic GPU kernel (scores_mgpu) where its shapes fit: on the H200 at a
+# T = N = 32768 GLM-5 prefill the scores take 7.2 against 9.6 ms, the indexer 11.1 against 13.0 ms
+# (docs/perf.md). Both kernels equal the fp32 reference to fp32 rounding, but not to the bit: a
+# near-tie can rank differently between a call that takes this kernel and one that takes the Triton
+# kernel. Read at trace time; tests flip it.
+USE_MGPU_SCORES = True
+
 # The largest score buffer one indexer call may hold: the kernels' [B, T, S] fp32 scores, or the jnp
 # composition's [B, T, H, S] per-head scores. A longer call runs its query tokens in chunks (each
 # chunk's scores, then its selection), so a long prefill's memory stays bounded at the unfused speed.
 # 4 GiB is T = S = 32768 on the kernels.
 SCORES_MAX_BYTES = 4 << 30
+
+
+def use_mgpu_scores(T: int, H: int, D: int, q_dtype) -> bool:
+    """Whether the dispatch runs these scores through the Mosaic GPU kernel: USE_MGPU_SCORES, keys
+    gathered (enough query blocks read them) and shapes it takes."""
+    gathered = pl.cdiv(T, query_block(T, H)) >= GATHER_KEYS_MIN_QUERY_BLOCKS
+    tiling = scores_mgpu.DEFAULT_TILING
+    return USE_MGPU_SCORES and gathered and scores_mgpu.mgpu_shape_error(T, H, D, q_dtype, **tiling) is None
 
 
 def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int):
@@ -857,7 +894,8 @@ def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: in
     def select(t0):
         q_, w_, pos_ = q[:, t0:t0 + chunk], w[:, t0:t0 + chunk], positions[:, t0:t0 + chunk]
         if kernels:
-            scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, slot_table, pos_, write_invisible=False)
+            scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, slot_table, pos_, write_invisible=False,
+                                         mgpu=use_mgpu_scores(q_.shape[1], H, D, q.dtype))
             return select_topk(scores, k, pos_ + 1)
         return select_topk_reference(index_scores_reference(q_, w_, keys, pos_, D), k)
     if T <= chunk:

@@ -155,7 +155,7 @@ def bench_selection(args, ceil):
     return out
 
 
-SCORE_TILINGS = "indexer,dispatch,256:128:32:8:3,128:128:8:4:3"
+SCORE_TILINGS = "indexer,mgpu,dispatch,256:128:32:8:3,128:128:8:4:3"
 SCORE_FIELDS = ("block_m", "block_n", "steps", "num_warps", "num_stages", "gather_keys")
 
 
@@ -163,11 +163,16 @@ def score_variant(tiling: str) -> tuple[str, dict]:
     """tiling: query rows x heads : key block : key blocks per program : warps : pipeline stages
     [: 1/0 keys gathered before the kernel or read through the table], 'dispatch' (the kernel's
     defaults, the whole matrix written) or 'indexer' (what indexer_topk runs: the defaults, with the
-    key blocks no query sees left unwritten)."""
+    key blocks no query sees left unwritten), or mgpu[:block_t:stages] (the Mosaic GPU kernel on
+    the gathered keys, unseen key blocks unwritten as in 'indexer')."""
     if tiling == "dispatch":
         return "dispatch", {}
     if tiling == "indexer":
         return "indexer", {"write_invisible": False}
+    if tiling.startswith("mgpu"):
+        vals = [int(v) for v in tiling.split(":")[1:]]
+        mgpu = dict(zip(("block_t", "stages"), vals))
+        return tiling.replace(":", "_"), {"mgpu": mgpu or True, "write_invisible": False}
     vals = [int(v) for v in tiling.split(":")]
     kw = dict(zip(SCORE_FIELDS, vals))
     if "gather_keys" in kw:
@@ -288,7 +293,7 @@ def main() -> int:
                         "or 'dispatch' or resident:bits:warps")
     p.add_argument("--score-tilings", default=SCORE_TILINGS,
                    help="indexer scores tilings, comma-separated block_m:block_n:steps:warps:stages[:gather], "
-                        "'dispatch' or 'indexer'")
+                        "'dispatch', 'indexer' or mgpu[:block_t:stages]")
     p.add_argument("--indexer-cases", default=",".join(c[0] for c in INDEXER_CASES),
                    help="indexer cases to run, comma-separated labels")
     p.add_argument("--fused", action="store_true",

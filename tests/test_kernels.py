@@ -297,6 +297,40 @@ def test_index_scores_interpret_equals_reference(fp8):
     assert saw_unwritten
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_index_scores_mgpu_interpret_equals_reference(fp8):
+    """The Mosaic GPU scores kernel (Mosaic GPU's interpreter, race detector on) through
+    index_scores_pallas: T and S not multiples of its tiles, padding lanes, more key blocks than
+    pipeline slots, block_t 8 and 2. Integer inputs at D = 64
+    are exact (scores and top-k set equal the reference); the rest agree to fp32 rounding. Output
+    cells start as NaN in the interpreter, so a cell left unwritten shows."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    rng = np.random.default_rng(30 + int(fp8))
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    for (B, T, H, D, S), tiling in (((2, 20, 8, 64, 150), {"block_t": 8, "stages": 2}),
+                                    ((1, 13, 16, 128, 300), {"block_t": 2, "stages": 3})):
+        for integer in (True, False):
+            q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.bfloat16)
+            ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
+            visible = np.arange(S)[None, None, :] <= np.asarray(pos)[:, :, None]
+            for write_invisible in (True, False):
+                got = np.asarray(index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=tiling, interpret=interp,
+                                                     write_invisible=write_invisible))
+                unwritten = np.isnan(got)
+                assert not (unwritten & visible).any()
+                assert write_invisible == (not unwritten.any())
+                np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref) & ~unwritten)
+                fin = np.isfinite(ref)
+                if integer and D in (16, 64, 256):   # D**-0.5 a power of two: every sum exact
+                    np.testing.assert_array_equal(got[fin], ref[fin])
+                    sel = select_topk_pallas(jnp.asarray(got), 9, pos + 1, chunk=16, interpret=True, poison=-7)
+                    np.testing.assert_array_equal(np.asarray(sel), topk_oracle(ref, 9))
+                else:  # fp32 rounding only (the same bf16 operands): error against the scores' scale
+                    assert np.abs(got[fin] - ref[fin]).max() <= 1e-6 * np.abs(ref[fin]).max()
+    with pytest.raises(ValueError, match="queries must be bf16"):
+        index_scores_pallas(q.astype(jnp.float32), w, ik, sc, 1, table, pos, mgpu=True, interpret=interp)
+
+
 @contextlib.contextmanager
 def recorded_score_calls():
     """The query tokens of every call of the indexer's scores (kernel or jnp composition) while
@@ -481,15 +515,106 @@ def test_index_scores_compiled_on_gpu():
                     fin = np.isfinite(ref)
                     k = min(64, S)
                     sel = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k))(q, w, ik, sc, 1, table, pos))
-                    if T > 1:                          # the same in query chunks (of 16: 2 x 4 + ...)
-                        np.testing.assert_array_equal(in_query_chunks(16, q, w, ik, sc, 1, table, pos, k), sel)
+                    chunked = None
+                    if T > 1:   # in query chunks (of 16: 2 x 4 + ...); with the Triton kernel alone,
+                        # bit-identical to one call (the gathered and page-table paths compute alike)
+                        with mgpu_scores(False):
+                            one_call = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k))(q, w, ik, sc, 1, table, pos))
+                            np.testing.assert_array_equal(in_query_chunks(16, q, w, ik, sc, 1, table, pos, k),
+                                                          one_call)
+                        # by default a long call may take the Mosaic GPU kernel and its chunks the Triton one
+                        chunked = in_query_chunks(16, q, w, ik, sc, 1, table, pos, k)
                     if integer and D in (16, 64):
                         np.testing.assert_array_equal(got[fin], ref[fin])
                         np.testing.assert_array_equal(sel, topk_oracle(ref, k))
+                        if chunked is not None:
+                            np.testing.assert_array_equal(chunked, sel)
                     else:
                         scale = np.abs(ref[fin]).max()
                         np.testing.assert_allclose(got[fin], ref[fin], rtol=0, atol=1e-5 * scale)
-                        assert_same_topk_up_to_near_ties(sel, ref, k, 1e-5 * scale)
+                        for picked in (sel,) if chunked is None else (sel, chunked):
+                            assert_same_topk_up_to_near_ties(picked, ref, k, 1e-5 * scale)
+
+
+@pytest.mark.gpu
+def test_index_scores_mgpu_compiled_on_gpu():
+    """The Mosaic GPU scores kernel compiled for the GPU, at GLM-5's 32 x 128 indexer and a 32 x 64
+    one, fp8 and plain keys, several tilings: exact on integer inputs at D = 64, fp32 rounding
+    otherwise, against the fp32 reference and beside the Triton kernel; every visible cell written
+    (poisoned output); and the dispatch with USE_MGPU_SCORES on picks the reference's top-k set."""
+    import pallas_kernels.topk as tk
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(5)
+    tilings = ({}, {"block_t": 4}, {"block_t": 8, "stages": 2})
+    for B, T, H, D, S in ((2, 300, 32, 128, 1000), (1, 64, 32, 64, 200), (2, 1000, 32, 128, 3000)):
+        for fp8 in (True, False):
+            for integer in (True, False):
+                q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.bfloat16)
+                ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
+                fin = np.isfinite(ref)
+                triton = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a))(q, w, ik, sc, 1, table, pos))
+                for tiling in tilings:
+                    got = np.asarray(jax.jit(lambda *a, t=tiling: index_scores_pallas(*a, mgpu=t or True))(
+                        q, w, ik, sc, 1, table, pos))
+                    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref), err_msg=str(tiling))
+                    if integer and D == 64:
+                        np.testing.assert_array_equal(got[fin], ref[fin])
+                    else:
+                        scale = np.abs(ref[fin]).max()
+                        assert np.abs(got[fin] - ref[fin]).max() <= 1e-5 * scale, tiling
+                        assert np.abs(got[fin] - triton[fin]).max() <= 1e-5 * scale, tiling
+                if integer and D == 64:                    # the dispatch, with the kernel on and off
+                    k = 64
+                    for on in (True, False):
+                        with mgpu_scores(on) as calls:
+                            sel = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k))(q, w, ik, sc, 1, table, pos))
+                        assert bool(calls) == on, calls
+                        np.testing.assert_array_equal(sel, topk_oracle(ref, k))
+
+
+@contextlib.contextmanager
+def mgpu_scores(on: bool):
+    """USE_MGPU_SCORES set to `on` while inside (jit caches cleared around it), recording the query
+    tokens of every Mosaic GPU scores call traced."""
+    import pallas_kernels.topk as tk
+    from pallas_kernels import scores_mgpu
+    seen, saved, saved_on = [], scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES
+    scores_mgpu.gathered_scores_mgpu = lambda q_, w_, pos_, *a, **kw: (seen.append(pos_.shape[1]), saved(
+        q_, w_, pos_, *a, **kw))[1]
+    tk.USE_MGPU_SCORES = on
+    jax.clear_caches()
+    try:
+        yield seen
+    finally:
+        scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES = saved, saved_on
+        jax.clear_caches()
+
+
+@pytest.mark.gpu
+def test_model_outputs_with_mgpu_scores_on_and_off():
+    """A bf16 model with GLM-5's 32 x 128 indexer (other dims tiny): prefill logits with the indexer's
+    prefill scores through the Mosaic GPU kernel vs the Triton kernel, bf16 and fp8 index keys. The
+    two round differently, so a near-tie may pick another key: logits to bf16 rounding, greedy tokens
+    nearly all equal; and the Mosaic GPU kernel did run."""
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.model import DsaModel, prefill_logits
+    from tests.helpers import rel_err
+
+    cfg = ModelConfig.named("tiny", index_n_heads=32, index_head_dim=128, index_topk=64)
+    model = DsaModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 300))
+    out = {}
+    for on in (True, False):
+        with mgpu_scores(on) as calls:
+            out[on] = {d: np.asarray(prefill_logits(model, tokens, index_dtype=d)) for d in ("same", "fp8")}
+        assert bool(calls) == on and (not on or min(calls) >= 300), calls
+    for d in out[True]:
+        err = rel_err(out[True][d], out[False][d])
+        agree = (out[True][d].argmax(-1) == out[False][d].argmax(-1)).mean()
+        print(f"mgpu scores on vs off ({d} keys): logits rel err {err:.2e}, greedy agree {agree:.4f}")
+        assert err <= 2e-2 and agree >= 0.98, (d, err, agree)
 
 
 @pytest.mark.gpu
