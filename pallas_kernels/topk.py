@@ -37,11 +37,11 @@ kept inside the scores loop cost more than writing the scores and reading them b
 Both kernels use Pallas's Triton backend: they need masked scatter stores, data-dependent row
 gathers through the page table and per-lane compare/prefix-sum work, which Triton expresses directly;
 Mosaic GPU's strengths (TMA, wgmma pipelines over dense tiles) fit none of the selection. The scores
-kernel's prefill path (keys gathered once into a dense copy) would fit them. Triton's pipelined
-loop runs it at 59% of the bf16 matmul rate sustained on the H200, and one kernel serves both the
-gathered and the page-table path. Its loads and MMAs alone run at 80%; the rest is the per-block
-head sum, which waits for each block's wgmma (docs/perf.md). Hiding it behind the next block's MMA
-(asynchronous wgmma into two accumulators) is what a Mosaic GPU version of the gathered path would buy.
+kernel's prefill path (keys gathered once into a dense copy) fits them: there Triton's pipelined loop
+runs at 59% of the bf16 matmul rate on the H200, its per-block head sum waiting on each wgmma, and
+scores_mgpu.py's warp-specialized Mosaic GPU kernel at 74-78%. The dispatch runs that one for calls
+that gather their keys (USE_MGPU_SCORES) and this module's Triton kernel for the rest (decode, short
+chunks), which reads the keys through the page table (TMA has no row gather on Hopper).
 """
 
 from __future__ import annotations
