@@ -45,7 +45,7 @@ COMPUTE_WGS = 2
 DEFAULT_TILING = {"block_t": 8, "block_kv": 64, "stages": 4}
 
 
-def mgpu_shape_error(T: int, H: int, D: int, q_dtype, *, block_t: int, block_kv: int = 64, **_) -> str | None:
+def mgpu_shape_error(H: int, D: int, q_dtype, *, block_t: int, block_kv: int = 64, **_) -> str | None:
     """Why the Mosaic GPU scores kernel cannot take these operands (None: it can)."""
     if jnp.dtype(q_dtype) != jnp.dtype(jnp.bfloat16):
         return f"queries must be bf16 (got {jnp.dtype(q_dtype).name})"
@@ -55,8 +55,6 @@ def mgpu_shape_error(T: int, H: int, D: int, q_dtype, *, block_t: int, block_kv:
         return f"head_dim {D} must be a multiple of 64"
     if block_kv != 64:
         return f"block_kv must be 64 (one warpgroup MMA's M), got {block_kv}"
-    if T < 2 * block_t:
-        return f"{T} query tokens are fewer than one program's {2 * block_t}"
     return None
 
 

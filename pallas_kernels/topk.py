@@ -723,11 +723,11 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     return out[:, :T, :S]
 
 
-def mgpu_tiling(mgpu: bool | dict, T: int, H: int, D: int, q_dtype) -> dict:
+def mgpu_tiling(mgpu: bool | dict, H: int, D: int, q_dtype) -> dict:
     """The Mosaic GPU scores kernel's tiling for an mgpu request, or ValueError saying why these
     operands cannot take it."""
     tiling = {**scores_mgpu.DEFAULT_TILING, **(mgpu if isinstance(mgpu, dict) else {})}
-    err = scores_mgpu.mgpu_shape_error(T, H, D, q_dtype, **tiling)
+    err = scores_mgpu.mgpu_shape_error(H, D, q_dtype, **tiling)
     if err is not None:
         raise ValueError(f"index_scores_pallas(mgpu=...): {err}")
     return tiling
@@ -748,7 +748,8 @@ def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, bl
     S = slot_table.shape[1]
     block_t = query_block(T, H, block_m)
     block_n = min(block_n, max(16, pl.next_power_of_2(S)))
-    tiling = mgpu_tiling(mgpu, T, H, D, q.dtype) if mgpu and bracket is None and epilogue else None
+    wants_mgpu = mgpu is True or isinstance(mgpu, dict)          # ({} : the default tiling)
+    tiling = mgpu_tiling(mgpu, H, D, q.dtype) if wants_mgpu and bracket is None and epilogue else None
     if tiling is not None:
         block_t, block_n, gather_keys = scores_mgpu.COMPUTE_WGS * tiling["block_t"], tiling["block_kv"], True
     q = _pad_to(q, 1, block_t, 0)
@@ -875,7 +876,7 @@ def use_mgpu_scores(T: int, H: int, D: int, q_dtype) -> bool:
     gathered (enough query blocks read them) and shapes it takes."""
     gathered = pl.cdiv(T, query_block(T, H)) >= GATHER_KEYS_MIN_QUERY_BLOCKS
     tiling = scores_mgpu.DEFAULT_TILING
-    return USE_MGPU_SCORES and gathered and scores_mgpu.mgpu_shape_error(T, H, D, q_dtype, **tiling) is None
+    return USE_MGPU_SCORES and gathered and scores_mgpu.mgpu_shape_error(H, D, q_dtype, **tiling) is None
 
 
 def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int):
