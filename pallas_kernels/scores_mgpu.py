@@ -13,7 +13,7 @@ warpgroups, each with its own block_t query tokens (all their heads: the MMA's N
 for GLM-5), and a third that streams key blocks (and fp8 scales) into `stages` shared-memory slots
 by TMA. Both compute warpgroups read every key block, so a block's bytes feed 2 * block_t * H query
 rows, and while one runs its epilogue the other's wgmma can run. On the H200 this runs the GLM-5
-prefill scores in 7.1-7.3 ms (74-77% of the matmul rate) against 9.2-9.6 ms for the Triton kernel.
+prefill scores in 7.1-7.3 ms (74-78% of the matmul rate) against 9.2-9.7 ms for the Triton kernel.
 Measured and not kept (docs/perf.md): FlashAttention-3-style ping-pong ordering of the two
 warpgroups' MMAs (by a shared rendezvous, or by issue order: 7.7 ms), each block's MMA split in two
 halves so the first half's epilogue overlaps the second's MMA (8.2 ms: N = 128 re-reads the keys
@@ -112,7 +112,8 @@ def _kernel(nvis_ref, pos_ref, w_ref, q_ref, k_ref, *refs, heads: int, block_t: 
                     s = s * scale
                 o_smem[wg, buf, t] = jnp.where(cols <= pos[t], s, -jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg, buf], o_ref.at[b, pl.ds(t0, block_t), pl.ds(j * block_kv, block_kv)])
+            plgpu.copy_smem_to_gmem(o_smem.at[wg, buf],
+                                    o_ref.at[b, pl.ds(t0, block_t), pl.ds(j * block_kv, block_kv)])
 
         if write_invisible:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -121,7 +122,8 @@ def _kernel(nvis_ref, pos_ref, w_ref, q_ref, k_ref, *refs, heads: int, block_t: 
 
             @pl.loop(n_vis, n_blocks)
             def _masked(j):
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, 0], o_ref.at[b, pl.ds(t0, block_t), pl.ds(j * block_kv, block_kv)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, 0],
+                                        o_ref.at[b, pl.ds(t0, block_t), pl.ds(j * block_kv, block_kv)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -140,7 +142,7 @@ def _kernel(nvis_ref, pos_ref, w_ref, q_ref, k_ref, *refs, heads: int, block_t: 
         @pl.loop(stages, jnp.maximum(n_vis, stages))
         def _refill(j):
             slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_free.at[slot])                      # both warpgroups are done with block j - stages
+            plgpu.barrier_wait(k_free.at[slot])               # both warpgroups are done with block j - stages
             if fp8:
                 plgpu.commit_smem()              # order their plain reads of the scales before the TMA's write
             load(j, slot)
