@@ -750,6 +750,9 @@ def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, bl
     block_n = min(block_n, max(16, pl.next_power_of_2(S)))
     wants_mgpu = mgpu is True or isinstance(mgpu, dict)          # ({} : the default tiling)
     tiling = mgpu_tiling(mgpu, H, D, q.dtype) if wants_mgpu and bracket is None and epilogue else None
+    if tiling is not None and poison is not None:
+        raise ValueError("index_scores_pallas(mgpu=...) cannot poison its output (Mosaic GPU's interpreter "
+                         "starts outputs as NaN)")
     if tiling is not None:
         block_t, block_n, gather_keys = scores_mgpu.COMPUTE_WGS * tiling["block_t"], tiling["block_kv"], True
     q = _pad_to(q, 1, block_t, 0)

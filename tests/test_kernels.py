@@ -333,6 +333,8 @@ def test_index_scores_mgpu_interpret_equals_reference(fp8):
     assert saw_unwritten
     with pytest.raises(ValueError, match="queries must be bf16"):
         index_scores_pallas(q.astype(jnp.float32), w, ik, sc, 1, table, pos, mgpu=True, interpret=interp)
+    with pytest.raises(ValueError, match="cannot poison"):
+        index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=True, interpret=interp, poison=np.nan)
     for H, D, match in ((4, 64, "heads a multiple of 8"), (64, 64, "at most 256"), (8, 32, "multiple of 64")):
         q, w, ik, sc, table, pos = scores_inputs(rng, 1, 4, H, D, 16, fp8, True, q_dtype=jnp.bfloat16)
         with pytest.raises(ValueError, match=match):
