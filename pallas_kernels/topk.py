@@ -738,6 +738,12 @@ def query_block(T: int, H: int, block_m: int = 128) -> int:
     return max(-(-16 // H), min(block_m // H, pl.next_power_of_2(T)))
 
 
+def gathers_keys(T: int, H: int, block_m: int = 128) -> bool:
+    """Whether a scores call of T query tokens copies its keys into table order before the kernel
+    (GATHER_KEYS_MIN_QUERY_BLOCKS query blocks read them)."""
+    return pl.cdiv(T, query_block(T, H, block_m)) >= GATHER_KEYS_MIN_QUERY_BLOCKS
+
+
 def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, block_m: int, block_n: int, steps: int,
                  num_warps: int, num_stages: int, gather_keys: bool | None, interpret: bool, poison=None,
                  epilogue: bool = True, write_invisible: bool = True, bracket=None, capacity: int | None = None,
@@ -765,7 +771,7 @@ def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, bl
     steps = n_blocks if bracket is not None else max(1, min(steps, n_blocks))
     fp8 = index_scale is not None
     if gather_keys is None:
-        gather_keys = Tp // block_t >= GATHER_KEYS_MIN_QUERY_BLOCKS
+        gather_keys = gathers_keys(T, H, block_m)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     keys = [index_k] + ([index_scale] if fp8 else [])
     if gather_keys:
@@ -773,7 +779,7 @@ def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, bl
         keys = [index_k[layer[0], table].astype(_dot_dtype(q.dtype))]
         keys += [index_scale[layer[0], table]] if fp8 else []
     if tiling is not None:
-        return scores_mgpu.gathered_scores_mgpu(q, w, pos, *keys[:1], keys[1] if fp8 else None, heads=H,
+        return scores_mgpu.gathered_scores_mgpu(q, w, pos, keys[0], keys[1] if fp8 else None, heads=H,
                                                 write_invisible=write_invisible, interpret=interpret, **tiling)
     kernel = functools.partial(_scores_kernel, heads=H, block_t=block_t, block_n=block_n, steps=steps, fp8=fp8,
                                gathered=gather_keys, epilogue=epilogue, write_invisible=write_invisible,
@@ -877,9 +883,8 @@ SCORES_MAX_BYTES = 4 << 30
 def use_mgpu_scores(T: int, H: int, D: int, q_dtype) -> bool:
     """Whether the dispatch runs these scores through the Mosaic GPU kernel: USE_MGPU_SCORES, keys
     gathered (enough query blocks read them) and shapes it takes."""
-    gathered = pl.cdiv(T, query_block(T, H)) >= GATHER_KEYS_MIN_QUERY_BLOCKS
-    tiling = scores_mgpu.DEFAULT_TILING
-    return USE_MGPU_SCORES and gathered and scores_mgpu.mgpu_shape_error(H, D, q_dtype, **tiling) is None
+    return (USE_MGPU_SCORES and gathers_keys(T, H)
+            and scores_mgpu.mgpu_shape_error(H, D, q_dtype, **scores_mgpu.DEFAULT_TILING) is None)
 
 
 def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int):

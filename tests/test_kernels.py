@@ -257,6 +257,17 @@ def reference_scores(q, w, index_k, scale, layer, table, pos):
         return index_scores_reference(q, w, index_keys_fp32(index_k, scale, layer, table), pos, q.shape[-1])
 
 
+def check_written(got, ref, visible, write_invisible: bool) -> bool:
+    """Scores over NaN-initialised output: every visible cell written, everything written with
+    write_invisible, -inf exactly where the reference has it among the written. Returns whether any
+    cell was left unwritten."""
+    unwritten = np.isnan(got)
+    assert not (unwritten & visible).any()
+    assert not (write_invisible and unwritten.any())
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref) & ~unwritten)
+    return bool(unwritten.any())
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_index_scores_interpret_equals_reference(fp8):
     """Both key paths (through the page table, and gathered before the kernel). Integer inputs with
@@ -276,11 +287,7 @@ def test_index_scores_interpret_equals_reference(fp8):
                                                          poison=np.nan, write_invisible=write_invisible))
                     # write_invisible=False: exactly the visible scores are written (and -inf beside them
                     # within their key blocks); the rest keeps the poison
-                    unwritten = np.isnan(got)
-                    assert not (unwritten & visible).any()
-                    assert not (write_invisible and unwritten.any())
-                    saw_unwritten |= bool(unwritten.any())
-                    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref) & ~unwritten)
+                    saw_unwritten |= check_written(got, ref, visible, write_invisible)
                     fin = np.isfinite(ref)
                     if exact:
                         np.testing.assert_array_equal(got[fin], ref[fin])
@@ -318,11 +325,7 @@ def test_index_scores_mgpu_interpret_equals_reference(fp8):
             for write_invisible in (True, False) if integer else (False,):
                 got = np.asarray(index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=tiling, interpret=interp,
                                                      write_invisible=write_invisible))
-                unwritten = np.isnan(got)
-                assert not (unwritten & visible).any()
-                assert not (write_invisible and unwritten.any())
-                saw_unwritten |= bool(unwritten.any())
-                np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref) & ~unwritten)
+                saw_unwritten |= check_written(got, ref, visible, write_invisible)
                 fin = np.isfinite(ref)
                 if integer and D in (16, 64, 256):   # D**-0.5 a power of two: every sum exact
                     np.testing.assert_array_equal(got[fin], ref[fin])
@@ -550,9 +553,8 @@ def test_index_scores_compiled_on_gpu():
 def test_index_scores_mgpu_compiled_on_gpu():
     """The Mosaic GPU scores kernel compiled for the GPU, at GLM-5's 32 x 128 indexer and a 32 x 64
     one, fp8 and plain keys, several tilings: exact on integer inputs at D = 64, fp32 rounding
-    otherwise, against the fp32 reference and beside the Triton kernel; every visible cell written
-    (poisoned output); and the dispatch with USE_MGPU_SCORES on picks the reference's top-k set."""
-    import pallas_kernels.topk as tk
+    otherwise, against the fp32 reference and beside the Triton kernel; -inf exactly where the
+    reference has it; and the dispatch with USE_MGPU_SCORES on and off picks the reference's top-k set."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(5)
     tilings = ({}, {"block_t": 4}, {"block_t": 8, "stages": 2})
@@ -584,8 +586,8 @@ def test_index_scores_mgpu_compiled_on_gpu():
 
 @contextlib.contextmanager
 def mgpu_scores(on: bool):
-    """USE_MGPU_SCORES set to `on` while inside (jit caches cleared around it), recording the query
-    tokens of every Mosaic GPU scores call traced."""
+    """USE_MGPU_SCORES set to `on` while inside (jit caches cleared around it), recording the padded
+    query tokens of every Mosaic GPU scores call traced."""
     import pallas_kernels.topk as tk
     from pallas_kernels import scores_mgpu
     seen, saved, saved_on = [], scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES
