@@ -40,8 +40,11 @@ Mosaic GPU's strengths (TMA, wgmma pipelines over dense tiles) fit none of the s
 kernel's prefill path (keys gathered once into a dense copy) fits them: there Triton's pipelined loop
 runs at 59% of the bf16 matmul rate on the H200, its per-block head sum waiting on each wgmma, and
 scores_mgpu.py's warp-specialized Mosaic GPU kernel at 74-78%. The dispatch runs that one for calls
-that gather their keys (USE_MGPU_SCORES) and this module's Triton kernel for the rest (decode, short
-chunks), which reads the keys through the page table (TMA has no row gather on Hopper).
+that gather their keys and have enough programs (USE_MGPU_SCORES, MGPU_MIN_PROGRAMS); for short
+calls (decode) over a table the caller says is made of whole 64-slot blocks (contiguous_blocks), its
+paged mode, which reads the pool's fp8 keys by TMA (USE_MGPU_PAGED); and this module's Triton
+kernel for the rest, which reads the keys through the page table row by row (TMA has no row gather
+on Hopper).
 """
 
 from __future__ import annotations
@@ -698,7 +701,8 @@ GATHER_KEYS_MIN_QUERY_BLOCKS = 8
 def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions, *, block_m: int = 128,
                         block_n: int = 64, steps: int = 32, num_warps: int = 4, num_stages: int = 3,
                         gather_keys: bool | None = None, interpret: bool = False, poison: float | None = None,
-                        epilogue: bool = True, write_invisible: bool = True, mgpu: bool | dict = False):
+                        epilogue: bool = True, write_invisible: bool = True, mgpu: bool | dict = False,
+                        contiguous_blocks: bool = False):
     """The indexer's scores, the keys read through the page table (in the kernel, or gathered once
     before it when many query blocks read them), with no [B, T, H, S] per-head intermediate.
     q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8 with index_scale [L, slots], or plain
@@ -719,18 +723,33 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     out = _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, block_m=block_m, block_n=block_n,
                        steps=steps, num_warps=num_warps, num_stages=num_stages, gather_keys=gather_keys,
                        interpret=interpret, poison=poison, epilogue=epilogue, write_invisible=write_invisible,
-                       mgpu=mgpu)
+                       mgpu=mgpu, contiguous_blocks=contiguous_blocks)
     return out[:, :T, :S]
 
 
-def mgpu_tiling(mgpu: bool | dict, H: int, D: int, q_dtype) -> dict:
+def mgpu_tiling(mgpu: bool | dict, T: int, H: int, D: int, q_dtype, key_dtype=None) -> dict:
     """The Mosaic GPU scores kernel's tiling for an mgpu request, or ValueError saying why these
-    operands cannot take it."""
-    tiling = {**scores_mgpu.DEFAULT_TILING, **(mgpu if isinstance(mgpu, dict) else {})}
-    err = scores_mgpu.mgpu_shape_error(H, D, q_dtype, **tiling)
+    operands cannot take it. key_dtype given: the paged kernel (keys read from the pool), whose
+    programs take paged_block_t(T, H) tokens."""
+    user = mgpu if isinstance(mgpu, dict) else {}
+    defaults = scores_mgpu.DEFAULT_TILING if key_dtype is None else scores_mgpu.PAGED_TILING
+    unknown = set(user) - set(scores_mgpu.DEFAULT_TILING) - set(scores_mgpu.PAGED_TILING)
+    if unknown:
+        raise ValueError(f"index_scores_pallas(mgpu=...): unknown tiling keys {sorted(unknown)}")
+    tiling = {**defaults, **{k: v for k, v in user.items() if k in defaults}}
+    if key_dtype is not None:
+        tiling["block_t"] = paged_block_t(T, H)
+    err = scores_mgpu.mgpu_shape_error(H, D, q_dtype, key_dtype=key_dtype, **tiling)
     if err is not None:
         raise ValueError(f"index_scores_pallas(mgpu=...): {err}")
     return tiling
+
+
+def paged_block_t(T: int, H: int) -> int:
+    """Query tokens per program of the paged Mosaic GPU kernel: T rounded up to a power of two, at
+    most 8 and at most 256 columns (the MMA's N) of heads; at least 2 tokens and 64 columns
+    (scores_mgpu.mgpu_shape_error)."""
+    return max(2, -(-64 // H), min(8, 256 // H, pl.next_power_of_2(T)))
 
 
 def query_block(T: int, H: int, block_m: int = 128) -> int:
@@ -747,7 +766,7 @@ def gathers_keys(T: int, H: int, block_m: int = 128) -> bool:
 def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, block_m: int, block_n: int, steps: int,
                  num_warps: int, num_stages: int, gather_keys: bool | None, interpret: bool, poison=None,
                  epilogue: bool = True, write_invisible: bool = True, bracket=None, capacity: int | None = None,
-                 bits: int = 4, mgpu: bool | dict = False):
+                 bits: int = 4, mgpu: bool | dict = False, contiguous_blocks: bool = False):
     """The scores kernel on padded operands: [B, Tp, Sp] scores, or with a bracket ([B * Tp, 2] lo/hi
     per padded row) the fused indexer's (record, candidates) over all key blocks in one group."""
     B, T, H, D = q.shape
@@ -755,11 +774,17 @@ def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, bl
     block_t = query_block(T, H, block_m)
     block_n = min(block_n, max(16, pl.next_power_of_2(S)))
     wants_mgpu = mgpu is True or isinstance(mgpu, dict)          # ({} : the default tiling)
-    tiling = mgpu_tiling(mgpu, H, D, q.dtype) if wants_mgpu and bracket is None and epilogue else None
+    if gather_keys is None:
+        gather_keys = gathers_keys(T, H, block_m)
+    paged = wants_mgpu and contiguous_blocks and not gather_keys
+    tiling = (mgpu_tiling(mgpu, T, H, D, q.dtype, index_k.dtype if paged else None)
+              if wants_mgpu and bracket is None and epilogue else None)
     if tiling is not None and poison is not None:
         raise ValueError("index_scores_pallas(mgpu=...) cannot poison its output (Mosaic GPU's interpreter "
                          "starts outputs as NaN)")
-    if tiling is not None:
+    if tiling is not None and paged:
+        block_t, block_n = tiling["block_t"], scores_mgpu.BLOCK_KV
+    elif tiling is not None:
         block_t, block_n, gather_keys = scores_mgpu.COMPUTE_WGS * tiling["block_t"], tiling["block_kv"], True
     q = _pad_to(q, 1, block_t, 0)
     Tp = q.shape[1]
@@ -770,9 +795,13 @@ def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, bl
     n_blocks = table.shape[1] // block_n
     steps = n_blocks if bracket is not None else max(1, min(steps, n_blocks))
     fp8 = index_scale is not None
-    if gather_keys is None:
-        gather_keys = gathers_keys(T, H, block_m)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    if tiling is not None and paged:
+        L, R = index_k.shape[:2]                 # the pool as rows (a free reshape): block bases by layer
+        return scores_mgpu.paged_scores_mgpu(
+            q, w, pos, index_k.reshape(L * R, D), index_scale.reshape(L * R) if fp8 else None,
+            layer[0] * R + table[:, ::block_n], heads=H, block_t=block_t, stages=tiling["stages"],
+            blocks_per_program=tiling["blocks_per_program"], write_invisible=write_invisible, interpret=interpret)
     keys = [index_k] + ([index_scale] if fp8 else [])
     if gather_keys:
         # (one gather indexed by layer and slot: slicing the layer out first could copy it whole)
@@ -880,17 +909,38 @@ USE_MGPU_SCORES = True
 SCORES_MAX_BYTES = 4 << 30
 
 
-def use_mgpu_scores(T: int, H: int, D: int, q_dtype) -> bool:
-    """Whether the dispatch runs these scores through the Mosaic GPU kernel: USE_MGPU_SCORES, keys
-    gathered (enough query blocks read them) and shapes it takes."""
-    return (USE_MGPU_SCORES and gathers_keys(T, H)
-            and scores_mgpu.mgpu_shape_error(H, D, q_dtype, **scores_mgpu.DEFAULT_TILING) is None)
+# The gathered Mosaic GPU kernel runs one program per 16 query tokens and request: below one program
+# per SM it loses (H200, decode 8 x T = 64 over 131072 keys: 3.57 ms against the Triton kernel's 1.08).
+MGPU_MIN_PROGRAMS = 132
+
+# The dispatch runs calls that read their keys through the page table (decode, short chunks) through
+# the paged Mosaic GPU kernel when the caller says the table is made of whole 64-slot blocks
+# (contiguous_blocks): on the H200 at decode 8 x T = 1 over 131072 fp8 keys it took 55-67 us against
+# the Triton kernel's 88-95 us (docs/perf.md). Read at trace time; tests flip it.
+USE_MGPU_PAGED = True
 
 
-def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int):
+def use_mgpu_scores(B: int, T: int, H: int, D: int, q_dtype, contiguous_blocks: bool = False,
+                    key_dtype=None) -> bool:
+    """Whether the dispatch runs these scores through a Mosaic GPU kernel: the gathered one
+    (USE_MGPU_SCORES, keys gathered because enough query blocks read them, at least MGPU_MIN_PROGRAMS
+    programs) or the paged one (USE_MGPU_PAGED, contiguous_blocks, keys not gathered), where its
+    shapes fit."""
+    if gathers_keys(T, H):
+        programs = B * pl.cdiv(T, scores_mgpu.COMPUTE_WGS * scores_mgpu.DEFAULT_TILING["block_t"])
+        return (USE_MGPU_SCORES and programs >= MGPU_MIN_PROGRAMS
+                and scores_mgpu.mgpu_shape_error(H, D, q_dtype, **scores_mgpu.DEFAULT_TILING) is None)
+    return (USE_MGPU_PAGED and contiguous_blocks and scores_mgpu.mgpu_shape_error(
+        H, D, q_dtype, block_t=paged_block_t(T, H), key_dtype=key_dtype) is None)
+
+
+def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int, contiguous_blocks: bool = False):
     """The dispatch for the whole indexer selection on one device: kernels on GPU (scores through the
     page table, then selection over each row's visible length; or the fused path with USE_FUSED), the
-    jnp composition elsewhere; in query chunks of at most SCORES_MAX_BYTES of scores."""
+    jnp composition elsewhere; in query chunks of at most SCORES_MAX_BYTES of scores.
+    contiguous_blocks: the caller promises that each 64-position block of slot_table is 64
+    consecutive slots (pages of a multiple of 64 slots), which lets short calls read the keys from
+    the pool by TMA (the paged Mosaic GPU kernel)."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
     B, T, H, D = q.shape
     kernels = _on_gpu() and _pow2(D) and _pow2(H)  # Triton tiles: power-of-two dims
@@ -903,8 +953,9 @@ def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: in
     def select(t0):
         q_, w_, pos_ = q[:, t0:t0 + chunk], w[:, t0:t0 + chunk], positions[:, t0:t0 + chunk]
         if kernels:
+            mgpu = use_mgpu_scores(B, q_.shape[1], H, D, q.dtype, contiguous_blocks, index_k.dtype)
             scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, slot_table, pos_, write_invisible=False,
-                                         mgpu=use_mgpu_scores(q_.shape[1], H, D, q.dtype))
+                                         mgpu=mgpu, contiguous_blocks=contiguous_blocks)
             return select_topk(scores, k, pos_ + 1)
         return select_topk_reference(index_scores_reference(q_, w_, keys, pos_, D), k)
     if T <= chunk:

@@ -9,7 +9,7 @@ selection: top-k (k = 2048) of fp32 score rows: the Pallas select (several tilin
   rows took each of its paths) vs
   lax.top_k (stable and is_stable=False) and the reference (top_k + position sort); bytes = scores
   read once + positions written once.
-indexer: GLM-5 indexer (32 heads x 128, fp8 keys with per-token scale through a shuffled page table,
+indexer: GLM-5 indexer (32 heads x 128, fp8 keys with per-token scale through a table of shuffled 64-slot pages,
   bf16 queries, k = 2048): the scores kernel and the selection, prefill (T = N = 32768, causal) and
   decode (8 requests, T = 1 and 64 tokens each, N = 131072 keys). Prefill rate counts the FLOPs of
   the visible pairs only (2 x H x D per pair) against the bf16 matmul rate; decode counts the fewest
@@ -155,7 +155,7 @@ def bench_selection(args, ceil):
     return out
 
 
-SCORE_TILINGS = "indexer,mgpu,dispatch,256:128:32:8:3,128:128:8:4:3"
+SCORE_TILINGS = "indexer,mgpu,paged,dispatch,256:128:32:8:3,128:128:8:4:3"
 SCORE_FIELDS = ("block_m", "block_n", "steps", "num_warps", "num_stages", "gather_keys")
 
 
@@ -164,11 +164,17 @@ def score_variant(tiling: str) -> tuple[str, dict]:
     [: 1/0 keys gathered before the kernel or read through the table], 'dispatch' (the kernel's
     defaults, the whole matrix written) or 'indexer' (what indexer_topk runs: the defaults, with the
     key blocks no query sees left unwritten), or mgpu[:block_t:stages] (the Mosaic GPU kernel on
-    the gathered keys, unseen key blocks unwritten as in 'indexer')."""
+    the gathered keys, unseen key blocks unwritten as in 'indexer'), or
+    paged[:blocks_per_program:stages] (the paged Mosaic GPU kernel: keys read from the pool by TMA
+    per 64-key block; calls that do not gather their keys, i.e. decode)."""
     if tiling == "dispatch":
         return "dispatch", {}
     if tiling == "indexer":
         return "indexer", {"write_invisible": False}
+    if tiling.startswith("paged"):
+        vals = [int(v) for v in tiling.split(":")[1:]]
+        mgpu = dict(zip(("blocks_per_program", "stages"), vals))
+        return tiling.replace(":", "_"), {"mgpu": mgpu or True, "contiguous_blocks": True, "write_invisible": False}
     if tiling.startswith("mgpu"):
         vals = [int(v) for v in tiling.split(":")[1:]]
         mgpu = dict(zip(("block_t", "stages"), vals))
@@ -180,7 +186,9 @@ def score_variant(tiling: str) -> tuple[str, dict]:
     return "m{}_n{}_steps{}_w{}_s{}".format(*vals[:5]) + ("" if len(vals) < 6 else f"_g{vals[5]}"), kw
 
 
-def indexer_inputs(B, T, N, H=32, D=128, prefill=False):
+def indexer_inputs(B, T, N, H=32, D=128, prefill=False, page_size=64):
+    """GLM-5-shaped indexer operands over a pool of shuffled pages of page_size slots (the engine's
+    default 64; 1 shuffles single slots), slot 0 a dummy."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -191,9 +199,12 @@ def indexer_inputs(B, T, N, H=32, D=128, prefill=False):
     kq, kk, kw = jax.random.split(key, 3)
     q = jax.random.normal(kq, (B, T, H, D), jnp.bfloat16)
     w = jax.random.normal(kw, (B, T, H), jnp.float32) * H ** -0.5
-    slots = 1 + B * N
+    pages = B * -(-N // page_size)                       # whole pages per request
+    slots = page_size * (1 + pages)
     index_k, scale = quantize_index_k(jax.random.normal(kk, (1, slots, D), jnp.float32))
-    table = jnp.asarray(1 + np.random.default_rng(0).permutation(B * N).reshape(B, N), jnp.int32)
+    order = 1 + np.random.default_rng(0).permutation(pages)
+    table = (order[:, None] * page_size + np.arange(page_size)).reshape(B, -1)[:, :N]
+    table = jnp.asarray(table, jnp.int32)
     start = 0 if prefill else N - T
     pos = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
     return q, w, index_k, scale, table, pos
@@ -293,7 +304,7 @@ def main() -> int:
                         "or 'dispatch' or resident:bits:warps")
     p.add_argument("--score-tilings", default=SCORE_TILINGS,
                    help="indexer scores tilings, comma-separated block_m:block_n:steps:warps:stages[:gather], "
-                        "'dispatch', 'indexer' or mgpu[:block_t:stages]")
+                        "'dispatch', 'indexer', mgpu[:block_t:stages] or paged[:blocks_per_program:stages]")
     p.add_argument("--indexer-cases", default=",".join(c[0] for c in INDEXER_CASES),
                    help="indexer cases to run, comma-separated labels")
     p.add_argument("--fused", action="store_true",

@@ -221,12 +221,14 @@ def test_select_topk_resident_interpret_equals_reference(bits):
         select_topk_pallas(jnp.zeros((2, RESIDENT_MAX_WIDTH + 1)), 8, resident=True, interpret=True)
 
 
-def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2):
-    """Indexer inputs over a shuffled page table. integer: small integers (and power-of-two fp8
-    scales) so every partial sum is exact in fp32 whatever the order, making exact equality the
-    right check (and producing many ties)."""
+def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2, page_size=1):
+    """Indexer inputs over a shuffled page table (pages of page_size slots, in random order; 1:
+    single slots). integer: small integers (and power-of-two fp8 scales) so every partial sum is
+    exact in fp32 whatever the order, making exact equality the right check (and producing many
+    ties)."""
     from models.kv import quantize_index_k
-    slots = 1 + B * S
+    pages = B * -(-S // page_size)                       # whole pages per request, as the engine gives
+    slots = page_size * (1 + pages)
     if integer:
         q = rng.integers(-3, 4, (B, T, H, D)).astype(np.float32)
         w = rng.integers(-2, 3, (B, T, H)).astype(np.float32)
@@ -243,7 +245,8 @@ def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2):
             index_k, scale = quantize_index_k(jnp.asarray(k))
     else:
         index_k, scale = jnp.asarray(k, q_dtype), None
-    table = 1 + rng.permutation(B * S).reshape(B, S).astype(np.int32)
+    table = (1 + rng.permutation(pages))[:, None] * page_size + np.arange(page_size)
+    table = table.reshape(B, -1)[:, :S].astype(np.int32)
     start = rng.integers(0, S - T + 1, B)
     pos = (start[:, None] + np.arange(T)[None, :]).astype(np.int32)
     if T > 1:
@@ -342,6 +345,85 @@ def test_index_scores_mgpu_interpret_equals_reference(fp8):
         q, w, ik, sc, table, pos = scores_inputs(rng, 1, 4, H, D, 16, fp8, True, q_dtype=jnp.bfloat16)
         with pytest.raises(ValueError, match=match):
             index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=True, interpret=interp)
+
+
+def test_index_scores_mgpu_paged_interpret_equals_reference():
+    """The paged Mosaic GPU scores kernel (keys read from the pool, one TMA copy per 64-key block;
+    fp8 keys upcast in registers) in Mosaic GPU's interpreter with its race detector: pages of 64
+    slots in random order, fp8 and bf16 pools, one decode token and several, more key blocks than a
+    program takes, S not a multiple of 64, padding lanes. Integer inputs at D = 64 are exact; the
+    rest agree to fp32 rounding. In the interpreter the upcast keys reach the MMA through shared
+    memory (its MMA reads shared memory only); the compiled path is checked on the GPU."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    rng = np.random.default_rng(40)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    saw_unwritten = False
+    for (B, T, D, S), tiling in (((2, 1, 64, 300), {"blocks_per_program": 2, "stages": 2}),
+                                 ((1, 9, 128, 700), {"blocks_per_program": 3, "stages": 4})):
+        for fp8 in (True, False):
+            integer = D == 64
+            q, w, ik, sc, table, pos = scores_inputs(rng, B, T, 32, D, S, fp8, integer, q_dtype=jnp.bfloat16,
+                                                     page_size=64)
+            ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
+            visible = np.arange(S)[None, None, :] <= np.asarray(pos)[:, :, None]
+            for write_invisible in (True, False):
+                got = np.asarray(index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=tiling, contiguous_blocks=True,
+                                                     interpret=interp, write_invisible=write_invisible))
+                saw_unwritten |= check_written(got, ref, visible, write_invisible)
+                fin = np.isfinite(ref)
+                if integer:
+                    np.testing.assert_array_equal(got[fin], ref[fin])
+                else:
+                    assert np.abs(got[fin] - ref[fin]).max() <= 1e-6 * np.abs(ref[fin]).max()
+    assert saw_unwritten
+    q, w, ik, sc, table, pos = scores_inputs(rng, 1, 1, 8, 64, 64, True, True, q_dtype=jnp.bfloat16, page_size=64)
+    with pytest.raises(ValueError, match="heads a multiple of 32"):
+        index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=True, contiguous_blocks=True, interpret=interp)
+    with pytest.raises(ValueError, match="unknown tiling keys"):
+        index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu={"block_m": 4}, interpret=interp)
+
+
+def test_mgpu_dispatch_rules():
+    """Which scores kernel the dispatch asks for (the rules are host-side: checked without a GPU):
+    the gathered Mosaic GPU kernel for calls of enough programs, the paged one for short calls over
+    a table of whole 64-slot blocks, the Triton kernel otherwise."""
+    from pallas_kernels.topk import use_mgpu_scores
+    bf16, fp8 = jnp.bfloat16, jnp.float8_e4m3fn
+    assert use_mgpu_scores(1, 32768, 32, 128, bf16)                           # prefill: gathered
+    assert not use_mgpu_scores(8, 64, 32, 128, bf16, True, fp8)               # 32 programs: Triton
+    assert use_mgpu_scores(8, 1, 32, 128, bf16, True, fp8)                    # decode, paged table
+    assert use_mgpu_scores(8, 4, 64, 128, bf16, True, jnp.bfloat16)
+    assert not use_mgpu_scores(8, 1, 32, 128, bf16, False, fp8)               # no promise: Triton
+    assert not use_mgpu_scores(8, 1, 32, 128, jnp.float32, True, fp8)         # fp32 queries
+    assert not use_mgpu_scores(8, 1, 32, 128, bf16, True, jnp.float32)        # fp32 pool
+    assert not use_mgpu_scores(8, 1, 16, 128, bf16, True, fp8)                # 16 heads
+
+
+@pytest.mark.gpu
+def test_index_scores_mgpu_paged_compiled_on_gpu():
+    """The paged Mosaic GPU scores kernel compiled for the H200: GLM-5's 32 heads and DeepSeek's 64,
+    decode T = 1, 3 and 64, fp8 and bf16 pools of shuffled 64-slot pages; exact on integer inputs at
+    D = 64, fp32 rounding beside the reference and the Triton kernel otherwise."""
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(6)
+    for B, T, H, D, S in ((2, 1, 32, 64, 3000), (3, 3, 64, 64, 5000), (2, 64, 32, 128, 3000), (2, 1, 32, 128, 9000)):
+        for fp8 in (True, False):
+            integer = D == 64
+            q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.bfloat16,
+                                                     page_size=64)
+            ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
+            fin = np.isfinite(ref)
+            triton = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a))(q, w, ik, sc, 1, table, pos))
+            for tiling in ({}, {"blocks_per_program": 8, "stages": 4}):
+                got = np.asarray(jax.jit(lambda *a, t=tiling: index_scores_pallas(
+                    *a, mgpu=t or True, contiguous_blocks=True))(q, w, ik, sc, 1, table, pos))
+                np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref), err_msg=str(tiling))
+                if integer:
+                    np.testing.assert_array_equal(got[fin], ref[fin])
+                else:
+                    scale = np.abs(ref[fin]).max()
+                    assert np.abs(got[fin] - ref[fin]).max() <= 1e-5 * scale, tiling
+                    assert np.abs(got[fin] - triton[fin]).max() <= 1e-5 * scale, tiling
 
 
 @contextlib.contextmanager
@@ -586,19 +668,20 @@ def test_index_scores_mgpu_compiled_on_gpu():
 
 @contextlib.contextmanager
 def mgpu_scores(on: bool):
-    """USE_MGPU_SCORES set to `on` while inside (jit caches cleared around it), recording the padded
-    query tokens of every Mosaic GPU scores call traced."""
+    """USE_MGPU_SCORES set to `on` while inside (jit caches cleared around it; MGPU_MIN_PROGRAMS 1, so
+    the tests' small calls take the kernel), recording the padded query tokens of every gathered
+    Mosaic GPU scores call traced."""
     import pallas_kernels.topk as tk
     from pallas_kernels import scores_mgpu
-    seen, saved, saved_on = [], scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES
+    seen, saved, saved_on, saved_min = [], scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES, tk.MGPU_MIN_PROGRAMS
     scores_mgpu.gathered_scores_mgpu = lambda q_, w_, pos_, *a, **kw: (seen.append(pos_.shape[1]), saved(
         q_, w_, pos_, *a, **kw))[1]
-    tk.USE_MGPU_SCORES = on
+    tk.USE_MGPU_SCORES, tk.MGPU_MIN_PROGRAMS = on, 1
     jax.clear_caches()
     try:
         yield seen
     finally:
-        scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES = saved, saved_on
+        scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES, tk.MGPU_MIN_PROGRAMS = saved, saved_on, saved_min
         jax.clear_caches()
 
 
