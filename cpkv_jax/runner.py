@@ -41,7 +41,9 @@ class ModelRunner:
     over its 'cp' axis and every step runs under shard_map (models.model.run_model). With
     `step_copies` (the host tier's side-stream copies: a StepCopies per device for the next forward), a
     target forward that has copies to make carries the layer hook and pushes them first; the others
-    run the plain executable (decode steps do not pay the hook)."""
+    run the plain executable (decode steps do not pay the hook). Batches' slot tables are made of the
+    pool's pages (paged_slot_table): with pages of a multiple of 64 slots the forward tells the
+    indexer so (KVAccess.contiguous_blocks), and its decode scores read the keys by page block."""
 
     def __init__(self, model: DsaModel, pool: KVPool, mesh=None, axis: str = "cp", copier=None, step_copies=None):
         self.model = model
@@ -68,7 +70,8 @@ class ModelRunner:
         B, T = batch.tokens.shape
         if last_index is None:
             last_index = np.full((B,), T - 1, np.int32)
-        access = KVAccess(self.axis, page_aligned) if self.mesh is not None else SINGLE_DEVICE
+        access = (KVAccess(self.axis, page_aligned) if self.mesh is not None
+                  else KVAccess(contiguous_blocks=self.pool.page_size % 64 == 0))
         kw = dict(last_index=jnp.asarray(last_index, jnp.int32), access=access, mesh=self.mesh)
         if self.mesh is not None:
             kw["last_rank"] = jax.device_put(np.asarray(last_rank, np.int32), self._replicated)

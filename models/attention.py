@@ -60,7 +60,8 @@ class Indexer(nnx.Module):
         cache = KVCache(cache.latent, cache.k_rope, index_k, index_scale)
         w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_n_heads ** -0.5  # [B, T, H]
         if access.axis is None:
-            return indexer_topk(q, w, index_k, index_scale, full_id, batch.slot_table, batch.positions, k_sel), cache
+            return indexer_topk(q, w, index_k, index_scale, full_id, batch.slot_table, batch.positions, k_sel,
+                                contiguous_blocks=access.contiguous_blocks), cache
         keys, scales, table = gather_index_keys(access, index_k, index_scale, full_id, batch.slot_table)
         return indexer_topk(q, w, keys, scales, 0, table, batch.positions, k_sel), cache
 

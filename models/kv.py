@@ -123,10 +123,14 @@ class KVAccess:
              all-gathered, owners look up what every rank asked for, and a reduce-scatter returns to
              each rank only its own request.
     pick   — rows at per-rank positions of each request: a fetch, or a gather of every visible row
-             followed by a local pick, whichever moves fewer rows across ranks."""
+             followed by a local pick, whichever moves fewer rows across ranks.
+    contiguous_blocks — every 64-position block of a slot table is 64 consecutive slots (the pool's
+             pages hold a multiple of 64 slots): the indexer may read its keys block by block
+             (pallas_kernels.topk.indexer_topk)."""
 
     axis: str | None = None
     page_aligned: bool = True
+    contiguous_blocks: bool = False
 
     def _local(self, slots, n_local: int):
         """(local slot or 0, owned mask) of global slots on this rank."""

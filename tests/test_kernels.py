@@ -402,8 +402,9 @@ def test_mgpu_dispatch_rules():
 @pytest.mark.gpu
 def test_index_scores_mgpu_paged_compiled_on_gpu():
     """The paged Mosaic GPU scores kernel compiled for the H200: GLM-5's 32 heads and DeepSeek's 64,
-    decode T = 1, 3 and 64, fp8 and bf16 pools of shuffled 64-slot pages; exact on integer inputs at
-    D = 64, fp32 rounding beside the reference and the Triton kernel otherwise."""
+    decode T = 1 and 3 (T = 64 gathers its keys: the gathered kernel), fp8 and bf16 pools of shuffled
+    64-slot pages; exact on integer inputs at D = 64, fp32 rounding beside the reference and the
+    Triton kernel otherwise."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(6)
     for B, T, H, D, S in ((2, 1, 32, 64, 3000), (3, 3, 64, 64, 5000), (2, 64, 32, 128, 3000), (2, 1, 32, 128, 9000)):
