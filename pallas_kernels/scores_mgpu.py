@@ -255,9 +255,12 @@ def _run(q, w, positions, keys, scale, bases, *, heads: int, block_t: int, block
     grid, names = (B, Tp // tokens), ("b", "qt")
     if per_program:
         grid, names = grid + (pl.cdiv(n_blocks, per_program),), names + ("split",)
-    stages = min(stages, per_program or n_blocks)
-    if per_program:            # even: slot i % stages then holds blocks of one warpgroup only (i % 2)
-        stages += stages % 2
+    if per_program:
+        # even: slot i % stages then holds blocks of one warpgroup only (i % 2); at least 4, the fewest
+        # run on the H200 (a sweep with 2-stage tilings in it ran past its time limit, unexplained)
+        stages = max(4, stages + stages % 2)
+    else:
+        stages = min(stages, n_blocks)
     kernel = plgpu.kernel(
         functools.partial(_kernel, heads=heads, block_t=block_t, block_kv=block_kv, stages=stages,
                           n_qt=Tp // tokens, fp8=fp8, write_invisible=write_invisible, per_program=per_program),
