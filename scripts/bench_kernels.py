@@ -215,8 +215,8 @@ def bench_indexer(args, ceil):
     import numpy as np
 
     from cpkv_jax.perf import chained_time
-    from pallas_kernels.topk import (index_keys_fp32, index_scores_pallas, index_scores_reference, indexer_topk,
-                                     indexer_topk_fused, select_topk_reference)
+    from pallas_kernels.topk import (gathers_keys, index_keys_fp32, index_scores_pallas, index_scores_reference,
+                                     indexer_topk, indexer_topk_fused, select_topk_reference)
 
     k, H, D = args.k, 32, 128
     out = []
@@ -235,6 +235,8 @@ def bench_indexer(args, ceil):
                                                  "note": f"first {xla_t} queries per request only"})
         best = None
         variants = [score_variant(t) for t in args.score_tilings.split(",")]
+        # the paged kernel serves calls that read their keys through the table (decode); others gather
+        variants = [v for v in variants if not (v[0].startswith("paged") and gathers_keys(T, H))]
         if args.score_breakdown:  # where the dispatch's time goes: leave one part out at a time
             kw = variants[0][1]
             variants += [("keys_through_table", {**kw, "gather_keys": False}),
