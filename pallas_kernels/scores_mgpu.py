@@ -54,7 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 COMPUTE_WGS = 2
 BLOCK_KV = 64                    # keys per block: one warpgroup MMA's M
-DEFAULT_TILING = {"block_t": 8, "block_kv": 64, "stages": 4}
+DEFAULT_TILING = {"block_t": 8, "block_kv": BLOCK_KV, "stages": 4}
 # Paged (decode) calls: key blocks per program and pipeline slots.
 PAGED_TILING = {"blocks_per_program": 64, "stages": 4}
 
@@ -219,6 +219,12 @@ def _kernel(nvis_ref, pos_ref, w_ref, q_ref, k_ref, *refs, heads: int, block_t: 
             plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
 
 
+def _bases_per_copy(per_program: int) -> int:
+    """Block rows a paged program copies into shared memory: its blocks, rounded up to a TMA copy of a
+    multiple of 128 bytes (what a warpgroup's copy moves)."""
+    return -(-per_program // 32) * 32
+
+
 def _scratch(m: int, D: int, block_t: int, block_kv: int, stages: int, fp8: bool, key_dtype,
              per_program: int | None, interpret) -> dict:
     tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -238,14 +244,14 @@ def _scratch(m: int, D: int, block_t: int, block_kv: int, stages: int, fp8: bool
     if per_program and fp8 and interpret:
         smem["a"] = plgpu.SMEM((COMPUTE_WGS, block_kv, D), jnp.bfloat16, transforms=tiling)
     if per_program:
-        smem["base"] = plgpu.SMEM((-(-per_program // 32) * 32,), jnp.int32)   # a TMA of a multiple of 128 B
+        smem["base"] = plgpu.SMEM((_bases_per_copy(per_program),), jnp.int32)
         smem["base_bar"] = plgpu.Barrier(num_arrivals=1)
     return smem
 
 
 def _run(q, w, positions, keys, scale, bases, *, heads: int, block_t: int, block_kv: int, stages: int,
          write_invisible: bool, per_program: int | None, interpret, Sp: int):
-    B, TH, D = q.shape
+    B, _, D = q.shape
     Tp = positions.shape[1]
     m, fp8 = block_t * heads, scale is not None
     if interpret is True:
@@ -255,7 +261,6 @@ def _run(q, w, positions, keys, scale, bases, *, heads: int, block_t: int, block
     grid, names = (B, Tp // tokens), ("b", "qt")
     if per_program:
         grid, names = grid + (pl.cdiv(n_blocks, per_program),), names + ("split",)
-    if per_program:
         # even: slot i % stages then holds blocks of one warpgroup only (i % 2); at least 4, the fewest
         # run on the H200 (a sweep with 2-stage tilings in it ran past its time limit, unexplained)
         stages = max(4, stages + stages % 2)
@@ -307,7 +312,7 @@ def paged_scores_mgpu(q, w, positions, rows, scale, bases, *, heads: int, block_
         raise ValueError(f"paged_scores_mgpu: q {q.shape} / positions {positions.shape} / rows {rows.shape} "
                          f"not padded to {block_t} tokens x {heads} heads")
     per = min(blocks_per_program, n_blocks)
-    width = pl.cdiv(n_blocks, per) * per + 32            # each program copies a multiple of 32 bases by TMA,
+    width = (pl.cdiv(n_blocks, per) - 1) * per + _bases_per_copy(per)    # the last program's copy ends here,
     width += -width % 4                                  # and TMA needs rows of a multiple of 16 bytes
     bases = jnp.pad(bases.astype(jnp.int32), ((0, 0), (0, width - n_blocks)))
     return _run(q, w, positions, rows, scale, bases, heads=heads, block_t=block_t, block_kv=block_kv, stages=stages,

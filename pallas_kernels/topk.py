@@ -747,9 +747,8 @@ def mgpu_tiling(mgpu: bool | dict, T: int, H: int, D: int, q_dtype, key_dtype=No
 
 def paged_block_t(T: int, H: int) -> int:
     """Query tokens per program of the paged Mosaic GPU kernel: T rounded up to a power of two, at
-    most 8 and at most 256 columns (the MMA's N) of heads; at least 2 tokens and 64 columns
-    (scores_mgpu.mgpu_shape_error)."""
-    return max(2, -(-64 // H), min(8, 256 // H, pl.next_power_of_2(T)))
+    most 8 and at most 256 columns (the MMA's N) of heads; at least 2 (scores_mgpu.mgpu_shape_error)."""
+    return max(2, min(8, 256 // H, pl.next_power_of_2(T)))
 
 
 def query_block(T: int, H: int, block_m: int = 128) -> int:
