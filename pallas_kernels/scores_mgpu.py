@@ -79,6 +79,12 @@ def mgpu_shape_error(H: int, D: int, q_dtype, *, block_t: int, block_kv: int = 6
     return None
 
 
+def _check_shapes(entry: str, H: int, D: int, q_dtype, **tiling):
+    err = mgpu_shape_error(H, D, q_dtype, **tiling)
+    if err is not None:
+        raise ValueError(f"{entry}: {err}")
+
+
 def visible_key_blocks(positions, block: int, block_kv: int, n_blocks: int):
     """Per (request, program of `block` query tokens): how many key blocks hold a key any of its
     tokens sees. positions [B, Tp] (-1 = padding lane); Tp a multiple of block."""
@@ -290,6 +296,7 @@ def gathered_scores_mgpu(q, w, positions, keys, scale, *, heads: int, block_t: i
     backend."""
     B, TH, D = q.shape
     Tp, Sp = positions.shape[1], keys.shape[1]
+    _check_shapes("gathered_scores_mgpu", heads, D, q.dtype, block_t=block_t, block_kv=block_kv)
     if TH != Tp * heads or Tp % (COMPUTE_WGS * block_t) or Sp % block_kv:
         raise ValueError(f"gathered_scores_mgpu: q {q.shape} / positions {positions.shape} / keys {keys.shape} "
                          f"not padded to {COMPUTE_WGS * block_t} tokens x {heads} heads, {block_kv} keys")
@@ -308,6 +315,7 @@ def paged_scores_mgpu(q, w, positions, rows, scale, bases, *, heads: int, block_
     blocks_per_program key blocks; fp8 keys are upcast to bf16 in registers."""
     B, TH, D = q.shape
     Tp, n_blocks = positions.shape[1], bases.shape[1]
+    _check_shapes("paged_scores_mgpu", heads, D, q.dtype, block_t=block_t, block_kv=block_kv, key_dtype=rows.dtype)
     if TH != Tp * heads or Tp % block_t or rows.shape[1] != D:
         raise ValueError(f"paged_scores_mgpu: q {q.shape} / positions {positions.shape} / rows {rows.shape} "
                          f"not padded to {block_t} tokens x {heads} heads")

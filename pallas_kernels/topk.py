@@ -18,6 +18,10 @@ score and needs only the threshold T, the k-th largest key, and how many keys eq
      candidates gives T; when the bracket missed (counts say so) the same search runs over the row;
   4. a pass over the candidates writes the positions of keys above T and of the first keys equal
      to T, at offsets given by running prefix sums (over the row when the candidates are not complete).
+  With a row's columns over several programs, a row whose candidates fit `held_cands` does 3-4 in
+  one program from registers: its candidates gathered once, the search one bit per pass stopping as
+  soon as exactly k keys reach the prefix; counting them in HBM pass after pass cost a dependent load
+  per block and pass.
 So a row is read once plus a sample when the bracket holds (3-sigma margins on the sampled ranks);
 when it misses, the full search (8 counting passes over the row) keeps the result exact.
 Two calls, (1-2) and (3-4), each over (rows, segments): with few rows a row's columns are split over
@@ -120,6 +124,17 @@ class _Row:
         return jnp.sum(jnp.where(jnp.arange(v.shape[0]) == i, v, 0))
 
     @staticmethod
+    def count_held(blocks, n_pad):
+        """count_ge over keys held in registers (a list of blocks), n_pad of them INT_MIN padding, not
+        counted (only the threshold INT_MIN would count them). Block by block: one compare of all the
+        keys against every threshold would be [keys, m, 2**bits] registers, and their spills slow the
+        whole kernel."""
+        def count(thresholds):
+            counts = sum(jnp.sum((b[:, None, None] >= thresholds[None]).astype(jnp.int32), axis=0) for b in blocks)
+            return counts - jnp.where(thresholds == INT_MIN, n_pad, 0)
+        return count
+
+    @staticmethod
     def count_ge(load, n, thresholds):
         """For each threshold [m, 2**bits], how many keys of the n loaded blocks reach it."""
         def body(i, acc):
@@ -184,11 +199,10 @@ def _search_start(lo, hi, bits: int):
     return p0, u0, _bucket_end_key(u0, low_bits), (p0 == 0) | _bucket_is_top(u0, low_bits)
 
 
-def _sampled_bracket(r, sample_keys, n_blocks, n_sample, length, k: int):
+def _sampled_bracket(r, count, n_sample, length, k: int):
     """[lo, hi) meant to hold the k-th largest of a row's `length` keys (and about k plus a 3-sigma
-    margin of keys >= lo), from n_sample of them spread evenly over the row: sample_keys(i) is block
-    i of n_blocks (INT_MIN past the sample). The digit search stops once
-    the bracket is tight."""
+    margin of keys >= lo), from n_sample of them spread evenly over the row: count(thresholds) counts
+    the sample's keys at or above each. The digit search stops once the bracket is tight."""
     expect = k * n_sample.astype(jnp.float32) / length.astype(jnp.float32)
     margin = 3.0 * jnp.sqrt(expect) + 3.0
     r_hi = jnp.floor(expect - margin).astype(jnp.int32)
@@ -199,8 +213,7 @@ def _sampled_bracket(r, sample_keys, n_blocks, n_sample, length, k: int):
     def tight(u, n_at, upper, shift):
         return r.pick(n_at, 1) - jnp.where(r_hi < 1, 0, r.pick(upper, 0)) <= spread
 
-    u, _, _, shift = r.search(lambda t: r.count_ge(sample_keys, n_blocks, t), ranks,
-                              jnp.zeros((2,), jnp.int32), 0, tight)
+    u, _, _, shift = r.search(count, ranks, jnp.zeros((2,), jnp.int32), 0, tight)
     hi = jnp.where(r_hi < 1, 2 ** 31 - 1, _bucket_end_key(r.pick(u, 0), shift))
     return r.pick(u, 1) ^ INT_MIN, hi
 
@@ -243,7 +256,8 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
         return order_keys(s_ref[row, sample_block_start(e // 16, length, n_sample // 16) + e % 16])
 
     def sampled_bracket():
-        return _sampled_bracket(r, sample_keys, n_sample // sub, n_sample, length, k)
+        # (read per pass: the sample held in registers measured 3x slower on the H200, docs/perf.md)
+        return _sampled_bracket(r, functools.partial(r.count_ge, sample_keys, n_sample // sub), n_sample, length, k)
 
     lo, hi = jax.lax.cond(length > capacity, sampled_bracket, lambda: (length * 0 + TAKE_ALL[0], length * 0 + TAKE_ALL[1]))
     rec_ref[row, seg, _LO_KEY] = lo
@@ -270,15 +284,22 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
 
 def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chunk: int, bits: int,
                            capacity: int, sub: int, segs: int, seg_chunks: int, out_chunk: int,
-                           stop_after: int | None, width: int | None = None):
+                           stop_after: int | None, width: int | None = None, held_cands: int = 0,
+                           held_bits: int = 1):
     """Program (row, segment). 3. The threshold key T (the row's k-th largest) and how many keys equal
     to T to take: an exact digit search among all segments' candidates when the bracket held, else
     over the whole row. 4. The segment's selected positions (keys above T, and equal ones in position
     order while the quota lasts), written after those of the segments before it: from its candidates
     when they hold every key the row selects (T >= lo, none dropped), else from its columns.
     s_ref None (the fused indexer: rows of `width` columns, not in HBM): a row whose bracket missed
-    or whose candidates are incomplete is only reported (path 2), for the caller to redo."""
-    o_ref, path_ref = refs[-2:]                                 # (refs[0] is the poisoned input, tests)
+    or whose candidates are incomplete is only reported (path 2), for the caller to redo.
+    held_cands (a multiple of sub; refs[0] is then cand_ref flattened to [rows, segs * (capacity + 1) * 2]):
+    a row whose bracket held with at most held_cands candidates over all its segments is finished by
+    its segment-0 program alone, from registers (finish_held); its other programs do nothing.
+    Counting candidates in HBM costs a dependent load per block and pass, which bounds these programs'
+    time at few rows (docs/perf.md)."""
+    o_ref, path_ref = refs[-2:]                                 # (the poisoned input before them, tests)
+    flat_ref = refs[0] if held_cands else None
     r = _Row(len_ref, s_ref, pl.program_id(0), chunk, bits, width)
     rows_in_hbm = s_ref is not None
     assert rows_in_hbm or segs == 1, "without score rows a row is one segment"
@@ -325,58 +346,16 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
     held = (n_past < k_eff) & cands_complete
     path = (n_vis > k).astype(jnp.int32) * (2 - held.astype(jnp.int32))   # (no where of two literals:
     # Pallas Triton lowers that to a bool)
-    threshold, n_above = jax.lax.cond(path == 0, take_all, lambda: jax.lax.cond(
-        path == 1, from_candidates, over_row if rows_in_hbm else lambda: (n_vis * 0 + (2 ** 31 - 1), n_vis * 0)))
-    need_equal = k_eff - n_above
 
     @pl.when(seg == 0)
     def _():
         path_ref[row] = path
 
-    if stop_after == 3:                                         # (timing a prefix of the stages)
-        path_ref[row] = threshold ^ need_equal
-        return
-
-    # Where this segment's positions start and how many of its keys equal to T it takes: the counts
-    # above and at T of the segments before it (from their candidates, or their columns when those
-    # are not complete).
-    start, quota = jnp.int32(0), need_equal
-    if segs > 1:
-        def above_equal(load, first, last):
-            """How many of the loaded blocks' keys are above T and equal to T."""
-            def body(j, acc):
-                key = load(j)
-                return (acc[0] + jnp.sum((key > threshold).astype(jnp.int32)),
-                        acc[1] + jnp.sum((key == threshold).astype(jnp.int32)))
-            return jax.lax.fori_loop(first, last, body, (jnp.int32(0), jnp.int32(0)))
-
-        def above_equal_of_candidates(i):
-            n = r.pick(cand_s, i)
-            return above_equal(seg_cands(i, n), 0, (n + sub - 1) // sub)
-
-        def above_equal_of_columns(i):
-            return above_equal(lambda c: r.keys(c)[0], *r.segment(i, seg_chunks))
-
-        equal_before = jnp.int32(0)
-        for i in range(segs - 1):
-            gt, eq = jax.lax.cond(cands_complete, lambda i=i: above_equal_of_candidates(i),
-                                  lambda i=i: above_equal_of_columns(i))
-            taken = jnp.clip(need_equal - equal_before, 0, eq)
-            before = i < seg
-            start = start + jnp.where(before, gt + taken, 0)
-            equal_before = equal_before + jnp.where(before, eq, 0)
-        quota = jnp.maximum(need_equal - equal_before, 0)
-
-    def emit(load):
-        def body(j, carry):
-            return emit_block(*load(j), carry)
-        return body
-
-    def emit_block(key, col, carry):
+    def emit_block(key, col, carry, threshold, quota):
         n_sel, n_eq = carry
         eq = (key == threshold).astype(jnp.int32)
         n_eq_here = jnp.sum(eq)
-        # Equal keys are taken in position order up to the quota: only the chunk where it runs out
+        # Equal keys are taken in position order up to the quota: only the block where it runs out
         # needs their ranks (a prefix sum); before it all are taken, after it none.
         quota_ends_here = (n_eq < quota) & (n_eq + n_eq_here > quota)
         take_eq = jax.lax.cond(quota_ends_here, lambda: jnp.where(n_eq + jnp.cumsum(eq) - 1 < quota, eq, 0),
@@ -386,19 +365,108 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         plt.store(o_ref.at[row, jnp.where(sel, at, o_ref.shape[1] - 1)], col, mask=sel)
         return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + n_eq_here
 
-    @pl.when(cands_complete if rows_in_hbm else cands_complete & (path != 2))
-    def _():
-        n = r.pick(cand_s, seg)
-        jax.lax.fori_loop(0, (n + sub - 1) // sub, emit(seg_cands(seg, n, with_cols=True)), (start, jnp.int32(0)))
+    def finish_held():
+        """The row from its candidates held in registers: gathered once, segment after segment (so in
+        column order); the threshold searched held_bits per pass among them from the digits lo and
+        hi - 1 share, stopping as soon as exactly k_eff reach the prefix (the prefix then serves as
+        the threshold, as in _resident_row_kernel); the positions written by one prefix sum."""
+        ends = []
+        for i in range(segs - 1):
+            ends.append(r.pick(cand_s, i) + (ends[-1] if ends else 0))
 
-    if rows_in_hbm:
-        @pl.when(~cands_complete)
-        def _():
-            jax.lax.fori_loop(*r.segment(seg, seg_chunks), emit(r.keys), (start, jnp.int32(0)))
-
-    @pl.when(seg == 0)
-    def _():
+        def block(b):
+            j = b * sub + jnp.arange(sub, dtype=jnp.int32)
+            seg_of, first = jnp.zeros_like(j), jnp.zeros_like(j)
+            for end in ends:
+                later = j >= end
+                seg_of, first = seg_of + later.astype(jnp.int32), jnp.where(later, end, first)
+            valid = j < n_cand
+            at = jnp.where(valid, (seg_of * (capacity + 1) + j - first) * 2, 0)
+            return jnp.where(valid, flat_ref[row, at], INT_MIN), flat_ref[row, at + 1]
+        keys, cols = zip(*[block(b) for b in range(held_cands // sub)])
+        # (from the bucket of the `bits` digits lo and hi - 1 share: held says T is below its end, not
+        # below hi, so a finer bucket of held_bits digits might miss T)
+        p0, u0, _, _ = _search_start(lo, hi, bits)
+        u, _, _, _ = _Row(len_ref, s_ref, row, chunk, held_bits, width).search(
+            r.count_held(keys, held_cands - n_cand), jnp.full((1,), k_eff), jnp.full((1,), u0),
+            p0 * (bits // held_bits), tight=lambda u, n_at, upper, shift: r.pick(n_at, 0) == k_eff)
+        threshold = r.pick(u, 0) ^ INT_MIN
+        need_equal = k_eff - sum(jnp.sum((key > threshold).astype(jnp.int32)) for key in keys)
+        if stop_after == 3:                                     # (timing a prefix of the stages)
+            path_ref[row] = threshold ^ need_equal
+            return
+        carry = (jnp.int32(0), jnp.int32(0))
+        for key, col in zip(keys, cols):
+            carry = emit_block(key, col, carry, threshold, need_equal)
         _pad_positions(o_ref, row, k_eff, k, out_chunk)
+
+    def finish_in_segments():
+        """Each segment's program: the threshold from the candidates in HBM (or the row), then the
+        segment's positions after those of the segments before it."""
+        threshold, n_above = jax.lax.cond(path == 0, take_all, lambda: jax.lax.cond(
+            path == 1, from_candidates,
+            over_row if rows_in_hbm else lambda: (n_vis * 0 + (2 ** 31 - 1), n_vis * 0)))
+        need_equal = k_eff - n_above
+        if stop_after == 3:                                     # (timing a prefix of the stages)
+            path_ref[row] = threshold ^ need_equal
+            return
+
+        # Where this segment's positions start and how many of its keys equal to T it takes: the
+        # counts above and at T of the segments before it (from their candidates, or their columns
+        # when those are not complete).
+        start, quota = jnp.int32(0), need_equal
+        if segs > 1:
+            def above_equal(load, first, last):
+                """How many of the loaded blocks' keys are above T and equal to T."""
+                def body(j, acc):
+                    key = load(j)
+                    return (acc[0] + jnp.sum((key > threshold).astype(jnp.int32)),
+                            acc[1] + jnp.sum((key == threshold).astype(jnp.int32)))
+                return jax.lax.fori_loop(first, last, body, (jnp.int32(0), jnp.int32(0)))
+
+            def above_equal_of_candidates(i):
+                n = r.pick(cand_s, i)
+                return above_equal(seg_cands(i, n), 0, (n + sub - 1) // sub)
+
+            def above_equal_of_columns(i):
+                return above_equal(lambda c: r.keys(c)[0], *r.segment(i, seg_chunks))
+
+            equal_before = jnp.int32(0)
+            for i in range(segs - 1):
+                gt, eq = jax.lax.cond(cands_complete, lambda i=i: above_equal_of_candidates(i),
+                                      lambda i=i: above_equal_of_columns(i))
+                taken = jnp.clip(need_equal - equal_before, 0, eq)
+                before = i < seg
+                start = start + jnp.where(before, gt + taken, 0)
+                equal_before = equal_before + jnp.where(before, eq, 0)
+            quota = jnp.maximum(need_equal - equal_before, 0)
+
+        def emit(load):
+            def body(j, carry):
+                return emit_block(*load(j), carry, threshold, quota)
+            return body
+
+        @pl.when(cands_complete if rows_in_hbm else cands_complete & (path != 2))
+        def _():
+            n = r.pick(cand_s, seg)
+            jax.lax.fori_loop(0, (n + sub - 1) // sub, emit(seg_cands(seg, n, with_cols=True)),
+                              (start, jnp.int32(0)))
+
+        if rows_in_hbm:
+            @pl.when(~cands_complete)
+            def _():
+                jax.lax.fori_loop(*r.segment(seg, seg_chunks), emit(r.keys), (start, jnp.int32(0)))
+
+        @pl.when(seg == 0)
+        def _():
+            _pad_positions(o_ref, row, k_eff, k, out_chunk)
+
+    if held_cands:
+        fits = (path == 1) & (n_cand <= held_cands)
+        pl.when(fits & (seg == 0))(finish_held)
+        pl.when(~fits)(finish_in_segments)
+    else:
+        finish_in_segments()
 
 
 def _pad_positions(o_ref, row, k_eff, k: int, out_chunk: int):
@@ -528,7 +596,8 @@ def _call(kernel, grid, args, out_shape, poison, num_warps: int, num_stages: int
 
 def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits: int = 4, capacity: int = 4096,
                        sample: int = 4096, sub: int = 512, segments: int = 1, num_warps: int = 16,
-                       num_stages: int = 1, resident: bool = False, interpret: bool = False,
+                       num_stages: int = 1, held_cands: int = 0, held_bits: int = 1, resident: bool = False,
+                       interpret: bool = False,
                        poison: int | None = None, return_path: bool = False, stop_after: int | None = None):
     """scores [..., N] fp32; lengths [...] (optional): columns at or past a row's length are not
     visible (as if -inf). Returns [..., k] int32 in the module's convention (and, with return_path,
@@ -538,7 +607,9 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
     keys per step when counting those. `poison` (tests): the output buffer starts filled with it, so
     an element the kernel fails to write shows. stop_after (benchmarks): end after stage 1
     (bracket), 2 (filter) or 3 (threshold), to time the stages by difference; the output is then
-    not the selection. resident: rows of up to RESIDENT_MAX_WIDTH columns in one call of one program per
+    not the selection. held_cands (a multiple of sub, 0: off): rows whose bracket held with at most that
+    many candidates are finished from registers by one program, the threshold searched held_bits per
+    pass (_threshold_emit_kernel). resident: rows of up to RESIDENT_MAX_WIDTH columns in one call of one program per
     row that keeps the row in registers (_resident_row_kernel; bits and num_warps apply, the rest not)."""
     check_selection_args(scores, k, lengths)
     if 32 % bits:
@@ -546,6 +617,9 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
     if capacity % sub or sample % sub or sub % 16 or capacity < 2 * sub:
         raise ValueError(f"capacity ({capacity}) and sample ({sample}) must be multiples of sub ({sub}), "
                          f"sub of 16, and capacity at least 2 * sub")
+    if held_cands and (held_cands % sub or bits % held_bits):
+        raise ValueError(f"held_cands ({held_cands}) must be 0 or a multiple of sub ({sub}), and "
+                         f"held_bits ({held_bits}) must divide bits ({bits})")
     if segments < 1 or segments & (segments - 1):
         raise ValueError(f"segments must be a power of two, got {segments}")
     lead, n = scores.shape[:-1], scores.shape[-1]
@@ -578,7 +652,8 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
     else:
         out, path = _call(
             functools.partial(_threshold_emit_kernel, segs=segments, seg_chunks=seg_chunks, out_chunk=out_chunk,
-                              **common), (r, segments), [ln, s, record, cands],
+                              held_cands=held_cands, held_bits=held_bits, **common), (r, segments),
+            [ln, s, record, cands] + ([cands.reshape(r, -1)] if held_cands else []),
             (jax.ShapeDtypeStruct((r, k_pad + 1), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.int32)), poison,
             num_warps, num_stages, interpret)
     out = out[:, :k].reshape(lead + (k,))
@@ -853,6 +928,11 @@ def select_tiling(rows: int, width: int, k: int = 2048) -> dict:
     return bracket_tiling(rows, width, k)
 
 
+# The most programs the two-call selection splits a row's columns over (at 8 x 131072, 4 measured 87 us
+# against 125 for 8 and 141 for 16 before rows were finished from registers; not re-measured since).
+MAX_SEGMENTS = 4
+
+
 def bracket_tiling(rows: int, width: int, k: int = 2048) -> dict:
     """The two-call selection's parameters (k = 2048 over 64 x 8192, 2048 x 32768, 64 x 131072 and
     8 x 131072 on the H200). Few rows split their columns over several programs (segments) to use
@@ -860,19 +940,23 @@ def bracket_tiling(rows: int, width: int, k: int = 2048) -> dict:
     2048 keys, 5 of 64 rows of 131072 missed the bracket and took the full search. The candidates
     (keys >= lo: k plus the bracket's margin) need room for about 3k: on random rows with k = 2048 a
     row kept on average 2414, 2796 and 3086 of 8192, 32768 and 131072 columns, at most 2622, 3552
-    and 4073 of 512 rows (interpret mode; tests/test_kernels.py keeps random rows on the bracket)."""
+    and 4073 of 512 rows (interpret mode; tests/test_kernels.py keeps random rows on the bracket).
+    With segments, a row whose candidates fit held_cands is finished from registers by one program
+    (_threshold_emit_kernel): 105.5 -> 81.6 us at 64 x 131072 and 71.9 -> 57.9 at 8 x 131072; with one
+    segment it lost (374.5 -> 395.8 us at 2048 x 32768), so it is off there."""
     capacity = max(4096, -(-3 * k // 1024) * 1024)
     segments = 1
-    while segments < 4 and rows * segments * 2 <= 256 and width >= 4096 * segments * 4:
+    while segments < MAX_SEGMENTS and rows * segments * 2 <= 256 and width >= 4096 * segments * 4:
         segments *= 2
+    held = {"held_cands": max(4096, pl.next_power_of_2(2 * k)), "held_bits": 1} if segments > 1 else {}
     if width <= 8192:
         return {"bits": 4, "chunk": 4096, "capacity": capacity, "sample": 2048, "sub": 1024, "num_warps": 8,
-                "num_stages": 2, "segments": segments}
+                "num_stages": 2, "segments": segments, **held}
     if width <= 65536:
         return {"bits": 4, "chunk": 2048, "capacity": capacity, "sample": 2048, "sub": 1024, "num_warps": 4,
-                "num_stages": 2, "segments": segments}
+                "num_stages": 2, "segments": segments, **held}
     return {"bits": 4, "chunk": 4096, "capacity": capacity, "sample": 4096, "sub": 1024,
-            "num_warps": 8 if segments > 1 else 16, "num_stages": 3, "segments": segments}
+            "num_warps": 8 if segments > 1 else 16, "num_stages": 3, "segments": segments, **held}
 
 
 def select_topk(scores, k: int, lengths=None):
@@ -973,7 +1057,8 @@ def _sample_bracket_kernel(len_ref, m_ref, s_ref, br_ref, *, k: int, bits: int, 
         at = i * sub + jnp.arange(sub, dtype=jnp.int32)
         return jnp.where(at < m, order_keys(s_ref[row, pl.ds(pl.multiple_of(i * sub, sub), sub)]), INT_MIN)
 
-    lo, hi = jax.lax.cond(length > capacity, lambda: _sampled_bracket(r, sample_keys, (m + sub - 1) // sub, m, length, k),
+    count = functools.partial(r.count_ge, sample_keys, (m + sub - 1) // sub)
+    lo, hi = jax.lax.cond(length > capacity, lambda: _sampled_bracket(r, count, m, length, k),
                           lambda: (length * 0 + TAKE_ALL[0], length * 0 + TAKE_ALL[1]))
     br_ref[row, 0] = lo
     br_ref[row, 1] = hi

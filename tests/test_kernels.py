@@ -155,9 +155,12 @@ def selection_cases(rng, big=False, tiling_for=None):
         yield s, k, lengths
 
 
+# (the last two finish every bracket-held row from registers: held_cands is at least segments x capacity)
 SMALL_SELECT = [dict(bits=4, chunk=32, capacity=64, sample=64, sub=16, segments=1),
                 dict(bits=2, chunk=16, capacity=32, sample=32, sub=16, segments=8),
-                dict(bits=8, chunk=64, capacity=128, sample=128, sub=32, segments=2)]
+                dict(bits=8, chunk=64, capacity=128, sample=128, sub=32, segments=2),
+                dict(bits=2, chunk=16, capacity=32, sample=32, sub=16, segments=8, held_cands=256),
+                dict(bits=8, chunk=64, capacity=128, sample=128, sub=32, segments=2, held_cands=256, held_bits=4)]
 
 
 def test_bracket_tilings_keep_random_rows_on_the_sampled_bracket():
@@ -187,7 +190,8 @@ def test_dispatch_tilings_interpret_equal_reference_on_the_gpu_cases():
         np.testing.assert_array_equal(np.asarray(got), topk_oracle(s, k, lengths), err_msg=f"{s.shape} k={k} {kw}")
 
 
-@pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}s{kw['segments']}")
+@pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}s{kw['segments']}"
+                                                         f"h{kw.get('held_cands', 0)}")
 def test_select_topk_interpret_equals_reference(kw):
     """Every case equals the oracle, and every path the kernel has (all visible, sampled bracket,
     full search) is taken by some row."""
@@ -381,6 +385,14 @@ def test_index_scores_mgpu_paged_interpret_equals_reference():
         index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=True, contiguous_blocks=True, interpret=interp)
     with pytest.raises(ValueError, match="unknown tiling keys"):
         index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu={"block_m": 4}, interpret=interp)
+    from pallas_kernels import scores_mgpu                # the kernels' own entry points check too
+    rows, bf16_q = ik.reshape(-1, 64), jnp.zeros((1, 2 * 8, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="paged_scores_mgpu: .*heads a multiple of 32"):
+        scores_mgpu.paged_scores_mgpu(bf16_q, jnp.zeros((1, 16)), jnp.zeros((1, 2), jnp.int32), rows, None,
+                                      jnp.zeros((1, 1), jnp.int32), heads=8, block_t=2, interpret=interp)
+    with pytest.raises(ValueError, match="gathered_scores_mgpu: queries must be bf16"):
+        scores_mgpu.gathered_scores_mgpu(bf16_q.astype(jnp.float32), jnp.zeros((1, 16)), jnp.zeros((1, 2), jnp.int32),
+                                         jnp.zeros((1, 64, 64), jnp.bfloat16), None, heads=8, interpret=interp)
 
 
 def test_mgpu_dispatch_rules():
@@ -560,7 +572,7 @@ def test_select_topk_compiled_on_gpu_equals_reference():
         want = topk_oracle(s, k, lengths)
         ln = None if lengths is None else jnp.asarray(lengths)
         small = s.size < 10 ** 5
-        variants = [select_tiling(*s.shape)] + SMALL_SELECT[:3]
+        variants = [select_tiling(*s.shape)] + SMALL_SELECT
         variants = variants[:len(variants) if small else 1]
         if s.shape[1] <= RESIDENT_MAX_WIDTH:         # the resident-row kernel at every digit width
             variants += [dict(resident=True, bits=b, num_warps=w) for b, w in ((1, 8), (2, 8), (4, 16))]
@@ -711,6 +723,57 @@ def test_model_outputs_with_mgpu_scores_on_and_off():
         agree = (out[True][d].argmax(-1) == out[False][d].argmax(-1)).mean()
         print(f"mgpu scores on vs off ({d} keys): logits rel err {err:.2e}, greedy agree {agree:.4f}")
         assert err <= 2e-2 and agree >= 0.98, (d, err, agree)
+
+
+@pytest.mark.gpu
+def test_engine_decode_with_paged_scores_on_and_off():
+    """The engine's single-device decode with its indexer scores read from the pool by page block (the
+    paged Mosaic GPU kernel, pages of 64 slots) vs the Triton kernel (USE_MGPU_PAGED off): a bf16 model
+    with GLM-5's 32 x 128 indexer and a top-k of 64 over prompts of 130-400 tokens, fp8 index keys.
+    The kernels round differently, so a near-tie may pick another key: step logits to bf16 rounding
+    and mostly bit-identical (equal top-k sets), greedy tokens nearly all equal; and the paged kernel
+    ran at decode."""
+    from flax import nnx
+
+    import pallas_kernels.topk as tk
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+    from models.config import ModelConfig
+    from models.model import DsaModel
+    from pallas_kernels import scores_mgpu
+    from tests.helpers import rel_err
+
+    cfg = ModelConfig.named("tiny", index_n_heads=32, index_head_dim=128, index_topk=64)
+    model = DsaModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (130, 257, 400)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outs, calls = {}, []
+    saved_kernel, saved_on = scores_mgpu.paged_scores_mgpu, tk.USE_MGPU_PAGED
+    scores_mgpu.paged_scores_mgpu = lambda q_, *a, **kw: (calls.append(q_.shape[1]), saved_kernel(q_, *a, **kw))[1]
+    try:
+        for on in (True, False):
+            tk.USE_MGPU_PAGED = on
+            jax.clear_caches()
+            calls.clear()
+            engine = Engine(model, EngineConfig(page_size=64, kv_pages=64, index_dtype="fp8", dtype="bfloat16"))
+            outs[on] = engine.generate(prompts, params, return_logits=True)
+            assert bool(calls) == on, calls
+    finally:
+        scores_mgpu.paged_scores_mgpu, tk.USE_MGPU_PAGED = saved_kernel, saved_on
+        jax.clear_caches()
+    # (steps up to the first differing token have the same context in both runs; after it they diverge.
+    # The scores only choose the keys: a step whose top-k sets agree has bit-identical logits)
+    same, exact, err = [], 0, 0.0
+    for a, b in zip(outs[True], outs[False]):
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids) - 1) + 1
+        same.append(n)
+        exact += sum(np.array_equal(x, y) for x, y in zip(a.logits[:n], b.logits[:n]))
+        err = max(err, rel_err(np.stack(a.logits[:n]), np.stack(b.logits[:n])))
+    print(f"paged scores on vs off (engine decode): logits rel err {err:.2e} over the steps of equal context "
+          f"{same} of {params.max_new_tokens}, {exact} of them bit-identical")
+    assert err <= 2e-2 and sum(same) >= len(same) * params.max_new_tokens // 2, (err, same)
+    assert exact >= sum(same) // 2, (exact, same)
 
 
 @pytest.mark.gpu
