@@ -106,7 +106,6 @@ class _Row:
         self.s_ref, self.row, self.chunk, self.bits = s_ref, row, chunk, bits
         self.length = jnp.minimum(len_ref[row], s_ref.shape[1] if width is None else width)
         self.n_chunks = (self.length + chunk - 1) // chunk
-        self.digits = jnp.arange(2 ** bits, dtype=jnp.int32)
 
     def segment(self, seg, seg_chunks: int):
         """The chunk range [first, last) of segment seg."""
@@ -142,12 +141,13 @@ class _Row:
             return acc + jnp.sum((key[:, None, None] >= thresholds[None]).astype(jnp.int32), axis=0)
         return jax.lax.fori_loop(0, n, body, jnp.zeros(thresholds.shape, jnp.int32))
 
-    def search(self, count, ranks, u, p0, tight=None, past=None):
+    def search(self, count, ranks, u, p0, tight=None, past=None, bits=None):
         """Digit search, most significant first, for the ranks-th largest keys ([m] ranks). u: the
         unsigned-domain prefix fixed above pass p0; past: the count of keys past u's bucket (none by
-        default). Returns (u, count >= u's key, count >= the end of u's bucket, bucket shift): after
-        all passes u ^ INT_MIN is the key itself."""
-        bits, digits = self.bits, self.digits
+        default); bits: digits per pass (the row's by default). Returns (u, count >= u's key,
+        count >= the end of u's bucket, bucket shift): after all passes u ^ INT_MIN is the key itself."""
+        bits = bits or self.bits
+        digits = jnp.arange(2 ** bits, dtype=jnp.int32)
 
         def body(st):
             p, u, _, upper, shift, _ = st
@@ -199,10 +199,11 @@ def _search_start(lo, hi, bits: int):
     return p0, u0, _bucket_end_key(u0, low_bits), (p0 == 0) | _bucket_is_top(u0, low_bits)
 
 
-def _sampled_bracket(r, count, n_sample, length, k: int):
+def _sampled_bracket(r, sample_keys, n_blocks, n_sample, length, k: int):
     """[lo, hi) meant to hold the k-th largest of a row's `length` keys (and about k plus a 3-sigma
-    margin of keys >= lo), from n_sample of them spread evenly over the row: count(thresholds) counts
-    the sample's keys at or above each. The digit search stops once the bracket is tight."""
+    margin of keys >= lo), from n_sample of them spread evenly over the row: sample_keys(i) is block
+    i of n_blocks (INT_MIN past the sample). The digit search stops once
+    the bracket is tight."""
     expect = k * n_sample.astype(jnp.float32) / length.astype(jnp.float32)
     margin = 3.0 * jnp.sqrt(expect) + 3.0
     r_hi = jnp.floor(expect - margin).astype(jnp.int32)
@@ -213,7 +214,8 @@ def _sampled_bracket(r, count, n_sample, length, k: int):
     def tight(u, n_at, upper, shift):
         return r.pick(n_at, 1) - jnp.where(r_hi < 1, 0, r.pick(upper, 0)) <= spread
 
-    u, _, _, shift = r.search(count, ranks, jnp.zeros((2,), jnp.int32), 0, tight)
+    u, _, _, shift = r.search(lambda t: r.count_ge(sample_keys, n_blocks, t), ranks,
+                              jnp.zeros((2,), jnp.int32), 0, tight)
     hi = jnp.where(r_hi < 1, 2 ** 31 - 1, _bucket_end_key(r.pick(u, 0), shift))
     return r.pick(u, 1) ^ INT_MIN, hi
 
@@ -257,7 +259,7 @@ def _bracket_filter_kernel(len_ref, s_ref, rec_ref, cand_ref, *, k: int, chunk: 
 
     def sampled_bracket():
         # (read per pass: the sample held in registers measured 3x slower on the H200, docs/perf.md)
-        return _sampled_bracket(r, functools.partial(r.count_ge, sample_keys, n_sample // sub), n_sample, length, k)
+        return _sampled_bracket(r, sample_keys, n_sample // sub, n_sample, length, k)
 
     lo, hi = jax.lax.cond(length > capacity, sampled_bracket, lambda: (length * 0 + TAKE_ALL[0], length * 0 + TAKE_ALL[1]))
     rec_ref[row, seg, _LO_KEY] = lo
@@ -387,9 +389,9 @@ def _threshold_emit_kernel(len_ref, s_ref, rec_ref, cand_ref, *refs, k: int, chu
         # (from the bucket of the `bits` digits lo and hi - 1 share: held says T is below its end, not
         # below hi, so a finer bucket of held_bits digits might miss T)
         p0, u0, _, _ = _search_start(lo, hi, bits)
-        u, _, _, _ = _Row(len_ref, s_ref, row, chunk, held_bits, width).search(
-            r.count_held(keys, held_cands - n_cand), jnp.full((1,), k_eff), jnp.full((1,), u0),
-            p0 * (bits // held_bits), tight=lambda u, n_at, upper, shift: r.pick(n_at, 0) == k_eff)
+        u, _, _, _ = r.search(r.count_held(keys, held_cands - n_cand), jnp.full((1,), k_eff), jnp.full((1,), u0),
+                              p0 * (bits // held_bits), tight=lambda u, n_at, upper, shift: r.pick(n_at, 0) == k_eff,
+                              bits=held_bits)
         threshold = r.pick(u, 0) ^ INT_MIN
         need_equal = k_eff - sum(jnp.sum((key > threshold).astype(jnp.int32)) for key in keys)
         if stop_after == 3:                                     # (timing a prefix of the stages)
@@ -802,21 +804,18 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     return out[:, :T, :S]
 
 
-def mgpu_tiling(mgpu: bool | dict, T: int, H: int, D: int, q_dtype, key_dtype=None) -> dict:
-    """The Mosaic GPU scores kernel's tiling for an mgpu request, or ValueError saying why these
-    operands cannot take it. key_dtype given: the paged kernel (keys read from the pool), whose
+def mgpu_tiling(mgpu: bool | dict, T: int, H: int, paged: bool) -> dict:
+    """The Mosaic GPU scores kernel's tiling for an mgpu request (ValueError for unknown keys; the
+    kernels' entry points reject operands they cannot take). paged: the paged kernel, whose
     programs take paged_block_t(T, H) tokens."""
     user = mgpu if isinstance(mgpu, dict) else {}
-    defaults = scores_mgpu.DEFAULT_TILING if key_dtype is None else scores_mgpu.PAGED_TILING
+    defaults = scores_mgpu.PAGED_TILING if paged else scores_mgpu.DEFAULT_TILING
     unknown = set(user) - set(scores_mgpu.DEFAULT_TILING) - set(scores_mgpu.PAGED_TILING)
     if unknown:
         raise ValueError(f"index_scores_pallas(mgpu=...): unknown tiling keys {sorted(unknown)}")
     tiling = {**defaults, **{k: v for k, v in user.items() if k in defaults}}
-    if key_dtype is not None:
+    if paged:
         tiling["block_t"] = paged_block_t(T, H)
-    err = scores_mgpu.mgpu_shape_error(H, D, q_dtype, key_dtype=key_dtype, **tiling)
-    if err is not None:
-        raise ValueError(f"index_scores_pallas(mgpu=...): {err}")
     return tiling
 
 
@@ -851,7 +850,7 @@ def _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, *, bl
     if gather_keys is None:
         gather_keys = gathers_keys(T, H, block_m)
     paged = wants_mgpu and contiguous_blocks and not gather_keys
-    tiling = (mgpu_tiling(mgpu, T, H, D, q.dtype, index_k.dtype if paged else None)
+    tiling = (mgpu_tiling(mgpu, T, H, paged)
               if wants_mgpu and bracket is None and epilogue else None)
     if tiling is not None and poison is not None:
         raise ValueError("index_scores_pallas(mgpu=...) cannot poison its output (Mosaic GPU's interpreter "
@@ -1057,8 +1056,7 @@ def _sample_bracket_kernel(len_ref, m_ref, s_ref, br_ref, *, k: int, bits: int, 
         at = i * sub + jnp.arange(sub, dtype=jnp.int32)
         return jnp.where(at < m, order_keys(s_ref[row, pl.ds(pl.multiple_of(i * sub, sub), sub)]), INT_MIN)
 
-    count = functools.partial(r.count_ge, sample_keys, (m + sub - 1) // sub)
-    lo, hi = jax.lax.cond(length > capacity, lambda: _sampled_bracket(r, count, m, length, k),
+    lo, hi = jax.lax.cond(length > capacity, lambda: _sampled_bracket(r, sample_keys, (m + sub - 1) // sub, m, length, k),
                           lambda: (length * 0 + TAKE_ALL[0], length * 0 + TAKE_ALL[1]))
     br_ref[row, 0] = lo
     br_ref[row, 1] = hi

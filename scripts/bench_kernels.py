@@ -159,6 +159,11 @@ SCORE_TILINGS = "indexer,mgpu,paged,dispatch,256:128:32:8:3,128:128:8:4:3"
 SCORE_FIELDS = ("block_m", "block_n", "steps", "num_warps", "num_stages", "gather_keys")
 
 
+# The Mosaic GPU scores variants: their tiling fields after the name, and their other arguments.
+MGPU_VARIANTS = {"mgpu": (("block_t", "stages"), {}),
+                 "paged": (("blocks_per_program", "stages"), {"contiguous_blocks": True})}
+
+
 def score_variant(tiling: str) -> tuple[str, dict]:
     """tiling: query rows x heads : key block : key blocks per program : warps : pipeline stages
     [: 1/0 keys gathered before the kernel or read through the table], 'dispatch' (the kernel's
@@ -171,14 +176,11 @@ def score_variant(tiling: str) -> tuple[str, dict]:
         return "dispatch", {}
     if tiling == "indexer":
         return "indexer", {"write_invisible": False}
-    if tiling.startswith("paged"):
-        vals = [int(v) for v in tiling.split(":")[1:]]
-        mgpu = dict(zip(("blocks_per_program", "stages"), vals))
-        return tiling.replace(":", "_"), {"mgpu": mgpu or True, "contiguous_blocks": True, "write_invisible": False}
-    if tiling.startswith("mgpu"):
-        vals = [int(v) for v in tiling.split(":")[1:]]
-        mgpu = dict(zip(("block_t", "stages"), vals))
-        return tiling.replace(":", "_"), {"mgpu": mgpu or True, "write_invisible": False}
+    kind, *vals = tiling.split(":")
+    if kind in MGPU_VARIANTS:
+        fields, extra = MGPU_VARIANTS[kind]
+        mgpu = dict(zip(fields, map(int, vals)))
+        return tiling.replace(":", "_"), {"mgpu": mgpu or True, "write_invisible": False, **extra}
     vals = [int(v) for v in tiling.split(":")]
     kw = dict(zip(SCORE_FIELDS, vals))
     if "gather_keys" in kw:
