@@ -927,9 +927,11 @@ def select_tiling(rows: int, width: int, k: int = 2048) -> dict:
     return bracket_tiling(rows, width, k)
 
 
-# The most programs the two-call selection splits a row's columns over (at 8 x 131072, 4 measured 87 us
-# against 125 for 8 and 141 for 16 before rows were finished from registers; not re-measured since).
-MAX_SEGMENTS = 4
+# The most programs the two-call selection splits a row's columns over. At 8 x 131072 (decode's
+# selection), with rows finished from registers: 56.8 us at 4, 52.6 at 8, 50.0 at 16 (docs/perf.md;
+# before that 4 won, 87 against 125 for 8). The width rule below keeps 131072 columns at 8; 16 to 32
+# rows at 8 segments are not measured.
+MAX_SEGMENTS = 8
 
 
 def bracket_tiling(rows: int, width: int, k: int = 2048) -> dict:
@@ -941,8 +943,9 @@ def bracket_tiling(rows: int, width: int, k: int = 2048) -> dict:
     row kept on average 2414, 2796 and 3086 of 8192, 32768 and 131072 columns, at most 2622, 3552
     and 4073 of 512 rows (interpret mode; tests/test_kernels.py keeps random rows on the bracket).
     With segments, a row whose candidates fit held_cands is finished from registers by one program
-    (_threshold_emit_kernel): 105.5 -> 81.6 us at 64 x 131072 and 71.9 -> 57.9 at 8 x 131072; with one
-    segment it lost (374.5 -> 395.8 us at 2048 x 32768), so it is off there."""
+    (_threshold_emit_kernel): 105.5 -> 81.6 us at 64 x 131072 and 71.9 -> 57.9 at 8 x 131072 (then
+    52.6 with 8 segments); with one segment it lost (374.5 -> 395.8 us at 2048 x 32768), so it is off
+    there."""
     capacity = max(4096, -(-3 * k // 1024) * 1024)
     segments = 1
     while segments < MAX_SEGMENTS and rows * segments * 2 <= 256 and width >= 4096 * segments * 4:

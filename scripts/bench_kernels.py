@@ -91,16 +91,18 @@ def select_variant(tiling: str, rows: int, width: int, lengths=None, return_path
     segments per row, 'dispatch' for what `select_tiling` picks for rows x width, 'bracket' for the
     two-call kernel's `bracket_tiling`, or 'resident:bits:warps' for the resident-row kernel."""
     from pallas_kernels.topk import bracket_tiling, select_tiling, select_topk_pallas
+    kw = None
     if tiling in ("dispatch", "bracket"):
-        t = (select_tiling if tiling == "dispatch" else bracket_tiling)(rows, width)
-        tiling = (f"resident:{t['bits']}:{t['num_warps']}" if t.get("resident")
-                  else ":".join(str(t[f]) for f in SELECT_FIELDS))
+        kw = (select_tiling if tiling == "dispatch" else bracket_tiling)(rows, width)
+        if kw.get("resident"):
+            tiling, kw = f"resident:{kw['bits']}:{kw['num_warps']}", None
     if tiling.startswith("resident:"):
         bits, warps = map(int, tiling.split(":")[1:])
         return (f"pallas_resident_b{bits}_w{warps}", lambda s, k: select_topk_pallas(
             s, k, lengths, bits=bits, num_warps=warps, resident=True, return_path=return_path))
-    kw = dict(zip(SELECT_FIELDS, map(int, tiling.split(":"))))
+    kw = kw or dict(zip(SELECT_FIELDS, map(int, tiling.split(":"))))   # (the dispatch's whole tiling, held_cands too)
     name = "pallas_b{bits}_c{chunk}_cap{capacity}_s{sample}_u{sub}_w{num_warps}_st{num_stages}_seg{segments}"
+    name += "_held{held_cands}".format(**kw) if kw.get("held_cands") else ""
     return (name.format(**kw), lambda s, k: select_topk_pallas(s, k, lengths, return_path=return_path,
                                                                 stop_after=stop_after, **kw))
 
@@ -166,9 +168,10 @@ MGPU_VARIANTS = {"mgpu": (("block_t", "stages"), {}),
 
 def score_variant(tiling: str) -> tuple[str, dict]:
     """tiling: query rows x heads : key block : key blocks per program : warps : pipeline stages
-    [: 1/0 keys gathered before the kernel or read through the table], 'dispatch' (the kernel's
-    defaults, the whole matrix written) or 'indexer' (what indexer_topk runs: the defaults, with the
-    key blocks no query sees left unwritten), or mgpu[:block_t:stages] (the Mosaic GPU kernel on
+    [: 1/0 keys gathered before the kernel or read through the table], 'dispatch' (the Triton
+    kernel's defaults, the whole matrix written) or 'indexer' (the Triton kernel as indexer_topk calls
+    it, the key blocks no query sees left unwritten; indexer_topk itself runs the Mosaic GPU kernels
+    where use_mgpu_scores says so), or mgpu[:block_t:stages] (the Mosaic GPU kernel on
     the gathered keys, unseen key blocks unwritten as in 'indexer'), or
     paged[:blocks_per_program:stages] (the paged Mosaic GPU kernel: keys read from the pool by TMA
     per 64-key block; calls that do not gather their keys, i.e. decode)."""

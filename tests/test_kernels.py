@@ -190,6 +190,28 @@ def test_dispatch_tilings_interpret_equal_reference_on_the_gpu_cases():
         np.testing.assert_array_equal(np.asarray(got), topk_oracle(s, k, lengths), err_msg=f"{s.shape} k={k} {kw}")
 
 
+def test_bench_select_variant_runs_the_whole_dispatch_tiling(monkeypatch):
+    """bench_kernels.py's 'dispatch' and 'bracket' tilings call the kernel with every field the
+    dispatch picks (held_cands included: a tiling rebuilt from the string fields dropped it, and the
+    benchmark timed another kernel under the dispatch's label); a tiling string keeps its fields."""
+    from scripts.bench_kernels import select_variant
+    import pallas_kernels.topk as topk
+    seen = []
+    monkeypatch.setattr(topk, "select_topk_pallas", lambda s, k, lengths=None, **kw: seen.append(kw))
+    for tiling, rows, width, want in (("dispatch", 8, 131072, select_tiling(8, 131072)),
+                                      ("bracket", 64, 131072, bracket_tiling(64, 131072)),
+                                      ("dispatch", 64, 8192, select_tiling(64, 8192)),
+                                      ("4:2048:6144:2048:1024:4:2:1", 2048, 32768,
+                                       dict(bits=4, chunk=2048, capacity=6144, sample=2048, sub=1024, num_warps=4,
+                                            num_stages=2, segments=1))):
+        name, f = select_variant(tiling, rows, width)
+        f(None, 2048)
+        got = {key: v for key, v in seen.pop().items() if key not in ("return_path", "stop_after")}
+        assert got == want, (tiling, got, want)
+        assert ("held" in name) == bool(want.get("held_cands")), name
+    assert select_tiling(8, 131072)["held_cands"] and select_tiling(8, 131072)["segments"] == 8
+
+
 @pytest.mark.parametrize("kw", SMALL_SELECT, ids=lambda kw: f"b{kw['bits']}c{kw['chunk']}s{kw['segments']}"
                                                          f"h{kw.get('held_cands', 0)}")
 def test_select_topk_interpret_equals_reference(kw):
