@@ -1,6 +1,10 @@
 """Indexer top-k as Pallas kernels beside their jnp references: selection over a score matrix, and the
 indexer's scores computed through the page table (fp8 or plain keys) feeding that selection.
 
+Queries are bf16 or fp32, or fp8 with a scale per token and head (q_scale): those are widened exactly
+(to bf16; fp32 over fp32 keys) and the scale is folded into the head weights before any kernel
+(fold_query_scale), so every kernel sees plain queries.
+
 Result convention (reference and kernel alike): per row, the positions of the k largest scores
 (k = min(k, visible)), ties broken toward the lower position, listed in ascending position order and
 padded with -1. Ascending order makes the result a canonical set (the attention consumes a set) and
@@ -566,6 +570,26 @@ def check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
         raise ValueError(f"layer {layer} out of range for {index_k.shape[0]} layers")
 
 
+def fold_query_scale(q, w, q_scale, key_dtype):
+    """fp8 queries with their scale per (token, head) [B, T, H] (DeepSeek's indexer format: amax /
+    448 over the head's D values, so positive) as the kernels take them: the queries widened
+    exactly, to bf16 (fp32 over fp32 keys, which a bf16 dot would round), and the scale folded into
+    the head weights, since relu(s x) = s relu(x) for s >= 0 (DeepSeek's own indexer folds it so).
+    Plain queries (q_scale None) pass through. ValueError for a scale without fp8 queries, fp8
+    queries without one, or a scale of the wrong shape."""
+    fp8 = jnp.dtype(q.dtype).itemsize == 1
+    if fp8 != (q_scale is not None):
+        raise ValueError(f"q_scale is given exactly for fp8 queries (their per-token, per-head scale); got q "
+                         f"{jnp.dtype(q.dtype).name} with q_scale "
+                         f"{None if q_scale is None else tuple(q_scale.shape)}")
+    if q_scale is None:
+        return q, w
+    if tuple(q_scale.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"q_scale {tuple(q_scale.shape)} must be {tuple(q.shape[:3])} for q {tuple(q.shape)}")
+    wide = jnp.float32 if jnp.dtype(key_dtype) == jnp.float32 else jnp.bfloat16
+    return q.astype(wide), w * q_scale.astype(jnp.float32)
+
+
 def _pad_to(x, axis: int, multiple: int, value):
     extra = -x.shape[axis] % multiple
     if not extra:
@@ -779,7 +803,7 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
                         block_n: int = 64, steps: int = 32, num_warps: int = 4, num_stages: int = 3,
                         gather_keys: bool | None = None, interpret: bool = False, poison: float | None = None,
                         epilogue: bool = True, write_invisible: bool = True, mgpu: bool | dict = False,
-                        contiguous_blocks: bool = False):
+                        contiguous_blocks: bool = False, q_scale=None):
     """The indexer's scores, the keys read through the page table (in the kernel, or gathered once
     before it when many query blocks read them), with no [B, T, H, S] per-head intermediate.
     q [B, T, H, D]; w [B, T, H] fp32; index_k [L, slots, D] (fp8 with index_scale [L, slots], or plain
@@ -794,8 +818,10 @@ def index_scores_pallas(q, w, index_k, index_scale, layer, slot_table, positions
     that is half of the [T, S] matrix. mgpu (True, or a scores_mgpu tiling dict): the gathered path
     runs the Mosaic GPU kernel instead (bf16 queries; the keys are then always gathered; operands it
     cannot take raise ValueError naming why). interpret: True, or Mosaic GPU interpreter parameters
-    for the mgpu kernel (plgpu.InterpretGPUParams)."""
+    for the mgpu kernel (plgpu.InterpretGPUParams). q_scale [B, T, H]: q is fp8 with that scale per
+    token and head (fold_query_scale)."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
+    q, w = fold_query_scale(q, w, q_scale, index_k.dtype)
     T, S = q.shape[1], slot_table.shape[1]
     out = _scores_call(q, w, index_k, index_scale, layer, slot_table, positions, block_m=block_m, block_n=block_n,
                        steps=steps, num_warps=num_warps, num_stages=num_stages, gather_keys=gather_keys,
@@ -1019,14 +1045,17 @@ def use_mgpu_scores(B: int, T: int, H: int, D: int, q_dtype, contiguous_blocks: 
         H, D, q_dtype, block_t=paged_block_t(T, H), key_dtype=key_dtype) is None)
 
 
-def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int, contiguous_blocks: bool = False):
+def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int, contiguous_blocks: bool = False,
+                 q_scale=None):
     """The dispatch for the whole indexer selection on one device: kernels on GPU (scores through the
     page table, then selection over each row's visible length; or the fused path with USE_FUSED), the
     jnp composition elsewhere; in query chunks of at most SCORES_MAX_BYTES of scores.
     contiguous_blocks: the caller promises that each 64-position block of slot_table is 64
     consecutive slots (pages of a multiple of 64 slots), which lets short calls read the keys from
-    the pool by TMA (the paged Mosaic GPU kernel)."""
+    the pool by TMA (the paged Mosaic GPU kernel). q_scale [B, T, H]: q is fp8 with that scale per
+    token and head (fold_query_scale: every path, kernels or not, then sees plain queries)."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
+    q, w = fold_query_scale(q, w, q_scale, index_k.dtype)
     B, T, H, D = q.shape
     kernels = _on_gpu() and _pow2(D) and _pow2(H)  # Triton tiles: power-of-two dims
     if kernels and USE_FUSED:
@@ -1076,7 +1105,7 @@ def indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions,
                        capacity: int | None = None, sample: int = 2048, sample_sub: int = 256, sub: int = 1024,
                        bits: int = 4, block_m: int = 128, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                        select_warps: int = 8, fallback_rows: int = 64, interpret: bool = False,
-                       poison: int | None = None, return_path: bool = False):
+                       poison: int | None = None, return_path: bool = False, q_scale=None):
     """The indexer's top-k without the [T, S] scores in HBM (for prefill: T query tokens per request).
     1. The scores of a sample of the columns (blocks of 16 spread over the table) give each row's
        bracket [lo, hi) (_sample_bracket_kernel; rows of at most `capacity` visible keys keep all).
@@ -1087,8 +1116,10 @@ def indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions,
     A row whose bracket missed or whose candidates overflowed (path 2) is redone the unfused way,
     `fallback_rows` rows at a time (so at most fallback_rows x S scores exist at once). Same result convention
     as indexer_topk; with return_path also each row's path (before any redo). poison (tests): the
-    positions buffer starts filled with it, so a position the kernels fail to write shows."""
+    positions buffer starts filled with it, so a position the kernels fail to write shows. q_scale:
+    fp8 queries' scale, as in indexer_topk."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
+    q, w = fold_query_scale(q, w, q_scale, index_k.dtype)
     B, T, H, D = q.shape
     S = slot_table.shape[1]
     capacity = capacity or max(4096, -(-3 * k // 1024) * 1024)

@@ -537,6 +537,40 @@ def test_indexer_topk_fused_interpret_equals_reference():
     assert redone_in_one and redone_in_several
 
 
+def test_fp8_queries_with_scale_equal_the_dequantized_reference():
+    """fp8 queries with their per-token, per-head scale (DeepSeek's indexer format) at every entry
+    point: the scores kernel and the fused indexer in interpret mode, and the dispatch's jnp path,
+    against the reference scores of the queries dequantized to fp32 (no fold); fp8 and fp32 keys,
+    padding lanes. A scale without fp8 queries, fp8 queries without one, or a scale of the wrong
+    shape is refused, naming q_scale."""
+    from models.kv import dequantize_index_k, quantize_index_k
+    rng = np.random.default_rng(5)
+    for B, T, H, D, S, k, fp8 in ((2, 5, 4, 16, 40, 9, True), (1, 20, 2, 64, 300, 20, False)):
+        q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, False)
+        q8, q_scale = quantize_index_k(q * jnp.exp(jnp.asarray(rng.standard_normal((B, T, H, 1)), jnp.float32)))
+        assert float(q_scale.max() / q_scale.min()) > 3          # scales differ across heads and tokens
+        ref = np.asarray(reference_scores(dequantize_index_k(q8, q_scale), w, ik, sc, 1, table, pos))
+        fin = np.isfinite(ref)
+        got = np.asarray(index_scores_pallas(q8, w, ik, sc, 1, table, pos, block_m=16, block_n=16, steps=2,
+                                             interpret=True, q_scale=q_scale))
+        np.testing.assert_array_equal(np.isneginf(got), ~fin)
+        np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-5)
+        tol = 1e-5 * np.abs(ref[fin]).max()
+        assert_same_topk_up_to_near_ties(np.asarray(indexer_topk(q8, w, ik, sc, 1, table, pos, k, q_scale=q_scale)),
+                                         ref, k, tol)
+        fused = indexer_topk_fused(q8, w, ik, sc, 1, table, pos, k, interpret=True, poison=-7, q_scale=q_scale,
+                                   **FUSED_SMALL)
+        assert_same_topk_up_to_near_ties(np.asarray(fused), ref, k, tol)
+    for args, problem in (((q8, None), "q_scale is given exactly for fp8 queries"),
+                          ((q, q_scale), "q_scale is given exactly for fp8 queries"),
+                          ((q8, q_scale[:, :3]), "q_scale \\(1, 3, 2\\) must be \\(1, 20, 2\\)")):
+        for entry in (lambda a: indexer_topk(a[0], w, ik, sc, 1, table, pos, k, q_scale=a[1]),
+                      lambda a: index_scores_pallas(a[0], w, ik, sc, 1, table, pos, interpret=True, q_scale=a[1]),
+                      lambda a: indexer_topk_fused(a[0], w, ik, sc, 1, table, pos, k, interpret=True, q_scale=a[1])):
+            with pytest.raises(ValueError, match="^" + problem):
+                entry(args)
+
+
 @pytest.mark.gpu
 def test_indexer_topk_fused_compiled_on_gpu():
     """Compiled for the GPU, at GLM-5's indexer shape (32 heads x 128, fp8 keys, k = 2048) with the
@@ -625,10 +659,10 @@ def assert_same_topk_up_to_near_ties(got, scores, k, tol):
 
 @pytest.mark.gpu
 def test_index_scores_compiled_on_gpu():
-    """bf16 and fp32 queries, fp8 and plain keys, GLM-5's 32 x 128 indexer and a 32 x 64 one. With
-    integer inputs and D a power of 4 (D**-0.5 a power of two) every sum is exact in any order: the
-    scores and the top-k set must equal the reference exactly. Otherwise the scores agree to rounding
-    and the set up to near-ties."""
+    """bf16, fp32 and fp8 (with their scale) queries, fp8 and plain keys, GLM-5's 32 x 128 indexer and
+    a 32 x 64 one. With integer inputs and D a power of 4 (D**-0.5 a power of two) every sum is exact
+    in any order: the scores and the top-k set must equal the reference exactly. Otherwise the scores
+    agree to rounding and the set up to near-ties."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     for B, T, H, D, S in ((2, 5, 4, 16, 40), (2, 64, 32, 64, 1000), (2, 64, 32, 128, 1000),
@@ -664,6 +698,18 @@ def test_index_scores_compiled_on_gpu():
                         np.testing.assert_allclose(got[fin], ref[fin], rtol=0, atol=1e-5 * scale)
                         for picked in (sel,) if chunked is None else (sel, chunked):
                             assert_same_topk_up_to_near_ties(picked, ref, k, 1e-5 * scale)
+        # fp8 queries with their scale, against the dequantized queries' reference
+        from models.kv import dequantize_index_k, quantize_index_k
+        q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, True, False)
+        q8, q_scale = quantize_index_k(q)
+        ref = np.asarray(reference_scores(dequantize_index_k(q8, q_scale), w, ik, sc, 1, table, pos))
+        fin = np.isfinite(ref)
+        got = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a[:-1], q_scale=a[-1]))(q8, w, ik, sc, 1, table, pos,
+                                                                                         q_scale))
+        np.testing.assert_allclose(got[fin], ref[fin], rtol=0, atol=1e-5 * np.abs(ref[fin]).max())
+        sel = np.asarray(jax.jit(lambda *a: indexer_topk(*a[:-1], min(64, S), q_scale=a[-1]))(
+            q8, w, ik, sc, 1, table, pos, q_scale))
+        assert_same_topk_up_to_near_ties(sel, ref, min(64, S), 1e-5 * np.abs(ref[fin]).max())
 
 
 @pytest.mark.gpu
