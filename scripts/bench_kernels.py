@@ -91,16 +91,16 @@ def select_variant(tiling: str, rows: int, width: int, lengths=None, return_path
     segments per row, 'dispatch' for what `select_tiling` picks for rows x width, 'bracket' for the
     two-call kernel's `bracket_tiling`, or 'resident:bits:warps' for the resident-row kernel."""
     from pallas_kernels.topk import bracket_tiling, select_tiling, select_topk_pallas
-    kw = None
-    if tiling in ("dispatch", "bracket"):
+    if tiling in ("dispatch", "bracket"):           # (the dispatch's whole tiling, held_cands too)
         kw = (select_tiling if tiling == "dispatch" else bracket_tiling)(rows, width)
-        if kw.get("resident"):
-            tiling, kw = f"resident:{kw['bits']}:{kw['num_warps']}", None
-    if tiling.startswith("resident:"):
+    elif tiling.startswith("resident:"):
         bits, warps = map(int, tiling.split(":")[1:])
-        return (f"pallas_resident_b{bits}_w{warps}", lambda s, k: select_topk_pallas(
-            s, k, lengths, bits=bits, num_warps=warps, resident=True, return_path=return_path))
-    kw = kw or dict(zip(SELECT_FIELDS, map(int, tiling.split(":"))))   # (the dispatch's whole tiling, held_cands too)
+        kw = {"resident": True, "bits": bits, "num_warps": warps}
+    else:
+        kw = dict(zip(SELECT_FIELDS, map(int, tiling.split(":"))))
+    if kw.get("resident"):
+        return (f"pallas_resident_b{kw['bits']}_w{kw['num_warps']}", lambda s, k: select_topk_pallas(
+            s, k, lengths, return_path=return_path, **kw))
     name = "pallas_b{bits}_c{chunk}_cap{capacity}_s{sample}_u{sub}_w{num_warps}_st{num_stages}_seg{segments}"
     name += "_held{held_cands}".format(**kw) if kw.get("held_cands") else ""
     return (name.format(**kw), lambda s, k: select_topk_pallas(s, k, lengths, return_path=return_path,
@@ -198,6 +198,7 @@ def indexer_inputs(B, T, N, H=32, D=128, prefill=False, page_size=64):
     import jax.numpy as jnp
     import numpy as np
 
+    from cpkv_jax.runner import paged_slot_table
     from models.kv import quantize_index_k
 
     key = jax.random.key(B * T + N)
@@ -207,9 +208,8 @@ def indexer_inputs(B, T, N, H=32, D=128, prefill=False, page_size=64):
     pages = B * -(-N // page_size)                       # whole pages per request
     slots = page_size * (1 + pages)
     index_k, scale = quantize_index_k(jax.random.normal(kk, (1, slots, D), jnp.float32))
-    order = 1 + np.random.default_rng(0).permutation(pages)
-    table = (order[:, None] * page_size + np.arange(page_size)).reshape(B, -1)[:, :N]
-    table = jnp.asarray(table, jnp.int32)
+    table = jnp.asarray(paged_slot_table((1 + np.random.default_rng(0).permutation(pages)).reshape(B, -1),
+                                         page_size, N))
     start = 0 if prefill else N - T
     pos = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
     return q, w, index_k, scale, table, pos

@@ -98,6 +98,7 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 
 # ---- indexer top-k ----------------------------------------------------------------------------
 
+from cpkv_jax.runner import paged_slot_table  # noqa: E402
 from pallas_kernels.topk import (PATHS, RESIDENT_MAX_WIDTH, bracket_tiling, index_keys_fp32,  # noqa: E402
                                  index_scores_pallas, index_scores_reference, indexer_topk, indexer_topk_fused,
                                  sample_block_start, sample_size, select_tiling, select_topk, select_topk_pallas,
@@ -271,8 +272,7 @@ def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2, pa
             index_k, scale = quantize_index_k(jnp.asarray(k))
     else:
         index_k, scale = jnp.asarray(k, q_dtype), None
-    table = (1 + rng.permutation(pages))[:, None] * page_size + np.arange(page_size)
-    table = table.reshape(B, -1)[:, :S].astype(np.int32)
+    table = paged_slot_table((1 + rng.permutation(pages)).reshape(B, -1), page_size, S)
     start = rng.integers(0, S - T + 1, B)
     pos = (start[:, None] + np.arange(T)[None, :]).astype(np.int32)
     if T > 1:
