@@ -158,7 +158,7 @@ def cmd_bench(args) -> int:
     from cpkv_jax.engine import Engine
     from cpkv_jax.perf import decode_step_bytes, forward_flops, measure_ceilings, print_table
     from cpkv_jax.sampling import SamplingParams
-    from cpkv_jax.scheduler import pages_for
+    from cpkv_jax.kv_pool import pages_for
     from models.model import matmul_precision
 
     model = bench_model(args)

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpkv_jax.cp import CPPlan, CPRequest, build_batch as build_cp_batch, plan as cp_plan
-from cpkv_jax.kv_pool import KVPool, PageAllocator
+from cpkv_jax.kv_pool import KVPool, PageAllocator, pages_for
 from cpkv_jax.radix_cache import RadixCache
 from cpkv_jax.runner import ModelRunner
 from cpkv_jax.sampling import SamplingParams, propose_tokens, sample_tokens, verify_tokens
-from cpkv_jax.scheduler import Chunk, Request, Scheduler, pages_for
+from cpkv_jax.scheduler import Chunk, Request, Scheduler
 from models.model import DsaModel
 
 

@@ -1,6 +1,7 @@
-"""Device KV pool (a pytree donated to every step), the host page allocator and request->page tables.
-The model sees only token slots (slot = page * page_size + offset); page 0 is the dummy page that
-absorbs padded writes and is never allocated."""
+"""Device KV pool (a pytree donated to every step), the page allocator, and the page arithmetic (pages
+for a token count, the token slots of pages, a batch's slot table from its page tables) — the one
+place that knows slot = page * page_size + offset. Page 0 is the dummy page that absorbs padded
+writes and is never allocated."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.kv import KVCache, kv_cache_shapes
+from models.sharding import KV_LEAF_AXES, RULES
 
 
 class OutOfPages(RuntimeError):
@@ -94,13 +96,12 @@ class KVPool:
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, index_dtype: str = "fp8",
-               mesh=None, axis: str = "cp", draft: bool = False, **kw) -> "KVPool":
-        """With a mesh, the slot axis is sharded over `axis` (each rank stores num_pages / cp pages).
-        With draft, a one-layer cache for the MTP layer beside the target's, same slots and sharding.
-        Placed (committed) like every step's output, so the first step does not compile a variant of
-        its own for an uncommitted input."""
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        where = jax.devices()[0] if mesh is None else NamedSharding(mesh, P(None, axis))
+               mesh=None, draft: bool = False, **kw) -> "KVPool":
+        """With a mesh, the slot axis is placed by the sharding rules (`kv_slots`: over 'cp', each rank
+        stores num_pages / cp pages). With draft, a one-layer cache for the MTP layer beside the
+        target's, same slots and sharding. Placed (committed) like every step's output, so the first
+        step does not compile a variant of its own for an uncommitted input."""
+        where = jax.devices()[0] if mesh is None else RULES.sharding(mesh, *KV_LEAF_AXES)
 
         def zeros(**shape_kw):
             shapes = kv_cache_shapes(cfg, num_pages * page_size, dtype, index_dtype, **shape_kw)
@@ -120,7 +121,19 @@ class KVPool:
         return sum(x.dtype.itemsize * x.size // x.shape[1] for x in jax.tree.leaves((self.cache, self.draft)))
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` token slots."""
+    return -(-num_tokens // page_size)
+
+
 def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
     """Token slots of a run of pages, in order."""
     pages = np.asarray(pages, np.int64)
     return (pages[:, None] * page_size + np.arange(page_size)[None]).reshape(-1).astype(np.int32)
+
+
+def paged_slot_table(page_table: np.ndarray, page_size: int, width: int) -> np.ndarray:
+    """[B, width] token slots from per-request page lists [B, pages] (unused entries: page 0)."""
+    j = np.arange(width)
+    pages = np.take_along_axis(page_table, np.broadcast_to(j // page_size, (len(page_table), width)), axis=1)
+    return (pages * page_size + j % page_size).astype(np.int32)

@@ -11,6 +11,7 @@ from flax import nnx
 from cpkv_jax.kv_pool import KVPool
 from models.kv import SINGLE_DEVICE, Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
+from models.sharding import RULES
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
 # The expanded path materializes fp32 scores [B, heads, T, S] (and the softmax's copy of them): above
@@ -45,17 +46,16 @@ class ModelRunner:
     pool's pages (paged_slot_table): with pages of a multiple of 64 slots the forward tells the
     indexer so (KVAccess.contiguous_blocks), and its decode scores read the keys by page block."""
 
-    def __init__(self, model: DsaModel, pool: KVPool, mesh=None, axis: str = "cp", copier=None, step_copies=None):
+    def __init__(self, model: DsaModel, pool: KVPool, mesh=None, copier=None, step_copies=None):
         self.model = model
         self.copier, self.step_copies = copier, step_copies
         self.graphdef, self.state = nnx.split(model)
         self.pool = pool
-        self.mesh, self.axis = mesh, axis
+        self.mesh, self.axis = mesh, RULES.batch_rows
         if mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec as P
-            self.state = jax.device_put(self.state, NamedSharding(mesh, P()))
-            self._rows = NamedSharding(mesh, P(axis))
-            self._replicated = NamedSharding(mesh, P())
+            self.state = jax.device_put(self.state, RULES.sharding(mesh))
+            self._rows = RULES.sharding(mesh, "batch_rows")
+            self._replicated = RULES.sharding(mesh)
         self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output, access)
 
     def place(self, batch: Batch) -> Batch:
@@ -133,9 +133,3 @@ class ModelRunner:
         with other runners of the same model graph and pool shape)."""
         return len(self.variants)
 
-
-def paged_slot_table(page_table: np.ndarray, page_size: int, width: int) -> np.ndarray:
-    """[B, width] token slots from per-request page lists [B, pages] (unused entries: page 0)."""
-    j = np.arange(width)
-    pages = np.take_along_axis(page_table, np.broadcast_to(j // page_size, (len(page_table), width)), axis=1)
-    return (pages * page_size + j % page_size).astype(np.int32)

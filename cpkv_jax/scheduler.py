@@ -18,13 +18,9 @@ import time
 
 import numpy as np
 
-from cpkv_jax.kv_pool import PageAllocator
+from cpkv_jax.kv_pool import PageAllocator, pages_for
 from cpkv_jax.radix_cache import RadixCache, TreeNode
 from cpkv_jax.sampling import SamplingParams
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 @dataclasses.dataclass(eq=False)

@@ -9,6 +9,7 @@ carry a leading [R] axis and one lax.scan runs the unit R times. GLM-5.2 (78 lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from models.config import ModelConfig
 from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache
 from models.layers import Dense, RMSNorm, normal_param
 from models.moe import MLP, MoE
+from models.sharding import KV_LEAF_AXES, RULES
 
 MAX_UNIT = 8
 
@@ -51,6 +53,14 @@ def plan_layer_groups(kinds: list[tuple[str, str]]) -> tuple[LayerGroup, ...]:
         groups.append(LayerGroup(tuple(kinds[i:i + best_p]), ids))
         i += best_p * best_r
     return tuple(groups)
+
+
+@functools.cache
+def layer_places(groups: tuple[LayerGroup, ...]) -> tuple[tuple[int, int, int], ...]:
+    """Per global layer: (group, unit position, repeat) — where its parameters sit in the stacked groups."""
+    where = {layer: (g, j, r) for g, group in enumerate(groups) for r, row in enumerate(group.layer_ids)
+             for j, layer in enumerate(row)}
+    return tuple(where[i] for i in range(len(where)))
 
 
 class DecoderLayer(nnx.Module):
@@ -220,10 +230,13 @@ OUTPUTS = ("logits", "hidden", "last_logits", "last_logits_hidden", "logits_hidd
 
 
 def _specs(access: KVAccess, cache: KVCache):
-    """PartitionSpec, the axis, and the cache / batch specs of a CP shard_map."""
+    """PartitionSpec, the rows' spec, and the cache / batch specs of a CP shard_map (the sharding rules'
+    `batch_rows` and `kv_slots` axes, which must be the axis the KV access collects over)."""
     from jax.sharding import PartitionSpec as P
-    ax = access.axis
-    return P, ax, jax.tree.map(lambda _: P(None, ax), cache), Batch(P(ax), P(ax), P(ax), P())
+    if access.axis != RULES.kv_slots:
+        raise ValueError(f"CP access over {access.axis!r}, but the sharding rules place KV slots on {RULES.kv_slots!r}")
+    rows = RULES.spec("batch_rows")
+    return P, rows, jax.tree.map(lambda _: RULES.spec(*KV_LEAF_AXES), cache), Batch(rows, rows, rows, P())
 
 
 def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
@@ -257,8 +270,8 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
 
     if access.axis is None:
         return forward(state, batch, cache, last_index, last_rank)
-    P, ax, cache_spec, batch_spec = _specs(access, cache)
-    out_spec = (P(), P(ax)) if output.endswith("_hidden") else P()
+    P, rows, cache_spec, batch_spec = _specs(access, cache)
+    out_spec = (P(), rows) if output.endswith("_hidden") else P()
     return jax.shard_map(forward, mesh=mesh, in_specs=(P(), batch_spec, cache_spec, P(), P()),
                          out_specs=(out_spec, cache_spec), check_vma=False)(state, batch, cache, last_index, last_rank)
 
@@ -280,9 +293,9 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
 
     if access.axis is None:
         return forward(state, hidden, next_tokens, batch, cache, last_index, last_rank)
-    P, ax, cache_spec, batch_spec = _specs(access, cache)
-    hidden_spec = P(ax) if hidden.ndim == 3 else P()
-    return jax.shard_map(forward, mesh=mesh, in_specs=(P(), hidden_spec, P(ax), batch_spec, cache_spec, P(), P()),
+    P, rows, cache_spec, batch_spec = _specs(access, cache)
+    hidden_spec = rows if hidden.ndim == 3 else P()
+    return jax.shard_map(forward, mesh=mesh, in_specs=(P(), hidden_spec, rows, batch_spec, cache_spec, P(), P()),
                          out_specs=((P(), P()), cache_spec), check_vma=False)(
         state, hidden, next_tokens, batch, cache, last_index, last_rank)
 

@@ -1,21 +1,51 @@
-"""Where each parameter lives on a mesh — decided here and nowhere else. Rules are written for the
-unstacked (per-layer) shape; stacked group leaves get a leading unsharded repeat axis
-(models/weights.py:_stacked_sharding)."""
+"""Where every array lives on a mesh, decided by one table (as jax-llm-examples' ShardingRules): arrays
+name their axes logically (`experts`, `kv_slots`, `batch_rows`, ...) and `ShardingRules` maps each
+logical axis to a mesh axis. Parameters, the device KV pool, the host KV pool and a CP step's batch
+rows all take their placement from it; a mesh without the named axis replicates that dimension."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down")
+KV_LEAF_AXES = ("layers", "kv_slots")   # every KV pool leaf (device and host) is [layers, slots, ...]
 
 
-def layer_partition_spec(path: tuple, ndim: int, mesh: Mesh) -> P:
-    """Routed-expert tensors [E, ...] are split over the 'ep' axis when the mesh has one; every other
-    parameter is replicated (the model is small next to the KV cache at the sizes CP serves)."""
-    if path and path[-1] in EXPERT_LEAVES and "ep" in mesh.axis_names:
-        return P("ep", *([None] * (ndim - 1)))
-    return P(*([None] * ndim))
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis -> mesh axis (None: replicated)."""
+
+    experts: str | None = "ep"       # routed experts' leading [E] axis
+    kv_slots: str | None = "cp"      # the KV pool's token-slot axis: each page lives on one rank
+    batch_rows: str | None = "cp"    # a CP step's token rows: rank r holds its lanes of every request
+    layers: str | None = None        # stacked layer / repeat axes are never split
+
+    def spec(self, *logical: str | None, mesh: Mesh | None = None) -> P:
+        """PartitionSpec of an array whose dimensions have these logical names (None: unnamed, replicated).
+        With a mesh, axes the mesh lacks are dropped (replicated)."""
+        def mesh_axis(name):
+            axis = getattr(self, name) if name is not None else None
+            return None if axis is None or (mesh is not None and axis not in mesh.axis_names) else axis
+        return P(*(mesh_axis(n) for n in logical))
+
+    def sharding(self, mesh: Mesh, *logical: str | None, memory_kind: str | None = None) -> NamedSharding:
+        return NamedSharding(mesh, self.spec(*logical, mesh=mesh), memory_kind=memory_kind)
 
 
-def param_sharding(path: tuple, ndim: int, mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, layer_partition_spec(path, ndim, mesh))
+RULES = ShardingRules()
+
+
+def param_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of a parameter, by its path in the unstacked (per-layer) tree: routed-expert
+    tensors are [experts, ...]; every other parameter is replicated (the model is small next to the KV
+    cache at the sizes CP serves). Stacked group leaves get a leading `layers` axis
+    (models/weights.py:_stacked_sharding)."""
+    if path and path[-1] in EXPERT_LEAVES:
+        return ("experts",) + (None,) * (ndim - 1)
+    return (None,) * ndim
+
+
+def param_sharding(path: tuple, ndim: int, mesh: Mesh, rules: ShardingRules = RULES) -> NamedSharding:
+    return rules.sharding(mesh, *param_logical_axes(path, ndim))

@@ -24,7 +24,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from models.config import ModelConfig
-from models.model import DsaModel
+from models.model import DsaModel, layer_places
 
 MANIFEST = "cpkv_checkpoint.json"
 FORMAT_VERSION = 1
@@ -260,14 +260,12 @@ def iter_hf_parts(reader: SafetensorsReader, cfg: ModelConfig, model_abs: DsaMod
         top["lm_head"] = {"kernel": plain("lm_head.weight", pure_abs["lm_head"]["kernel"], True)}
     yield "top", top
 
-    layer_abs = {}
-    for g, group in enumerate(model_abs.groups_plan):
-        for j in range(len(group.unit)):
-            for row in group.layer_ids:
-                layer_abs[row[j]] = _strip_stack(pure_abs["groups"][g]["unit"][j])
+    places = layer_places(model_abs.groups_plan)
     for i in range(n):
         m, ix = cfg.layer_kind(i)
-        tree = hf_layer_tree(reader, cfg, f"model.layers.{i}.", m, ix == "full", layer_abs[i], dtype)
+        g, j, _ = places[i]
+        layer_abs = _strip_stack(pure_abs["groups"][g]["unit"][j])
+        tree = hf_layer_tree(reader, cfg, f"model.layers.{i}.", m, ix == "full", layer_abs, dtype)
         yield f"layer:{i}", tree
 
     if cfg.num_nextn_predict_layers:
@@ -292,11 +290,7 @@ def assemble(model_abs: DsaModel, parts: Iterator[tuple[str, dict]], put: Callab
     graphdef, state = nnx.split(model_abs)
     pure_abs = nnx.to_pure_dict(state)
     put = put or (lambda path, a: jnp.asarray(a))
-    where = {}
-    for g, group in enumerate(model_abs.groups_plan):
-        for r, row in enumerate(group.layer_ids):
-            for j, layer in enumerate(row):
-                where[layer] = (g, j, r)
+    where = layer_places(model_abs.groups_plan)
     stacked = {g: {j: None for j in range(len(grp.unit))} for g, grp in enumerate(model_abs.groups_plan)}
     out: dict = {}
     set_slot = jax.jit(lambda s, x, r: s.at[r].set(x), donate_argnums=0)
@@ -323,11 +317,13 @@ def assemble(model_abs: DsaModel, parts: Iterator[tuple[str, dict]], put: Callab
 
 
 def _stacked_sharding(x):
-    """The sharding of a stacked group leaf whose per-layer slices are sharded like x."""
+    """The sharding of a stacked group leaf whose per-layer slices are sharded like x: a leading
+    `layers` axis (ShardingRules.layers) before x's own."""
     from jax.sharding import NamedSharding, PartitionSpec as P
+    from models.sharding import RULES
     sh = getattr(x, "sharding", None)
     if isinstance(sh, NamedSharding):
-        return NamedSharding(sh.mesh, P(None, *sh.spec), memory_kind=sh.memory_kind)
+        return NamedSharding(sh.mesh, P(*RULES.spec("layers", mesh=sh.mesh), *sh.spec), memory_kind=sh.memory_kind)
     return sh
 
 
@@ -412,11 +408,6 @@ def load_checkpoint(path, dtype=None, mesh=None) -> DsaModel:
     model_abs = abstract_model(cfg, dtype, mtp_own_embed="embed_tokens" in mtp_meta,
                                mtp_own_head="head" in mtp_meta)
     pure_abs = nnx.to_pure_dict(nnx.state(model_abs))
-    layer_path = {}
-    for g, group in enumerate(model_abs.groups_plan):
-        for row in group.layer_ids:
-            for j, layer in enumerate(row):
-                layer_path[layer] = ("groups", g, "unit", j)
     ckptr = _checkpointer()
 
     def target(abs_tree, path_prefix, stacked):
@@ -440,7 +431,8 @@ def load_checkpoint(path, dtype=None, mesh=None) -> DsaModel:
             elif name == "mtp":
                 tgt = target(pure_abs["mtp"], ("mtp",), False)
             else:
-                lp = layer_path[int(name.split(":")[1])]
+                g, j, _ = layer_places(model_abs.groups_plan)[int(name.split(":")[1])]
+                lp = ("groups", g, "unit", j)
                 tgt = target(_get_path(pure_abs, lp), lp, True)
             yield name, ckptr.restore(sub, tgt)
 
@@ -467,13 +459,7 @@ def model_parts(model: DsaModel) -> Iterator[tuple[str, dict]]:
     into one tree per layer."""
     pure_state = nnx.to_pure_dict(nnx.state(model))
     yield "top", {k: pure_state[k] for k in ("embed_tokens", "norm", "lm_head") if pure_state.get(k) is not None}
-    rows = {}
-    for g, group in enumerate(model.groups_plan):
-        for r, row in enumerate(group.layer_ids):
-            for j, layer in enumerate(row):
-                rows[layer] = (g, j, r)
-    for layer in sorted(rows):
-        g, j, r = rows[layer]
+    for layer, (g, j, r) in enumerate(layer_places(model.groups_plan)):
         yield f"layer:{layer}", jax.tree.map(lambda x: np.asarray(x[r]), pure_state["groups"][g]["unit"][j])
     if model.mtp is not None:
         yield "mtp", jax.tree.map(np.asarray, pure_state["mtp"])

@@ -176,7 +176,7 @@ def main() -> int:
     from cpkv_jax.cli import bench_model
     from cpkv_jax.engine import Engine, EngineConfig
     from cpkv_jax.sampling import SamplingParams
-    from cpkv_jax.scheduler import pages_for
+    from cpkv_jax.kv_pool import pages_for
 
     t_start = time.perf_counter()
     model = bench_model(args)

@@ -32,7 +32,7 @@ def main() -> int:
     from cpkv_jax.cli import bench_model
     from cpkv_jax.engine import Engine, EngineConfig
     from cpkv_jax.sampling import SamplingParams, sample_tokens
-    from cpkv_jax.scheduler import pages_for
+    from cpkv_jax.kv_pool import pages_for
 
     model = bench_model(argparse.Namespace(model=args.model, num_layers=args.num_layers,
                                            num_experts=args.num_experts, dtype=args.dtype))

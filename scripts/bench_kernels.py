@@ -198,7 +198,7 @@ def indexer_inputs(B, T, N, H=32, D=128, prefill=False, page_size=64):
     import jax.numpy as jnp
     import numpy as np
 
-    from cpkv_jax.runner import paged_slot_table
+    from cpkv_jax.kv_pool import paged_slot_table
     from models.kv import quantize_index_k
 
     key = jax.random.key(B * T + N)

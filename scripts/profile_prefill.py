@@ -62,7 +62,7 @@ def main() -> int:
     from cpkv_jax.cli import bench_model
     from cpkv_jax.engine import Engine, EngineConfig
     from cpkv_jax.sampling import SamplingParams
-    from cpkv_jax.scheduler import pages_for
+    from cpkv_jax.kv_pool import pages_for
 
     model = bench_model(args)
     rng = np.random.default_rng(0)

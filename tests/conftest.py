@@ -33,6 +33,14 @@ def fixtures_dir():
     return FIXTURES
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """The embedded tiny model (random weights), loaded once per test module (tests may derive
+    modified copies of it; module scope keeps one module's changes from reaching another)."""
+    from models.weights import load_model
+    return load_model("tiny")
+
+
 def pytest_terminal_summary(terminalreporter):
     """Report the worst HF-parity relative error per check kind (the issue asks for it). The errors
     travel in the test reports' user_properties, so this works with pytest-xdist workers too."""

@@ -21,12 +21,6 @@ from hypothesis import given, settings, strategies as st
 from cpkv_jax import cp as CP
 from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams
-from models.weights import load_model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 def page_bytes(engine, page):

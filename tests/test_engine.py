@@ -9,13 +9,8 @@ import pytest
 from cpkv_jax.engine import Engine, EngineConfig, EngineConfigError, EngineInputError
 from cpkv_jax.sampling import SamplingError, SamplingParams
 from models.model import prefill_logits
-from models.weights import CheckpointError, load_model
+from models.weights import CheckpointError
 from tests.helpers import rel_err
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 def random_prompts(rng, lengths, vocab):

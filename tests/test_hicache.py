@@ -12,15 +12,9 @@ import pytest
 from cpkv_jax.engine import Engine, EngineConfig, EngineConfigError
 from cpkv_jax.kv_pool import page_slots
 from cpkv_jax.sampling import SamplingParams
-from models.weights import load_model
 from tests.helpers import check_hicache_invariants as check_invariants, shared_prefix_prompts
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 def page_hashes(pool_tree, pages, page_size):

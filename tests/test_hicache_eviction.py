@@ -4,19 +4,12 @@ never evicts; a host pool too small for the traffic still completes every reques
 import dataclasses
 
 import numpy as np
-import pytest
 
 from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams
-from models.weights import load_model
 from tests.helpers import check_hicache_invariants as check_invariants, shared_prefix_prompts
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 def test_small_device_pool_with_host_tier_equals_unbounded_pool(tiny):

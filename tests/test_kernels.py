@@ -98,7 +98,7 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 
 # ---- indexer top-k ----------------------------------------------------------------------------
 
-from cpkv_jax.runner import paged_slot_table  # noqa: E402
+from cpkv_jax.kv_pool import paged_slot_table  # noqa: E402
 from pallas_kernels.topk import (PATHS, RESIDENT_MAX_WIDTH, bracket_tiling, index_keys_fp32,  # noqa: E402
                                  index_scores_pallas, index_scores_reference, indexer_topk, indexer_topk_fused,
                                  sample_block_start, sample_size, select_tiling, select_topk, select_topk_pallas,

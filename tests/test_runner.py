@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from cpkv_jax.kv_pool import KVPool, PageAllocator, page_slots
-from cpkv_jax.runner import ModelRunner, paged_slot_table
+from cpkv_jax.kv_pool import KVPool, PageAllocator, page_slots, paged_slot_table
+from cpkv_jax.runner import ModelRunner
 from models.kv import contiguous_batch
 from models.model import prefill_logits
 from tests.helpers import hf_model, rel_err

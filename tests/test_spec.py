@@ -11,13 +11,7 @@ from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams, token_probs, verify_tokens
 from models.kv import contiguous_batch, empty_kv_cache
 from models.model import jit_forward
-from models.weights import load_model
 from tests.helpers import rel_err
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 def copy_draft_model(model):
