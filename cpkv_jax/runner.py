@@ -9,9 +9,10 @@ import numpy as np
 from flax import nnx
 
 from cpkv_jax.kv_pool import KVPool
-from models.kv import SINGLE_DEVICE, Batch, KVAccess
+from models.kv import Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
 from models.sharding import RULES
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
 # The expanded path materializes fp32 scores [B, heads, T, S] (and the softmax's copy of them): above
@@ -29,11 +30,12 @@ def choose_attn_path(rows: int, tokens_per_request: int, width: int, heads: int)
     return "expanded"
 
 
-# The step every runner dispatches: the pool (argument 3) is donated; the graph definition is static,
-# so runners over the same model graph and pool shape share compiled executables.
-_step = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh", "boundary"),
-                donate_argnums=(3,))
-_draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_path", "access", "mesh"),
+# The step every runner dispatches: the pool (argument 3) is donated; the graph definition and the
+# kernel policy are static, so runners over the same model graph, pool shape and policy share compiled
+# executables.
+_step = jax.jit(run_model, static_argnums=(0,),
+                static_argnames=("attn_path", "output", "access", "kernels", "mesh", "boundary"), donate_argnums=(3,))
+_draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_path", "access", "kernels", "mesh"),
                       donate_argnums=(5,))
 
 
@@ -44,10 +46,13 @@ class ModelRunner:
     target forward that has copies to make carries the layer hook and pushes them first; the others
     run the plain executable (decode steps do not pay the hook). Batches' slot tables are made of the
     pool's pages (paged_slot_table): with pages of a multiple of 64 slots the forward tells the
-    indexer so (KVAccess.contiguous_blocks), and its decode scores read the keys by page block."""
+    indexer so (KVAccess.contiguous_blocks), and its decode scores read the keys by page block.
+    `kernels`: which kernels every step runs (a static argument of the jitted steps)."""
 
-    def __init__(self, model: DsaModel, pool: KVPool, mesh=None, copier=None, step_copies=None):
+    def __init__(self, model: DsaModel, pool: KVPool, mesh=None, copier=None, step_copies=None,
+                 kernels: KernelPolicy = DEFAULT_POLICY):
         self.model = model
+        self.kernels = kernels
         self.copier, self.step_copies = copier, step_copies
         self.graphdef, self.state = nnx.split(model)
         self.pool = pool
@@ -72,7 +77,7 @@ class ModelRunner:
             last_index = np.full((B,), T - 1, np.int32)
         access = (KVAccess(self.axis, page_aligned) if self.mesh is not None
                   else KVAccess(contiguous_blocks=self.pool.page_size % 64 == 0))
-        kw = dict(last_index=jnp.asarray(last_index, jnp.int32), access=access, mesh=self.mesh)
+        kw = dict(last_index=jnp.asarray(last_index, jnp.int32), access=access, kernels=self.kernels, mesh=self.mesh)
         if self.mesh is not None:
             kw["last_rank"] = jax.device_put(np.asarray(last_rank, np.int32), self._replicated)
             kw["last_index"] = jax.device_put(np.asarray(last_index, np.int32), self._replicated)

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache, quantize_index_k
+from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache
 from models.layers import (Dense, LayerNorm, RMSNorm, apply_rope_half, apply_rope_interleaved,
                            rope_cos_sin)
-from pallas_kernels.topk import indexer_topk
+from pallas_kernels.indexer import indexer_topk, quantize_index_k
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 # Masked attention scores use the most negative finite float (as HF does), never -inf: a padding lane
 # with nothing selected then gets finite garbage instead of NaN that could reach the dummy slot.
@@ -41,7 +42,7 @@ class Indexer(nnx.Module):
         return jnp.concatenate([rot(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
     def __call__(self, x, q_resid, cos, sin, batch: Batch, cache: KVCache, full_id, k_sel: int,
-                 access: KVAccess = SINGLE_DEVICE):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
         """Writes this layer's indexer keys, returns (top-k positions [B, T, k_sel], cache). Scores
         this rank's queries against every visible key (gathered from the owners under CP)."""
         cfg = self.cfg
@@ -61,9 +62,9 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_n_heads ** -0.5  # [B, T, H]
         if access.axis is None:
             return indexer_topk(q, w, index_k, index_scale, full_id, batch.slot_table, batch.positions, k_sel,
-                                contiguous_blocks=access.contiguous_blocks), cache
+                                contiguous_blocks=access.contiguous_blocks, policy=kernels), cache
         keys, scales, table = gather_index_keys(access, index_k, index_scale, full_id, batch.slot_table)
-        return indexer_topk(q, w, keys, scales, 0, table, batch.positions, k_sel), cache
+        return indexer_topk(q, w, keys, scales, 0, table, batch.positions, k_sel, policy=kernels), cache
 
 
 def gather_index_keys(access: KVAccess, index_k, index_scale, layer, slot_table):
@@ -103,7 +104,7 @@ class MLA(nnx.Module):
         self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, stack=stack) if has_indexer else None
 
     def __call__(self, x, prev_topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
-                 access: KVAccess = SINGLE_DEVICE):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
         """x: input_layernorm output [B, T, D]. Writes this layer's KV (and indexer keys on a full layer),
         then attends each token to its top-k positions. Returns (out [B, T, D], topk, cache)."""
         cfg = self.cfg
@@ -125,7 +126,8 @@ class MLA(nnx.Module):
                         cache.index_k, cache.index_scale)
 
         if self.indexer is not None:
-            topk, cache = self.indexer(x, q_resid, cos, sin, batch, cache, full_id, prev_topk.shape[-1], access)
+            topk, cache = self.indexer(x, q_resid, cos, sin, batch, cache, full_id, prev_topk.shape[-1], access,
+                                       kernels)
         else:
             topk = prev_topk
         n_local = cache.latent.shape[1]

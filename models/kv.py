@@ -11,9 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
+from pallas_kernels.indexer.quant import FP8
 
 
 @jax.tree_util.register_dataclass
@@ -58,17 +56,6 @@ def kv_cache_shapes(cfg: ModelConfig, num_slots: int, dtype, index_dtype: str = 
 def empty_kv_cache(cfg: ModelConfig, num_slots: int, dtype, index_dtype: str = "same", **kw) -> KVCache:
     shapes = kv_cache_shapes(cfg, num_slots, dtype, index_dtype, **kw)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def quantize_index_k(k):
-    """Per-token fp8 e4m3 quantization: scale = amax / 448 (DeepSeek's indexer-K cache format)."""
-    k32 = k.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(k32), axis=-1), 1e-12) / FP8_MAX
-    return (k32 / scale[..., None]).astype(FP8), scale
-
-
-def dequantize_index_k(q, scale):
-    return q.astype(jnp.float32) * scale[..., None]
 
 
 @jax.tree_util.register_dataclass
@@ -126,7 +113,7 @@ class KVAccess:
              followed by a local pick, whichever moves fewer rows across ranks.
     contiguous_blocks — every 64-position block of a slot table is 64 consecutive slots (the pool's
              pages hold a multiple of 64 slots): the indexer may read its keys block by block
-             (pallas_kernels.topk.indexer_topk)."""
+             (pallas_kernels.indexer.indexer_topk)."""
 
     axis: str | None = None
     page_aligned: bool = True

@@ -21,6 +21,7 @@ from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache
 from models.layers import Dense, RMSNorm, normal_param
 from models.moe import MLP, MoE
 from models.sharding import KV_LEAF_AXES, RULES
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 MAX_UNIT = 8
 
@@ -72,12 +73,12 @@ class DecoderLayer(nnx.Module):
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, stack=stack))
 
     def __call__(self, x, topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
-                 access: KVAccess = SINGLE_DEVICE):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
         a, topk, cache = self.self_attn(self.input_layernorm(x), topk, batch, cache, layer_id, full_id,
-                                        attn_path=attn_path, access=access)
+                                        attn_path=attn_path, access=access, kernels=kernels)
         x = x + a
         h = self.post_attention_layernorm(x)
-        x = x + (self.mlp(h, batch.valid) if isinstance(self.mlp, MoE) else self.mlp(h))
+        x = x + (self.mlp(h, batch.valid, kernels=kernels) if isinstance(self.mlp, MoE) else self.mlp(h))
         return x, topk, cache
 
 
@@ -90,7 +91,7 @@ class LayerStack(nnx.Module):
                               for m, ix in group.unit])
 
     def __call__(self, x, topk, batch, cache, full_index: tuple[int, ...], *, attn_path: str,
-                 access: KVAccess = SINGLE_DEVICE, boundary=None):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None):
         graphdefs, states = zip(*(nnx.split(layer) for layer in self.unit))
         layer_ids = jnp.asarray(self.group.layer_ids, jnp.int32)
         full_ids = jnp.asarray([[full_index[i] for i in row] for row in self.group.layer_ids], jnp.int32)
@@ -102,7 +103,7 @@ class LayerStack(nnx.Module):
                 if boundary is not None:
                     cache, x = boundary(cache, x)
                 x, topk, cache = nnx.merge(gd, st[j])(x, topk, batch, cache, lid[j], fid[j],
-                                                       attn_path=attn_path, access=access)
+                                                       attn_path=attn_path, access=access, kernels=kernels)
             return (x, topk, cache), None
 
         (x, topk, cache), _ = jax.lax.scan(body, (x, topk, cache), (states, layer_ids, full_ids))
@@ -160,23 +161,24 @@ class DsaModel(nnx.Module):
 
     # ---- forward ---------------------------------------------------------------------------------
     def __call__(self, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
-                 access: KVAccess = SINGLE_DEVICE, boundary=None):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None):
         """Target forward. Returns (final-normed hidden [B, T, D], updated cache). Under CP (inside the
         shard_map, `access.axis` set) the batch holds this rank's tokens and the cache its shard.
         `boundary(cache, x) -> (cache, x)`, if given, runs before every layer and after the last (the
-        host tier's copy hook: it sees the pool between layers and must return both unchanged)."""
+        host tier's copy hook: it sees the pool between layers and must return both unchanged).
+        `kernels`: which kernels the layers run (static, like `access`)."""
         x = self.embed(batch.tokens)
         B, T = batch.tokens.shape
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         for stack in self.groups:
             x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path, access=access,
-                                   boundary=boundary)
+                                   kernels=kernels, boundary=boundary)
         if boundary is not None:
             cache, x = boundary(cache, x)
         return self.norm(x), cache
 
     def mtp_hidden(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
-                   access: KVAccess = SINGLE_DEVICE):
+                   access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
         """MTP layer over target hidden states [B, T, D] (final-normed) and the token that follows each
         position [B, T]; positions/slots come from `batch`; `cache` is the draft's one-layer cache (same
         slots as the target's). Returns (the layer's output hidden before shared_head.norm, cache)."""
@@ -189,7 +191,7 @@ class DsaModel(nnx.Module):
         B, T = next_tokens.shape
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         zero = jnp.int32(0)
-        x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path, access=access)
+        x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path, access=access, kernels=kernels)
         return x, cache
 
     def mtp_logits(self, x):
@@ -197,9 +199,10 @@ class DsaModel(nnx.Module):
         h = self.mtp.norm(x)
         return (self.mtp.head(h) if self.mtp.head is not None else self.logits(h)).astype(jnp.float32)
 
-    def mtp_forward(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded"):
+    def mtp_forward(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
+                    kernels: KernelPolicy = DEFAULT_POLICY):
         """Returns (logits [B, T, V] fp32, the layer's output hidden before shared_head.norm, cache)."""
-        x, cache = self.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path)
+        x, cache = self.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path, kernels=kernels)
         return self.mtp_logits(x), x, cache
 
 
@@ -240,14 +243,16 @@ def _specs(access: KVAccess, cache: KVCache):
 
 
 def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
-              last_index=None, access: KVAccess = SINGLE_DEVICE, mesh=None, last_rank=None, boundary=None):
+              last_index=None, access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, mesh=None,
+              last_rank=None, boundary=None):
     """The pure function every jitted step wraps: merge the params, run the target forward at the
     model's matmul precision, and return (out, cache). output:
       "logits" [B, T, V] / "hidden" [B, T, D]          every position
       "last_logits" [B, V]                             lane `last_index` of each request only
       "last_logits_hidden", "logits_hidden"            (those logits, this rank's hidden rows) — the
                                                        hidden feeds the draft model without leaving the rank.
-    `boundary`: the layer hook (DsaModel.__call__), static.
+    `boundary`: the layer hook (DsaModel.__call__), static; `kernels`: which kernels the layers run,
+    static.
 
     With `access.axis` set the forward runs under shard_map over `mesh`: batch rows [cp*B, T] are
     split over the axis (rank r gets its own lanes of every request), `slot_table` [B, S] is
@@ -260,7 +265,7 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
     def forward(state, batch, cache, last_index, last_rank):
         m = nnx.merge(graphdef, state)
         with jax.default_matmul_precision(matmul_precision(m.dtype)):
-            h, cache = m(batch, cache, attn_path=attn_path, access=access, boundary=boundary)
+            h, cache = m(batch, cache, attn_path=attn_path, access=access, kernels=kernels, boundary=boundary)
             if output.startswith("last"):
                 out = m.logits(pick_last(h, last_index, last_rank, access))
             else:
@@ -277,7 +282,8 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
 
 
 def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str,
-              last_index, access: KVAccess = SINGLE_DEVICE, mesh=None, last_rank=None):
+              last_index, access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, mesh=None,
+              last_rank=None):
     """The draft (MTP) step: hidden is either the target's hidden rows [B(·cp), T, D] of the same
     lanes (draft extend: under CP each rank's local slice, never gathered) or one row per request
     [B, D] (chain steps, broadcast to the lanes). Returns ((draft logits [B, V], the MTP output hidden
@@ -287,7 +293,8 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
         with jax.default_matmul_precision(matmul_precision(m.dtype)):
             if hidden.ndim == 2:
                 hidden = jnp.broadcast_to(hidden[:, None, :], next_tokens.shape + hidden.shape[-1:])
-            x, cache = m.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path, access=access)
+            x, cache = m.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path, access=access,
+                                    kernels=kernels)
             x_last = pick_last(x, last_index, last_rank, access)
             return (m.mtp_logits(x_last), x_last), cache
 
@@ -302,19 +309,21 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
 
 # One jitted step for every model object of a graph: the graph definition is a static argument, the
 # params are traced, so models and engines of the same shapes share compilations.
-run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "mesh",
-                                                                         "boundary"))
+run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "kernels",
+                                                                         "mesh", "boundary"))
 
 
-def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True):
+def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True,
+                kernels: KernelPolicy = DEFAULT_POLICY):
     """(batch, cache) -> (logits or hidden, cache) for this model, through the shared jitted step."""
     graphdef, _ = nnx.split(model)
     output = "logits" if with_logits else "hidden"
     return lambda batch, cache: run_model_jit(graphdef, nnx.state(model), batch, cache, attn_path=attn_path,
-                                              output=output)
+                                              output=output, kernels=kernels)
 
 
-def prefill_logits(model: DsaModel, tokens, *, attn_path: str = "expanded", index_dtype: str = "same"):
+def prefill_logits(model: DsaModel, tokens, *, attn_path: str = "expanded", index_dtype: str = "same",
+                   kernels: KernelPolicy = DEFAULT_POLICY):
     """Teacher-forced logits [B, T, V] (fp32) of whole sequences from an empty cache."""
     from models.kv import contiguous_batch, empty_kv_cache
 
@@ -322,5 +331,5 @@ def prefill_logits(model: DsaModel, tokens, *, attn_path: str = "expanded", inde
     B, T = tokens.shape
     batch = contiguous_batch(tokens)
     cache = empty_kv_cache(model.cfg, 1 + B * T, model.dtype, index_dtype)
-    logits, _ = jit_forward(model, attn_path=attn_path)(batch, cache)
+    logits, _ = jit_forward(model, attn_path=attn_path, kernels=kernels)(batch, cache)
     return logits

@@ -9,6 +9,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import Dense, normal_param
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.row_gather import compaction_plan, expert_order, gather_rows
 
 
@@ -40,20 +41,20 @@ def route(cfg: ModelConfig, logits32, bias):
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def compact_rows(x, valid):
+def compact_rows(x, valid, kernels: KernelPolicy = DEFAULT_POLICY):
     """Valid rows first (in order), then zeros: (compacted [N, D], destination of each padded row,
     number valid). Under compute padding valid rows are interleaved with dummy lane slots, so a
     prefix/suffix count is not enough; the dummies' content never reaches what follows."""
     perm, dest, n_valid = compaction_plan(valid)
-    return gather_rows(x, perm), dest, n_valid
+    return gather_rows(x, perm, policy=kernels), dest, n_valid
 
 
-def restore_rows(y, dest):
+def restore_rows(y, dest, kernels: KernelPolicy = DEFAULT_POLICY):
     """Inverse of compact_rows: compacted rows back to their padded positions; dummy rows get zeros."""
-    return gather_rows(y, dest)
+    return gather_rows(y, dest, policy=kernels)
 
 
-def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None):
+def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY):
     """Sum over each row's k experts of w * down(silu(gate x) * up x). Rows are replicated k times,
     sorted by expert and pushed through ragged_dot (one grouped matmul per projection). Rows at or
     beyond n_valid (compacted dummies) join no expert group and come out zero."""
@@ -65,7 +66,7 @@ def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None):
         flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)  # E: no expert, sorts last
     order, sizes = expert_order(flat_e, E)
     row = order // k
-    xs = gather_rows(x, row)
+    xs = gather_rows(x, row, policy=kernels)
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
     y = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
     used = jnp.arange(N * k) < sizes.sum()  # rows past the groups: ragged_dot leaves them unspecified
@@ -89,17 +90,18 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype=dtype, rngs=rngs, stack=stack)
                                if cfg.n_shared_experts else None)
 
-    def __call__(self, x, valid=None):
+    def __call__(self, x, valid=None, *, kernels: KernelPolicy = DEFAULT_POLICY):
         """x [..., D]; valid [...] marks real tokens (padding lanes are False). Valid rows are compacted
-        before the router and experts and restored after, so padding never takes part in routing."""
+        before the router and experts and restored after, so padding never takes part in routing.
+        kernels: whether the row gathers run the Pallas kernel (static)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         valid = jnp.ones(xf.shape[0], bool) if valid is None else valid.reshape(-1)
-        xc, dest, n_valid = compact_rows(xf, valid)
+        xc, dest, n_valid = compact_rows(xf, valid, kernels)
         logits = jnp.dot(xc.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
         idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
         out = grouped_expert_mlp(xc, idx, w, self.experts_gate[...], self.experts_up[...],
-                                 self.experts_down[...], n_valid)
+                                 self.experts_down[...], n_valid, kernels)
         if self.shared_experts is not None:
             out = out + self.shared_experts(xc)
-        return restore_rows(out, dest).reshape(shape)
+        return restore_rows(out, dest, kernels).reshape(shape)

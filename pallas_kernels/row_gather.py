@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
+
 
 def check_gather_args(x, idx):
     if x.ndim != 2 or idx.ndim != 1 or not jnp.issubdtype(idx.dtype, jnp.integer):
@@ -71,16 +73,13 @@ def gather_rows_pallas(x, idx, *, block_rows: int = 32, block_cols: int = 512, s
     return out[:M]
 
 
-KERNELS_ENABLED = True  # read at trace time; tests flip it (and clear jit caches) to compare on/off
-
-
-def gather_rows(x, idx):
-    """The dispatch: the Pallas kernel on GPU (rows a multiple of its column block), the jnp
-    reference elsewhere. Tilings measured on the H200 (docs/perf.md, rows x 6144 bf16): 32 x 512
-    per program up to 16k rows; from 64k rows, 8 pipelined blocks of 16 x 1024 (442 against 485 us
-    at 64k rows; no better at 16k)."""
+def gather_rows(x, idx, *, policy: KernelPolicy = DEFAULT_POLICY):
+    """The dispatch: the Pallas kernel on GPU with policy.enabled (rows a multiple of its column
+    block), the jnp reference elsewhere. Tilings measured on the H200 (docs/perf.md, rows x 6144
+    bf16): 32 x 512 per program up to 16k rows; from 64k rows, 8 pipelined blocks of 16 x 1024 (442
+    against 485 us at 64k rows; no better at 16k)."""
     check_gather_args(x, idx)
-    if KERNELS_ENABLED and jax.default_backend() == "gpu" and x.shape[1] % min(512, x.shape[1]) == 0:
+    if policy.on_gpu() and x.shape[1] % min(512, x.shape[1]) == 0:
         if idx.shape[0] >= 65536 and x.shape[1] % 1024 == 0:
             return gather_rows_pallas(x, idx, block_rows=16, block_cols=1024, steps=8, num_stages=3)
         return gather_rows_pallas(x, idx)

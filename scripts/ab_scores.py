@@ -1,6 +1,6 @@
 """Indexer prefill scores, Mosaic GPU kernel tilings against the Triton kernel, in one process on the
-GPU (table + JSON); then the whole indexer_topk (scores + selection) with USE_MGPU_SCORES on and off,
-and how many query rows' top-k sets differ between the two.
+GPU (table + JSON); then the whole indexer_topk (scores + selection) with the Mosaic GPU kernel on and
+off (KernelPolicy.mgpu_scores), and how many query rows' top-k sets differ between the two.
 
     python scripts/ab_scores.py --json ab_scores.json [--tokens 32768] [--tilings '[{}, {"block_t": 4}]']
 
@@ -31,10 +31,10 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    import pallas_kernels.topk as tk
     from bench_kernels import indexer_inputs
     from cpkv_jax.perf import chained_time, measure_ceilings
-    from pallas_kernels import scores_mgpu
+    from pallas_kernels.indexer import index_scores_pallas, indexer_topk, scores_mgpu
+    from pallas_kernels.policy import KernelPolicy
 
     ceil = measure_ceilings()
     rate = ceil["matmul_flops_per_s"]
@@ -45,8 +45,7 @@ def main() -> int:
     visible = jnp.arange(T)[None, None, :] <= pos[:, :, None]
 
     def scores_fn(mgpu):
-        return jax.jit(lambda q_: tk.index_scores_pallas(q_, w, ik, sc, 0, table, pos, write_invisible=False,
-                                                         mgpu=mgpu))
+        return jax.jit(lambda q_: index_scores_pallas(q_, w, ik, sc, 0, table, pos, write_invisible=False, mgpu=mgpu))
     triton = scores_fn(False)(q)
     scale = float(jnp.max(jnp.where(visible, jnp.abs(triton), 0)))
     rows = [("triton", {}, chained_time(scores_fn(False), q, n=5, repeat=3), 0.0)]
@@ -64,13 +63,12 @@ def main() -> int:
         scores_mgpu.DEFAULT_TILING.update(best[1])
     sel = {}
     for on in (False, True):
-        tk.USE_MGPU_SCORES = on
-        jax.clear_caches()
-        f = jax.jit(lambda q_: tk.indexer_topk(q_, w, ik, sc, 0, table, pos, args.k))
+        policy = KernelPolicy(mgpu_scores=on)
+        f = jax.jit(lambda q_: indexer_topk(q_, w, ik, sc, 0, table, pos, args.k, policy=policy))
         sel[on] = np.asarray(f(q))
         s = chained_time(f, q, n=3, repeat=3)
         out[f"indexer_topk_mgpu_{'on' if on else 'off'}"] = {"s": s, "flop_util": flops / s / rate}
-        print(f"indexer_topk USE_MGPU_SCORES={on}: {s * 1e3:.2f} ms  {flops / s / rate:.1%}")
+        print(f"indexer_topk mgpu_scores={on}: {s * 1e3:.2f} ms  {flops / s / rate:.1%}")
     out["indexer_topk_tiling"] = dict(scores_mgpu.DEFAULT_TILING)
     out["rows_with_different_sets"] = int((sel[True] != sel[False]).any(-1).sum())
     print(f"rows whose top-k set differs (on vs off): {out['rows_with_different_sets']} of {T}")

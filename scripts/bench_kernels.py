@@ -90,7 +90,8 @@ def select_variant(tiling: str, rows: int, width: int, lengths=None, return_path
     """tiling: bits per pass : chunk : candidate capacity : sample : sub : warps : pipeline stages :
     segments per row, 'dispatch' for what `select_tiling` picks for rows x width, 'bracket' for the
     two-call kernel's `bracket_tiling`, or 'resident:bits:warps' for the resident-row kernel."""
-    from pallas_kernels.topk import bracket_tiling, select_tiling, select_topk_pallas
+    from pallas_kernels.indexer import select
+    from pallas_kernels.indexer.tuning import bracket_tiling, select_tiling
     if tiling in ("dispatch", "bracket"):           # (the dispatch's whole tiling, held_cands too)
         kw = (select_tiling if tiling == "dispatch" else bracket_tiling)(rows, width)
     elif tiling.startswith("resident:"):
@@ -99,12 +100,12 @@ def select_variant(tiling: str, rows: int, width: int, lengths=None, return_path
     else:
         kw = dict(zip(SELECT_FIELDS, map(int, tiling.split(":"))))
     if kw.get("resident"):
-        return (f"pallas_resident_b{kw['bits']}_w{kw['num_warps']}", lambda s, k: select_topk_pallas(
+        return (f"pallas_resident_b{kw['bits']}_w{kw['num_warps']}", lambda s, k: select.select_topk_pallas(
             s, k, lengths, return_path=return_path, **kw))
     name = "pallas_b{bits}_c{chunk}_cap{capacity}_s{sample}_u{sub}_w{num_warps}_st{num_stages}_seg{segments}"
     name += "_held{held_cands}".format(**kw) if kw.get("held_cands") else ""
-    return (name.format(**kw), lambda s, k: select_topk_pallas(s, k, lengths, return_path=return_path,
-                                                                stop_after=stop_after, **kw))
+    return (name.format(**kw), lambda s, k: select.select_topk_pallas(s, k, lengths, return_path=return_path,
+                                                                       stop_after=stop_after, **kw))
 
 
 def bench_selection(args, ceil):
@@ -113,7 +114,7 @@ def bench_selection(args, ceil):
     import numpy as np
 
     from cpkv_jax.perf import chained_time
-    from pallas_kernels.topk import PATHS, select_topk_reference
+    from pallas_kernels.indexer import PATHS, select_topk_reference
 
     copy_bw, k = ceil["copy_bytes_per_s"], args.k
     out = []
@@ -199,7 +200,7 @@ def indexer_inputs(B, T, N, H=32, D=128, prefill=False, page_size=64):
     import numpy as np
 
     from cpkv_jax.kv_pool import paged_slot_table
-    from models.kv import quantize_index_k
+    from pallas_kernels.indexer import quantize_index_k
 
     key = jax.random.key(B * T + N)
     kq, kk, kw = jax.random.split(key, 3)
@@ -220,8 +221,8 @@ def bench_indexer(args, ceil):
     import numpy as np
 
     from cpkv_jax.perf import chained_time
-    from pallas_kernels.topk import (gathers_keys, index_keys_fp32, index_scores_pallas, index_scores_reference,
-                                     indexer_topk, indexer_topk_fused, select_topk_reference)
+    from pallas_kernels.indexer import (gathers_keys, index_keys_fp32, index_scores_pallas, index_scores_reference,
+                                        indexer_topk, indexer_topk_fused, select_topk_reference)
 
     k, H, D = args.k, 32, 128
     out = []

@@ -111,7 +111,7 @@ def test_fp8_index_cache_decode_equals_fp8_prefill():
 
 
 def test_fp8_index_key_roundtrip_bound():
-    from models.kv import dequantize_index_k, quantize_index_k
+    from pallas_kernels.indexer import dequantize_index_k, quantize_index_k
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 128)).astype(np.float32) * rng.uniform(0.01, 100, size=(512, 1))
     q, scale = quantize_index_k(jnp.asarray(x))

@@ -2,12 +2,14 @@
 (marked gpu: interpret mode does not prove a kernel lowers)."""
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.row_gather import (compaction_plan, expert_order, gather_rows, gather_rows_pallas,
                                        gather_rows_reference)
 
@@ -75,21 +77,13 @@ def test_model_outputs_identical_with_kernels_on_and_off():
     """The MoE path through the Pallas row gather vs the jnp reference: the same greedy tokens and
     logits to fp32 rounding. (Not bit for bit: with the gather as a custom call XLA fuses the
     matmuls around it differently, which reorders their fp32 accumulation.)"""
-    import pallas_kernels.row_gather as rg
     from models.model import prefill_logits
     from tests.helpers import hf_model, rel_err
 
     model = hf_model("glm_indexcache")
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 40))
-    try:
-        rg.KERNELS_ENABLED = True
-        on = np.asarray(prefill_logits(model, tokens))
-        jax.clear_caches()
-        rg.KERNELS_ENABLED = False
-        off = np.asarray(prefill_logits(model, tokens))
-    finally:
-        rg.KERNELS_ENABLED = True
-        jax.clear_caches()
+    on = np.asarray(prefill_logits(model, tokens))
+    off = np.asarray(prefill_logits(model, tokens, kernels=KernelPolicy(enabled=False)))
     err = rel_err(on, off)
     print(f"kernels on vs off: rel err {err:.2e}")
     assert err <= 1e-5, err
@@ -99,10 +93,10 @@ def test_model_outputs_identical_with_kernels_on_and_off():
 # ---- indexer top-k ----------------------------------------------------------------------------
 
 from cpkv_jax.kv_pool import paged_slot_table  # noqa: E402
-from pallas_kernels.topk import (PATHS, RESIDENT_MAX_WIDTH, bracket_tiling, index_keys_fp32,  # noqa: E402
-                                 index_scores_pallas, index_scores_reference, indexer_topk, indexer_topk_fused,
-                                 sample_block_start, sample_size, select_tiling, select_topk, select_topk_pallas,
-                                 select_topk_reference)
+from pallas_kernels.indexer import (PATHS, RESIDENT_MAX_WIDTH, bracket_tiling, dequantize_index_k,  # noqa: E402
+                                    index_keys_fp32, index_scores_pallas, index_scores_reference, indexer_topk,
+                                    indexer_topk_fused, quantize_index_k, sample_block_start, sample_size,
+                                    select_tiling, select_topk, select_topk_pallas, select_topk_reference)
 
 
 def topk_oracle(scores, k, lengths=None):
@@ -196,9 +190,9 @@ def test_bench_select_variant_runs_the_whole_dispatch_tiling(monkeypatch):
     dispatch picks (held_cands included: a tiling rebuilt from the string fields dropped it, and the
     benchmark timed another kernel under the dispatch's label); a tiling string keeps its fields."""
     from scripts.bench_kernels import select_variant
-    import pallas_kernels.topk as topk
+    import pallas_kernels.indexer.select as select
     seen = []
-    monkeypatch.setattr(topk, "select_topk_pallas", lambda s, k, lengths=None, **kw: seen.append(kw))
+    monkeypatch.setattr(select, "select_topk_pallas", lambda s, k, lengths=None, **kw: seen.append(kw))
     for tiling, rows, width, want in (("dispatch", 8, 131072, select_tiling(8, 131072)),
                                       ("bracket", 64, 131072, bracket_tiling(64, 131072)),
                                       ("dispatch", 64, 8192, select_tiling(64, 8192)),
@@ -253,7 +247,6 @@ def scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.float32, L=2, pa
     single slots). integer: small integers (and power-of-two fp8 scales) so every partial sum is
     exact in fp32 whatever the order, making exact equality the right check (and producing many
     ties)."""
-    from models.kv import quantize_index_k
     pages = B * -(-S // page_size)                       # whole pages per request, as the engine gives
     slots = page_size * (1 + pages)
     if integer:
@@ -407,7 +400,7 @@ def test_index_scores_mgpu_paged_interpret_equals_reference():
         index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=True, contiguous_blocks=True, interpret=interp)
     with pytest.raises(ValueError, match="unknown tiling keys"):
         index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu={"block_m": 4}, interpret=interp)
-    from pallas_kernels import scores_mgpu                # the kernels' own entry points check too
+    from pallas_kernels.indexer import scores_mgpu        # the kernels' own entry points check too
     rows, bf16_q = ik.reshape(-1, 64), jnp.zeros((1, 2 * 8, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="paged_scores_mgpu: .*heads a multiple of 32"):
         scores_mgpu.paged_scores_mgpu(bf16_q, jnp.zeros((1, 16)), jnp.zeros((1, 2), jnp.int32), rows, None,
@@ -421,7 +414,7 @@ def test_mgpu_dispatch_rules():
     """Which scores kernel the dispatch asks for (the rules are host-side: checked without a GPU):
     the gathered Mosaic GPU kernel for calls of enough programs, the paged one for short calls over
     a table of whole 64-slot blocks, the Triton kernel otherwise."""
-    from pallas_kernels.topk import use_mgpu_scores
+    from pallas_kernels.indexer import use_mgpu_scores
     bf16, fp8 = jnp.bfloat16, jnp.float8_e4m3fn
     assert use_mgpu_scores(1, 32768, 32, 128, bf16)                           # prefill: gathered
     assert not use_mgpu_scores(8, 64, 32, 128, bf16, True, fp8)               # 32 programs: Triton
@@ -463,38 +456,35 @@ def test_index_scores_mgpu_paged_compiled_on_gpu():
 
 @contextlib.contextmanager
 def recorded_score_calls():
-    """The query tokens of every call of the indexer's scores (kernel or jnp composition) while
-    inside: how a dispatch split its queries."""
-    import pallas_kernels.topk as tk
-    seen, saved = [], (tk.index_scores_pallas, tk.index_scores_reference)
+    """The query tokens of every call of the indexer's scores (kernel or jnp composition) that the
+    dispatch traces while inside: how it split its queries. (Jit caches are cleared on entry: a
+    cached trace would not call the recorder.)"""
+    import pallas_kernels.indexer.dispatch as dispatch
+    seen = []
 
     def recording(f):
         return lambda q_, *a, **kw: (seen.append(q_.shape[1]), f(q_, *a, **kw))[1]
-    tk.index_scores_pallas, tk.index_scores_reference = map(recording, saved)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("index_scores_pallas", "index_scores_reference"):
+            mp.setattr(dispatch, name, recording(getattr(dispatch, name)))
+        jax.clear_caches()
         yield seen
-    finally:
-        tk.index_scores_pallas, tk.index_scores_reference = saved
 
 
-def in_query_chunks(chunk, q, w, ik, sc, layer, table, pos, k):
-    """indexer_topk with SCORES_MAX_BYTES set for `chunk` query tokens per chunk; checks that the
-    scores were computed in pieces of at most that many (and more than one)."""
-    import pallas_kernels.topk as tk
+def in_query_chunks(chunk, q, w, ik, sc, layer, table, pos, k, policy: KernelPolicy = DEFAULT_POLICY):
+    """indexer_topk with policy's scores_max_bytes set for `chunk` query tokens per chunk; checks that
+    the scores were computed in pieces of at most that many (and more than one)."""
     B, T, H, _ = q.shape
-    saved = tk.SCORES_MAX_BYTES
-    tk.SCORES_MAX_BYTES = B * table.shape[1] * 4 * (1 if tk._on_gpu() else H) * chunk
-    try:
-        with recorded_score_calls() as seen:
-            got = np.asarray(jax.jit(lambda *a: tk.indexer_topk(*a, k))(q, w, ik, sc, layer, table, pos))
-    finally:
-        tk.SCORES_MAX_BYTES = saved
+    max_bytes = B * table.shape[1] * 4 * (1 if policy.on_gpu() else H) * chunk
+    policy = dataclasses.replace(policy, scores_max_bytes=max_bytes)
+    with recorded_score_calls() as seen:
+        got = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k, policy=policy))(q, w, ik, sc, layer, table, pos))
     assert len(seen) > 1 and max(seen) <= chunk and sum(seen) == T, seen
     return got
 
 
 def test_indexer_topk_in_query_chunks_equals_one_call():
-    """A call whose scores would pass SCORES_MAX_BYTES runs its query tokens in chunks (T not a
+    """A call whose scores would pass KernelPolicy.scores_max_bytes runs its query tokens in chunks (T not a
     multiple of the chunk; padding lanes; rows of fewer visible keys than k): the same positions as
     one call."""
     rng = np.random.default_rng(3)
@@ -543,7 +533,6 @@ def test_fp8_queries_with_scale_equal_the_dequantized_reference():
     against the reference scores of the queries dequantized to fp32 (no fold); fp8 and fp32 keys,
     padding lanes. A scale without fp8 queries, fp8 queries without one, or a scale of the wrong
     shape is refused, naming q_scale."""
-    from models.kv import dequantize_index_k, quantize_index_k
     rng = np.random.default_rng(5)
     for B, T, H, D, S, k, fp8 in ((2, 5, 4, 16, 40, 9, True), (1, 20, 2, 64, 300, 20, False)):
         q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, False)
@@ -682,10 +671,11 @@ def test_index_scores_compiled_on_gpu():
                     chunked = None
                     if T > 1:   # in query chunks (of 16: 2 x 4 + ...); with the Triton kernel alone,
                         # bit-identical to one call (the gathered and page-table paths compute alike)
-                        with mgpu_scores(False):
-                            one_call = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k))(q, w, ik, sc, 1, table, pos))
-                            np.testing.assert_array_equal(in_query_chunks(16, q, w, ik, sc, 1, table, pos, k),
-                                                          one_call)
+                        with mgpu_scores(False) as (triton_only, _):
+                            one_call = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k, policy=triton_only))(
+                                q, w, ik, sc, 1, table, pos))
+                            np.testing.assert_array_equal(in_query_chunks(16, q, w, ik, sc, 1, table, pos, k,
+                                                                          triton_only), one_call)
                         # by default a long call may take the Mosaic GPU kernel and its chunks the Triton one
                         chunked = in_query_chunks(16, q, w, ik, sc, 1, table, pos, k)
                     if integer and D in (16, 64):
@@ -699,8 +689,7 @@ def test_index_scores_compiled_on_gpu():
                         for picked in (sel,) if chunked is None else (sel, chunked):
                             assert_same_topk_up_to_near_ties(picked, ref, k, 1e-5 * scale)
         # fp8 queries with their scale, against the dequantized queries' reference
-        from models.kv import dequantize_index_k, quantize_index_k
-        q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, True, False)
+            q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, True, False)
         q8, q_scale = quantize_index_k(q)
         ref = np.asarray(reference_scores(dequantize_index_k(q8, q_scale), w, ik, sc, 1, table, pos))
         fin = np.isfinite(ref)
@@ -717,7 +706,8 @@ def test_index_scores_mgpu_compiled_on_gpu():
     """The Mosaic GPU scores kernel compiled for the GPU, at GLM-5's 32 x 128 indexer and a 32 x 64
     one, fp8 and plain keys, several tilings: exact on integer inputs at D = 64, fp32 rounding
     otherwise, against the fp32 reference and beside the Triton kernel; -inf exactly where the
-    reference has it; and the dispatch with USE_MGPU_SCORES on and off picks the reference's top-k set."""
+    reference has it; and the dispatch with the kernel on and off (KernelPolicy.mgpu_scores) picks the
+    reference's top-k set."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(5)
     tilings = ({}, {"block_t": 4}, {"block_t": 8, "stages": 2})
@@ -741,29 +731,26 @@ def test_index_scores_mgpu_compiled_on_gpu():
                 if integer and D == 64:                    # the dispatch, with the kernel on and off
                     k = 64
                     for on in (True, False):
-                        with mgpu_scores(on) as calls:
-                            sel = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k))(q, w, ik, sc, 1, table, pos))
+                        with mgpu_scores(on) as (policy, calls):
+                            sel = np.asarray(jax.jit(lambda *a: indexer_topk(*a, k, policy=policy))(
+                                q, w, ik, sc, 1, table, pos))
                         assert bool(calls) == on, calls
                         np.testing.assert_array_equal(sel, topk_oracle(ref, k))
 
 
 @contextlib.contextmanager
 def mgpu_scores(on: bool):
-    """USE_MGPU_SCORES set to `on` while inside (jit caches cleared around it; MGPU_MIN_PROGRAMS 1, so
-    the tests' small calls take the kernel), recording the padded query tokens of every gathered
-    Mosaic GPU scores call traced."""
-    import pallas_kernels.topk as tk
-    from pallas_kernels import scores_mgpu
-    seen, saved, saved_on, saved_min = [], scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES, tk.MGPU_MIN_PROGRAMS
-    scores_mgpu.gathered_scores_mgpu = lambda q_, w_, pos_, *a, **kw: (seen.append(pos_.shape[1]), saved(
-        q_, w_, pos_, *a, **kw))[1]
-    tk.USE_MGPU_SCORES, tk.MGPU_MIN_PROGRAMS = on, 1
-    jax.clear_caches()
-    try:
-        yield seen
-    finally:
-        scores_mgpu.gathered_scores_mgpu, tk.USE_MGPU_SCORES, tk.MGPU_MIN_PROGRAMS = saved, saved_on, saved_min
+    """(policy, calls): a KernelPolicy with the gathered Mosaic GPU scores kernel `on` (and
+    mgpu_min_programs 1, so the tests' small calls take it), and the padded query tokens of every
+    gathered Mosaic GPU scores call traced while inside (jit caches are cleared on entry: a cached
+    trace would not call the recorder)."""
+    from pallas_kernels.indexer import scores_mgpu
+    seen, kernel = [], scores_mgpu.gathered_scores_mgpu
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scores_mgpu, "gathered_scores_mgpu",
+                   lambda q_, w_, pos_, *a, **kw: (seen.append(pos_.shape[1]), kernel(q_, w_, pos_, *a, **kw))[1])
         jax.clear_caches()
+        yield KernelPolicy(mgpu_scores=on, mgpu_min_programs=1), seen
 
 
 @pytest.mark.gpu
@@ -783,8 +770,9 @@ def test_model_outputs_with_mgpu_scores_on_and_off():
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 300))
     out = {}
     for on in (True, False):
-        with mgpu_scores(on) as calls:
-            out[on] = {d: np.asarray(prefill_logits(model, tokens, index_dtype=d)) for d in ("same", "fp8")}
+        with mgpu_scores(on) as (policy, calls):
+            out[on] = {d: np.asarray(prefill_logits(model, tokens, index_dtype=d, kernels=policy))
+                       for d in ("same", "fp8")}
         assert bool(calls) == on and (not on or min(calls) >= 300), calls
     for d in out[True]:
         err = rel_err(out[True][d], out[False][d])
@@ -794,21 +782,24 @@ def test_model_outputs_with_mgpu_scores_on_and_off():
 
 
 @pytest.mark.gpu
-def test_engine_decode_with_paged_scores_on_and_off():
+def test_engine_decode_with_paged_scores_on_and_off(monkeypatch):
     """The engine's single-device decode with its indexer scores read from the pool by page block (the
-    paged Mosaic GPU kernel, pages of 64 slots) vs the Triton kernel (USE_MGPU_PAGED off): a bf16 model
+    paged Mosaic GPU kernel, pages of 64 slots) vs the Triton kernel (KernelPolicy.mgpu_paged off): a bf16 model
     with GLM-5's 32 x 128 indexer and a top-k of 64 over prompts of 130-400 tokens, fp8 index keys.
     The kernels round differently, so a near-tie may pick another key: step logits to bf16 rounding
     and mostly bit-identical (equal top-k sets), greedy tokens nearly all equal; and the paged kernel
-    ran at decode."""
+    ran at decode. (The engine's runner is given the policy by substituting ModelRunner.)"""
+    import functools
+
     from flax import nnx
 
-    import pallas_kernels.topk as tk
+    import cpkv_jax.engine
     from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.runner import ModelRunner
     from cpkv_jax.sampling import SamplingParams
     from models.config import ModelConfig
     from models.model import DsaModel
-    from pallas_kernels import scores_mgpu
+    from pallas_kernels.indexer import scores_mgpu
     from tests.helpers import rel_err
 
     cfg = ModelConfig.named("tiny", index_n_heads=32, index_head_dim=128, index_topk=64)
@@ -817,19 +808,17 @@ def test_engine_decode_with_paged_scores_on_and_off():
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (130, 257, 400)]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     outs, calls = {}, []
-    saved_kernel, saved_on = scores_mgpu.paged_scores_mgpu, tk.USE_MGPU_PAGED
-    scores_mgpu.paged_scores_mgpu = lambda q_, *a, **kw: (calls.append(q_.shape[1]), saved_kernel(q_, *a, **kw))[1]
-    try:
-        for on in (True, False):
-            tk.USE_MGPU_PAGED = on
-            jax.clear_caches()
-            calls.clear()
-            engine = Engine(model, EngineConfig(page_size=64, kv_pages=64, index_dtype="fp8", dtype="bfloat16"))
-            outs[on] = engine.generate(prompts, params, return_logits=True)
-            assert bool(calls) == on, calls
-    finally:
-        scores_mgpu.paged_scores_mgpu, tk.USE_MGPU_PAGED = saved_kernel, saved_on
-        jax.clear_caches()
+    kernel = scores_mgpu.paged_scores_mgpu
+    monkeypatch.setattr(scores_mgpu, "paged_scores_mgpu",
+                        lambda q_, *a, **kw: (calls.append(q_.shape[1]), kernel(q_, *a, **kw))[1])
+    jax.clear_caches()                                  # (a cached trace would not call the recorder)
+    for on in (True, False):
+        monkeypatch.setattr(cpkv_jax.engine, "ModelRunner",
+                            functools.partial(ModelRunner, kernels=KernelPolicy(mgpu_paged=on)))
+        calls.clear()
+        engine = Engine(model, EngineConfig(page_size=64, kv_pages=64, index_dtype="fp8", dtype="bfloat16"))
+        outs[on] = engine.generate(prompts, params, return_logits=True)
+        assert bool(calls) == on, calls
     # (steps up to the first differing token have the same context in both runs; after it they diverge.
     # The scores only choose the keys: a step whose top-k sets agree has bit-identical logits)
     same, exact, err = [], 0, 0.0
@@ -849,31 +838,24 @@ def test_model_outputs_with_topk_kernels_on_and_off():
     """The indexer through the kernels (unfused, in query chunks of 16, and the fused path forced) vs
     the jnp composition inside the model: greedy tokens and logits to rounding (score rounding differs,
     so a near-tie may pick another key)."""
-    import pallas_kernels.topk as tk
     from models.model import prefill_logits
     from tests.helpers import hf_model, rel_err
 
     model = hf_model("glm_indexcache")
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 40))
-    out, default_max_bytes = {}, tk.SCORES_MAX_BYTES
+    out = {}
     with recorded_score_calls() as score_calls:
-        try:
-            for mode, on, fused, max_bytes in (("kernels", True, False, tk.SCORES_MAX_BYTES),
-                                               ("chunked", True, False, 2 * 40 * 4 * 16),  # B x S x fp32 x 16
-                                               ("fused", True, True, tk.SCORES_MAX_BYTES),
-                                               ("off", False, False, tk.SCORES_MAX_BYTES)):
-                tk.KERNELS_ENABLED, tk.USE_FUSED, tk.SCORES_MAX_BYTES = on, fused, max_bytes
-                jax.clear_caches()
-                score_calls.clear()
-                out[mode] = {p: np.asarray(prefill_logits(model, tokens, attn_path=p, index_dtype=d))
-                             for p, d in (("expanded", "same"), ("absorbed", "fp8"))}
-                if mode == "kernels":              # the 40 query tokens in one call, or in chunks of 16 or fewer
-                    assert max(score_calls) == 40, score_calls
-                if mode == "chunked":
-                    assert len(score_calls) > 1 and max(score_calls) <= 16, score_calls
-        finally:
-            tk.KERNELS_ENABLED, tk.USE_FUSED, tk.SCORES_MAX_BYTES = True, False, default_max_bytes
-            jax.clear_caches()
+        for mode, policy in (("kernels", DEFAULT_POLICY),
+                             ("chunked", KernelPolicy(scores_max_bytes=2 * 40 * 4 * 16)),  # B x S x fp32 x 16
+                             ("fused", KernelPolicy(fused_indexer=True)),
+                             ("off", KernelPolicy(enabled=False))):
+            score_calls.clear()
+            out[mode] = {p: np.asarray(prefill_logits(model, tokens, attn_path=p, index_dtype=d, kernels=policy))
+                         for p, d in (("expanded", "same"), ("absorbed", "fp8"))}
+            if mode == "kernels":              # the 40 query tokens in one call, or in chunks of 16 or fewer
+                assert max(score_calls) == 40, score_calls
+            if mode == "chunked":
+                assert len(score_calls) > 1 and max(score_calls) <= 16, score_calls
     for mode in ("kernels", "chunked", "fused"):
         for p in out[mode]:
             err = rel_err(out[mode][p], out["off"][p])

@@ -1,25 +1,20 @@
 """The indexer's scores as a Mosaic GPU kernel (Hopper: TMA + wgmma, warp-specialized): prefill over
 gathered keys, and decode reading the pool's pages directly (paged mode, last paragraph).
 
-Same function as topk._scores_kernel on its gathered path (each request's keys already copied into
+Same function as scores._scores_kernel on its gathered path (each request's keys already copied into
 table order as bf16, with fp8 scales beside them): for query token t and key s,
     score[t, s] = scale[s] * sum_h w[t, h] * relu(q[t, h] . k[s])       (w carries D**-0.5)
 and -inf where s > positions[t].
 
-Why Mosaic GPU here, when the rest of topk.py uses Pallas's Triton backend: on the H200 the Triton
-kernel's loads and MMAs alone run at 80% of the bf16 matmul rate, but its relu x weight x head-sum
-epilogue waits for each key block's MMA, costing 2.1 of its 9.4 ms at a T = N = 32768 prefill
-(docs/perf.md). Mosaic GPU gives explicit warp specialization with wgmma and TMA: two compute
-warpgroups, each with its own block_t query tokens (all their heads: the MMA's N = block_t * H = 256
-for GLM-5), and a third that streams key blocks (and fp8 scales) into `stages` shared-memory slots
-by TMA. Both compute warpgroups read every key block, so a block's bytes feed 2 * block_t * H query
-rows, and while one runs its epilogue the other's wgmma can run. On the H200 this runs the GLM-5
-prefill scores in 7.1-7.3 ms (74-78% of the matmul rate) against 9.2-9.7 ms for the Triton kernel.
-Measured and not kept (docs/perf.md): FlashAttention-3-style ping-pong ordering of the two
-warpgroups' MMAs (by a shared rendezvous, or by issue order: 7.7 ms), each block's MMA split in two
-halves so the first half's epilogue overlaps the second's MMA (8.2 ms: N = 128 re-reads the keys
-from shared memory twice), block_t = 4 (8.9 ms), and the weights reloaded from shared memory per key
-block instead of held in registers (8.4 ms; 168 registers, no spills, with them held).
+Why Mosaic GPU here, when the rest of the indexer uses Pallas's Triton backend: the Triton kernel's
+relu x weight x head-sum epilogue waits for each key block's MMA. Mosaic GPU gives explicit warp
+specialization with wgmma and TMA: two compute warpgroups, each with its own block_t query tokens
+(all their heads: the MMA's N = block_t * H = 256 for GLM-5), and a third that streams key blocks
+(and fp8 scales) into `stages` shared-memory slots by TMA. Both compute warpgroups read every key
+block, so a block's bytes feed 2 * block_t * H query rows, and while one runs its epilogue the
+other's wgmma can run. On the H200 this is the faster prefill scores kernel; the variants measured
+and not kept (ping-pong ordering of the two warpgroups' MMAs, split MMAs, block_t = 4, weights
+reloaded from shared memory) are in docs/perf.md.
 
 Per key block acc = K Q^T ([block_kv keys, block_t * H]) with the keys as the MMA's M: a token's
 heads are adjacent accumulator columns, so its head sum is a row reduction inside each quad (no
@@ -31,15 +26,14 @@ sees are skipped, and written as -inf only when write_invisible.
 The same kernel has a paged mode (paged_scores_mgpu) for calls of few query tokens (decode), which
 read their keys through the page table. Hopper's TMA has no row gather, but the pool's pages hold
 64-slot runs of consecutive rows, so one 64-key block is one TMA copy at the row of its first key
-(the caller promises that layout: topk's contiguous_blocks). The memory warpgroup copies the
+(the caller promises that layout: indexer_topk's contiguous_blocks). The memory warpgroup copies the
 program's block rows into shared memory once, then streams blocks of the pool's own fp8 (or bf16)
 keys; a compute warpgroup loads an fp8 block into registers, upcasts it to bf16 there (via f16: the
 H200's ptxas, PTX ISA 9.0, has no direct e4m3 -> bf16) and runs the MMA with it as the register
 operand, so nothing is copied or widened in HBM. Both compute warpgroups take the same block_t
 tokens (2-8) and alternate key blocks, and a request's keys are split over programs of
-blocks_per_program blocks. At decode 8 x T = 1 over 131072 fp8 keys on the H200 this reads the
-keys at 51-63% of the copy rate (55-67 us) against the Triton kernel's 36-39% (88-95 us). The mode
-uses Lane semantics: under Warpgroup semantics a scalar read from memory cannot be a TMA offset.
+blocks_per_program blocks. The mode uses Lane semantics: under Warpgroup semantics a scalar read
+from memory cannot be a TMA offset.
 """
 
 from __future__ import annotations

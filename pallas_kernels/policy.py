@@ -1,0 +1,42 @@
+"""Which kernels a forward runs: one frozen, hashable value passed down as a static argument (jit
+keys its compilations on it), so a path is chosen by the caller instead of by module switches read at
+trace time. The defaults are the fastest paths measured on the H200 (docs/perf.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+    enabled: bool = True
+    """Pallas kernels on GPU at all (row gather, indexer scores and selection); off: the jnp references
+    everywhere, to compare the two."""
+    fused_indexer: bool = False
+    """The indexer's top-k without the [T, S] scores in HBM (indexer_topk_fused). Off by default: on
+    the H200 keeping candidates inside the scores loop cost more than writing and re-reading the scores,
+    at prefill and decode alike (docs/perf.md)."""
+    mgpu_scores: bool = True
+    """Calls that gather their keys (prefill) compute their scores with the Mosaic GPU kernel where its
+    shapes fit: faster than the Triton kernel on the H200 (docs/perf.md). The two round differently, so
+    a near-tie can rank differently between them."""
+    mgpu_paged: bool = True
+    """Calls that read their keys through the page table (decode, short chunks) over a table of whole
+    64-slot blocks compute their scores with the paged Mosaic GPU kernel, which reads the pool by TMA:
+    faster than the Triton kernel's row gathers on the H200 (docs/perf.md)."""
+    mgpu_min_programs: int = 132
+    """The fewest programs (16 query tokens of a request each) for which the gathered Mosaic GPU kernel
+    is used: below one program per SM of the H200 it loses to the Triton kernel (docs/perf.md)."""
+    scores_max_bytes: int = 4 << 30
+    """The largest score buffer one indexer call may hold (the kernels' [B, T, S] fp32 scores, or the jnp
+    composition's [B, T, H, S]): a longer call runs its query tokens in chunks, so a long prefill's
+    memory stays bounded. 4 GiB is T = S = 32768 on the kernels."""
+
+    def on_gpu(self) -> bool:
+        """Whether the Pallas kernels run: enabled, on a GPU backend."""
+        return self.enabled and jax.default_backend() == "gpu"
+
+
+DEFAULT_POLICY = KernelPolicy()
