@@ -1,6 +1,7 @@
 """Kernel benchmarks on the GPU, side by side with XLA in one run (table + JSON).
 
-    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer]
+    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe]
+    JAX_PLATFORMS=cpu python scripts/bench_kernels.py --only moe --moe-small   # CPU smoke test
 
 compaction: rows x 6144 bf16 with ~half the rows valid; bytes = valid rows read and written plus
   dummy rows written; utilisation against the copy rate measured in the same run, and the time of a
@@ -16,6 +17,17 @@ indexer: GLM-5 indexer (32 heads x 128, fp8 keys with per-token scale through a 
   bytes (keys + scales + page table read once, queries, positions written) against the copy rate.
   The XLA composition (reference scores + selection) is timed on a slice of the queries where its
   [T, H, N] fp32 intermediate fits.
+moe: the routed experts' grouped matmuls over expert-sorted rows (top-8 routing with a per-expert
+  popularity skew), gate/up [rows, 6144] x [E, 6144, 4096] (gate and up side by side; models/moe.py
+  runs them as two N = 2048 calls of the same FLOPs) and down [rows, 2048] x [E, 2048, 6144], bf16 in
+  and out: lax.ragged_dot (as models/moe.py calls it), jax's Mosaic GPU ragged_dot_mgpu (tilings),
+  tokamax's Mosaic GPU ragged dot (its default config and set ones; needs the tokamax wheel) and a
+  cuBLAS jnp.dot of the same FLOPs. Prefill at 8192 (and 32768) tokens x E in {16, 64, 256}: TFLOP/s and
+  share of the dense rate; decode (1, 8, 64 tokens, E = 256): bandwidth over the touched experts'
+  weights + rows in and out. Each variant's output is checked against an fp32 per-group product on
+  up to 64 rows of three groups (max abs error over max |reference|). Failures (out of memory,
+  a tiling that does not lower, GPU-only kernels on the CPU) are rows with an error string. Timed
+  by pipelined_time (back-to-back calls of 0.1-600 ms kernels, one compile each).
 Short kernels are timed by `cpkv_jax.perf.chained_time` (n chained calls in one executable); the row
 gather and its same-size copy by `pipelined_time` (back-to-back calls: a chain would let XLA narrow
 its gather to the one element the chain reads)."""
@@ -296,6 +308,227 @@ def bench_indexer(args, ceil):
     return out
 
 
+# ---- moe: grouped expert matmuls (ragged dot) ----------------------------------------------------
+MOE_MGPU_TILINGS = "128x128x64x4x1,128x128x64x4x8,64x256x64x4x8"
+MOE_DECODE_MGPU_TILINGS = "64x128x64x4x1"
+MOE_TOKAMAX_CONFIGS = "default,128x64x128x4xp"
+
+
+def moe_group_sizes(tokens: int, experts: int, top_k: int, skew: float, seed: int = 0):
+    """Rows per expert of a random top-k routing: per-token logits N(0, 1) plus a per-expert
+    popularity N(0, skew) (skew 0: balanced in expectation), top-k of the softmax (= of the logits)."""
+    import numpy as np
+    rng = np.random.default_rng(seed + tokens * 1000 + experts)
+    logits = rng.standard_normal((tokens, experts), np.float32) + skew * rng.standard_normal(experts).astype(np.float32)
+    top_k = min(top_k, experts)
+    top = np.argpartition(-logits, top_k - 1, axis=1)[:, :top_k]
+    return np.bincount(top.ravel(), minlength=experts).astype(np.int32)
+
+
+def _moe_timed(fn, *args):
+    """Per-call time of back-to-back calls (pipelined_time) with the chain length fitted to the
+    kernel: one call compiles, one more is timed alone, then ~50 ms of calls (2 to 20), best of 3
+    (2 when one call passes 0.1 s)."""
+    import time
+
+    import jax
+
+    from cpkv_jax.perf import pipelined_time
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t
+    n = max(2, min(20, int(0.05 / max(one, 1e-6))))
+    return pipelined_time(fn, *args, n=n, repeat=2 if one > 0.1 else 3)
+
+
+def _mgpu_variant(tiling: str):
+    """'bm x bn x bk x steps x grid_block_n' [+ 't': rhs stored [E, N, K], transpose_rhs=True]."""
+    transpose = tiling.endswith("t")
+    bm, bn, bk, steps, gbn = map(int, tiling.rstrip("t").split("x"))
+
+    def f(x, w, s):
+        from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+        return ragged_dot(x, w, group_sizes=s, block_m=bm, block_n=bn, block_k=bk,
+                          max_concurrent_steps=steps, grid_block_n=gbn, transpose_rhs=transpose)
+    return f, transpose
+
+
+def _import_tokamax():
+    """tokamax, or ImportError. Its benchmarking module imports xprof (a 22 MB wheel not on the GPU box)
+    at import time for a kernel-stats tool this bench never calls: a stub stands in when xprof is
+    missing."""
+    import importlib.util
+    import types
+    if importlib.util.find_spec("tokamax") is None:
+        raise ImportError("no module named tokamax")
+    if "xprof" not in sys.modules and importlib.util.find_spec("xprof") is None:
+        stub = types.ModuleType("xprof.cli.tools")
+        stub.get_kernel_stats_tool = None
+        sys.modules.update({"xprof": types.ModuleType("xprof"), "xprof.cli": types.ModuleType("xprof.cli"),
+                            "xprof.cli.tools": stub})
+    import tokamax
+    return tokamax
+
+
+def _tokamax_variant(spec: str):
+    """'default' (tokamax's autotuning cache, else its heuristics) or 'bm x bn x bk x stages' [x 'p'
+    persistent] for the Mosaic GPU ragged dot; returns (fn, op) or raises ImportError."""
+    tokamax = _import_tokamax()
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as tkm
+    if spec == "default":
+        op = tkm.PallasMosaicGpuRaggedDot()
+    else:
+        parts = spec.split("x")
+        bm, bn, bk, st = map(int, parts[:4])
+        op = tkm.PallasMosaicGpuRaggedDot(config=tkm.Config(
+            block_m=bm, block_n=bn, block_k=bk, num_stages=st, split_k=1, persistent=parts[4:] == ["p"]))
+    return (lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation=[op])), op
+
+
+def moe_check_rows(sizes, rows_each: int = 64):
+    """Rows to check against the fp32 reference: up to rows_each of the first non-empty group, the
+    largest and the last non-empty one (row ids, their groups)."""
+    import numpy as np
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    nz = np.flatnonzero(sizes)
+    groups = sorted({int(nz[0]), int(np.argmax(sizes)), int(nz[-1])})
+    ids, gids = [], []
+    for g in groups:
+        n = min(rows_each, int(sizes[g]))
+        ids += list(range(int(starts[g]), int(starts[g]) + n))
+        gids += [g] * n
+    return np.asarray(ids), np.asarray(gids)
+
+
+def bench_moe_case(args, ceil, label, tokens, E, proj, K, N, mgpu_tilings, tokamax_cfgs, decode=False):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    gpu = jax.default_backend() == "gpu"
+    sizes_np = moe_group_sizes(tokens, E, args.moe_top_k, args.moe_skew)
+    rows = int(sizes_np.sum())
+    flops = 2.0 * rows * K * N
+    touched = int((sizes_np > 0).sum())
+    kx, kw = jax.random.split(jax.random.key(tokens * 7 + E * 3 + K))
+    x = jax.random.normal(kx, (rows, K), jnp.bfloat16)
+    w = (jax.random.normal(kw, (E, K, N), jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+    sizes = jnp.asarray(sizes_np)
+    wbytes = touched * K * N * 2
+    moved = wbytes + rows * K * 2 + rows * N * 2
+    entry = {"case": label, "proj": proj, "tokens": tokens, "experts": E, "top_k": args.moe_top_k,
+             "rows": rows, "K": K, "N": N, "flops": flops, "touched_experts": touched,
+             "touched_weight_bytes": wbytes, "bytes_min": moved,
+             "group_max_over_mean": float(sizes_np.max() / sizes_np.mean()), "empty_groups": E - touched}
+    ids, gids = moe_check_rows(sizes_np)
+    ref = np.concatenate([np.asarray(jnp.dot(x[jnp.asarray(ids[gids == g])].astype(jnp.float32),
+                                             w[g].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST))
+                          for g in dict.fromkeys(gids.tolist())])  # fp32, one group at a time
+    scale = float(np.abs(ref).max())
+
+    def measure(fn, *a, check=True):
+        f = jax.jit(fn)
+        out = {}
+        if check:
+            got = np.asarray(f(*a)[jnp.asarray(ids)].astype(jnp.float32))
+            out["max_rel_err"] = float(np.abs(got - ref).max() / scale)
+        s = _moe_timed(f, *a)
+        out.update({"s": s, "tflops": flops / s / 1e12, "bytes_per_s": moved / s,
+                    "matmul_util": flops / s / ceil["matmul_flops_per_s"],
+                    "copy_util": moved / s / ceil["copy_bytes_per_s"]})
+        return out
+
+    if not decode:  # cuBLAS on the same FLOPs: the rate this shape can reach
+        entry["dense_same_flops"] = _try(lambda: measure(lambda a, b: jnp.dot(a, b), x, w[0], check=False))
+    entry["lax_ragged_dot"] = _try(lambda: measure(lambda a, b, s: jax.lax.ragged_dot(a, b, s), x, w, sizes))
+    w_t = None
+    for tiling in mgpu_tilings:
+        name = "mgpu_" + tiling
+        if not gpu:
+            entry[name] = {"error": "needs GPU (Mosaic GPU kernel)"}
+            continue
+        f, transpose = _mgpu_variant(tiling)
+        if transpose and w_t is None:
+            w_t = jnp.swapaxes(w, 1, 2)
+        entry[name] = _try(lambda f=f, b=(w_t if transpose else w): measure(f, x, b, sizes))
+    for spec in tokamax_cfgs:
+        name = "tokamax_" + spec
+        try:
+            f, op = _tokamax_variant(spec)
+        except ImportError as e:  # a missing dependency of an installed tokamax says which
+            entry[name] = {"error": f"tokamax not installed ({e})"}
+            continue
+        except Exception as e:  # e.g. a config tokamax rejects
+            entry[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        if not gpu:
+            entry[name] = {"error": "needs GPU (Mosaic GPU kernel)"}
+            continue
+
+        def run(f=f, op=op):
+            r = measure(f, x, w, sizes)
+            r["config"] = str(_try(lambda: op.bind(x, w, group_sizes=sizes).default_config))
+            return r
+        entry[name] = _try(run)
+    dense = entry.get("dense_same_flops", {}).get("s")
+    for key, v in entry.items():
+        if isinstance(v, dict) and "s" in v and dense and key != "dense_same_flops":
+            v["vs_dense"] = dense / v["s"]
+    cells = []
+    for key, v in entry.items():
+        if not isinstance(v, dict):
+            continue
+        if "s" in v:
+            rate = (f"{v['bytes_per_s'] / 1e9:.0f} GB/s ({v['copy_util']:.0%})" if decode
+                    else f"{v['tflops']:.0f} TF/s" + (f" ({v['vs_dense']:.0%} dense)" if "vs_dense" in v else ""))
+            err = f" err {v['max_rel_err']:.1e}" if "max_rel_err" in v else ""
+            cells.append(f"{key} {v['s'] * 1e3:.3f} ms {rate}{err}")
+        else:
+            cells.append(f"{key} ERR {v['error'][:100]}")
+    print(f"moe {label} {proj} T={tokens} E={E} rows={rows} K={K} N={N} touched={touched} "
+          f"max/mean={entry['group_max_over_mean']:.2f}:\n  " + "\n  ".join(cells), flush=True)
+    return entry
+
+
+def bench_moe(args, ceil, save=lambda out: None):
+    """Prefill cases at the first --moe-tokens, decode, then prefill at the other token counts with
+    only the fastest Mosaic GPU tiling and tokamax config of the first (compile time is the budget);
+    `save` is called after each case so a run cut short keeps what it measured."""
+    H, I = args.moe_hidden, args.moe_width
+    projs = {"gate_up": (H, 2 * I), "down": (I, H)}
+    out = []
+    tokens = [int(t) for t in args.moe_tokens.split(",") if t]
+    mgpu = [t for t in args.moe_mgpu_tilings.split(",") if t]
+    tkcfg = [t for t in args.moe_tokamax_configs.split(",") if t]
+    best = {}
+
+    def fastest(entry, prefix):
+        ok = [(v["s"], k[len(prefix):]) for k, v in entry.items() if k.startswith(prefix) and "s" in v]
+        return [min(ok)[1]] if ok else []
+    for E in [int(e) for e in args.moe_experts.split(",") if e]:
+        for proj, (K, N) in projs.items():
+            e = bench_moe_case(args, ceil, "prefill", tokens[0], E, proj, K, N, mgpu, tkcfg)
+            best[E, proj] = (fastest(e, "mgpu_") or mgpu[:1], fastest(e, "tokamax_") or tkcfg[:1])
+            out.append(e)
+            save(out)
+    for T in [int(t) for t in args.moe_decode_tokens.split(",") if t]:
+        for proj, (K, N) in projs.items():
+            out.append(bench_moe_case(args, ceil, "decode", T, args.moe_decode_experts, proj, K, N,
+                                      [t for t in args.moe_decode_mgpu_tilings.split(",") if t], tkcfg[:1],
+                                      decode=True))
+            save(out)
+    for T in tokens[1:]:
+        for E in [int(e) for e in args.moe_experts.split(",") if e]:
+            for proj, (K, N) in projs.items():
+                m, t = best.get((E, proj), (mgpu[:1], tkcfg[:1]))
+                out.append(bench_moe_case(args, ceil, "prefill", T, E, proj, K, N,
+                                          mgpu if args.moe_all_tilings else m,
+                                          tkcfg if args.moe_all_tilings else t))
+                save(out)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
@@ -322,22 +555,53 @@ def main() -> int:
                         "kernel, and without the relu/weight/scale epilogue")
     p.add_argument("--select-stages", action="store_true",
                    help="also time the first tiling stopped after each stage (bracket, filter, threshold)")
+    p.add_argument("--moe-tokens", default="8192,32768",
+                   help="prefill tokens, comma-separated; all tilings run at the first, only the fastest "
+                        "at the others (unless --moe-all-tilings); drop 32768 to save time")
+    p.add_argument("--moe-experts", default="16,64,256", help="routed experts of the prefill cases")
+    p.add_argument("--moe-top-k", type=int, default=8)
+    p.add_argument("--moe-hidden", type=int, default=6144)
+    p.add_argument("--moe-width", type=int, default=2048, help="expert width (gate/up: 2 x width columns)")
+    p.add_argument("--moe-skew", type=float, default=1.0,
+                   help="std of the per-expert popularity added to the routing logits (0: balanced)")
+    p.add_argument("--moe-decode-tokens", default="1,8,64")
+    p.add_argument("--moe-decode-experts", type=int, default=256)
+    p.add_argument("--moe-mgpu-tilings", default=MOE_MGPU_TILINGS,
+                   help="jax's ragged_dot_mgpu tilings (prefill), block_m x block_n x block_k x "
+                        "max_concurrent_steps x grid_block_n, a trailing 't' for weights stored [E, N, K] "
+                        "(transpose_rhs)")
+    p.add_argument("--moe-decode-mgpu-tilings", default=MOE_DECODE_MGPU_TILINGS)
+    p.add_argument("--moe-tokamax-configs", default=MOE_TOKAMAX_CONFIGS,
+                   help="tokamax Mosaic GPU ragged dot configs: 'default' (its cache, else heuristics) or "
+                        "block_m x block_n x block_k x stages [x p (persistent)]; decode runs the first only")
+    p.add_argument("--moe-all-tilings", action="store_true",
+                   help="run every tiling at every prefill token count, not only the fastest of the first")
+    p.add_argument("--moe-small", action="store_true",
+                   help="tiny shapes and ceilings (CPU smoke test: lax.ragged_dot only)")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
+    if args.moe_small:
+        args.moe_tokens, args.moe_experts, args.moe_hidden, args.moe_width = "32,64", "8,16", 128, 64
+        args.moe_decode_tokens, args.moe_decode_experts = "1,4", 16
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jax
 
     from cpkv_jax.perf import measure_ceilings
 
-    ceil = measure_ceilings()
+    ceil = measure_ceilings(**({"matmul_n": 256, "copy_mib": 16} if args.moe_small else {}))
     print(f"ceilings (back-to-back calls): bf16 matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s "
           f"(one call {ceil['matmul_flops_per_s_one_call'] / 1e12:.0f}), copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s "
           f"(one call {ceil['copy_bytes_per_s_one_call'] / 1e9:.0f})", flush=True)
     result = {"ceilings": ceil, "device": str(jax.devices()[0].device_kind)}
+
+    def save(name, part):
+        result[name] = part
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     for name, fn in (("compaction", bench_compaction), ("selection", bench_selection), ("indexer", bench_indexer)):
         if name in args.only.split(","):
-            result[name] = fn(args, ceil)
-            Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+            save(name, fn(args, ceil))
+    if "moe" in args.only.split(","):
+        save("moe", bench_moe(args, ceil, save=lambda part: save("moe", part)))
     return 0
 
 
