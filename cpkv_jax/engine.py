@@ -197,7 +197,7 @@ class Engine:
                                   mesh=self.mesh, draft=self.spec)
         copier = None
         if config.hicache_pages and config.hicache_copy != "jit":
-            from cpkv_jax.side_stream import install
+            from cpkv_jax.hicache.side_stream import install
             copier = install()
             if copier is None and config.hicache_copy == "side_stream":
                 raise EngineConfigError("hicache_copy='side_stream' needs a CUDA GPU backend and libcudart")
@@ -211,7 +211,7 @@ class Engine:
             self.hicache = HiCache(self.pool, self.radix, config.hicache_pages, full_layers=self.cfg.full_layers,
                                    policy=config.hicache_policy, mesh=self.mesh, copier=copier)
         self.runner = ModelRunner(self.model, self.pool, mesh=self.mesh, copier=copier,
-                                  step_copies=self.hicache.take_step if copier is not None else None)
+                                  step_copies=self.hicache.copies.take_step if copier is not None else None)
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=ps, max_running=config.max_running,
                                    max_prefill_tokens=config.max_prefill_tokens, lookahead=self.spec_tokens,
                                    hicache=self.hicache)

@@ -107,7 +107,7 @@ class ModelRunner:
         if self.copier is not None:
             copies = self.step_copies()
             if any(c.loads or c.backups for c in copies):    # only forwards that copy pay for the hook
-                from cpkv_jax.side_stream import LayerHook
+                from cpkv_jax.hicache.side_stream import LayerHook
                 for c in copies:
                     self.copier.push(c)
                 kw["boundary"] = LayerHook(kw["access"].axis)

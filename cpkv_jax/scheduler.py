@@ -36,7 +36,7 @@ class Request:
     drafts: list[int] = dataclasses.field(default_factory=list)   # speculative proposals for the next round
     draft_q: list = dataclasses.field(default_factory=list)       # the distributions they were drawn from
     node: TreeNode | None = None        # locked radix node covering pages[:shared_pages]
-    host_res: object | None = None      # HiCache reservation for the prompt's pages (write-through)
+    host_res: object | None = None      # HiCache reservation for the prompt's pages (set by its write policy)
     shared_pages: int = 0               # leading pages owned by the radix tree (not freed by us)
     cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
     computed: int = 0                   # positions whose KV is in the pool
@@ -133,10 +133,7 @@ class Scheduler:
         req.node, req.shared_pages = node, len(prefix)
         req.cached_tokens = req.computed = len(prefix) * ps
         if self.hicache is not None:
-            if self.hicache.policy == "write_through":
-                req.host_res = self.hicache.reserve_host_slots(req.rid, req.prompt)
-            elif node is not None and m.device_node.hits >= 2 and len(prefix):  # selective: second hit
-                self.hicache.write_back(req.rid, req.prompt[:-1], req.pages, np.arange(len(prefix)))
+            self.hicache.on_admit(req, m)
         return True
 
     def _can_load(self, host_pages) -> bool:
@@ -207,11 +204,10 @@ class Scheduler:
             self._publish(req, req.prompt[:req.computed])
 
     def backup_prompt(self, req: Request) -> None:
-        """After the step that finished the prompt (and its draft extend): complete the write-through
-        backup of the prompt's pages."""
-        if req.host_res is not None:
-            self.hicache.finish_backup(req.host_res, req.pages)
-            req.host_res = None
+        """After the step that finished the prompt (and its draft extend): complete the host tier's
+        backup of the prompt's pages, if its write policy reserved one."""
+        if self.hicache is not None:
+            self.hicache.on_prefill_done(req)
 
     def append_token(self, req: Request, token: int, logprob: float) -> None:
         now = time.perf_counter()
@@ -235,13 +231,10 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
             return
-        if req.host_res is not None:  # aborted before its prompt was published
-            self.hicache.rollback(req.host_res)
-            req.host_res = None
         if self.radix is not None and req.finish_reason != "abort":
             self._publish(req, req.tokens()[:req.computed])
-            if self.hicache is not None and self.hicache.policy == "write_through":
-                self.hicache.write_back(req.rid, req.tokens()[:req.computed], req.pages)
+        if self.hicache is not None:
+            self.hicache.on_finish(req)
         self._free_device(req.pages[req.shared_pages:])
         req.pages = req.pages[:0]
         self.reserved_pages -= req.reserved

@@ -20,10 +20,10 @@ from pathlib import Path
 
 def with_empty_copy(hicache):
     """The next forward's copies plus a zero-byte one at layer 0 on every device."""
-    from cpkv_jax.side_stream import Copy
-    steps = hicache.take_step()
+    from cpkv_jax.hicache.side_stream import Copy
+    steps = hicache.copies.take_step()
     for r, step in enumerate(steps):
-        step.backups.setdefault(0, []).append(Copy(0, 0, hicache._address(hicache.cache.latent, r), 0))
+        step.backups.setdefault(0, []).append(Copy(0, 0, hicache.copies.address(hicache.host.cache.latent, r), 0))
     return steps
 
 
@@ -46,7 +46,7 @@ def main() -> int:
     from cpkv_jax.cli import bench_model
     from cpkv_jax.engine import Engine, EngineConfig
     from cpkv_jax.sampling import SamplingParams
-    from cpkv_jax.side_stream import D2H, H2D
+    from cpkv_jax.hicache.side_stream import D2H, H2D
 
     args.seed = 0
     model = bench_model(args)
@@ -59,12 +59,12 @@ def main() -> int:
     for path in ("jit", "side_stream"):
         eng = Engine(model, EngineConfig(page_size=ps, kv_pages=kv_pages, hicache_pages=args.pages + 2,
                                          index_dtype="fp8", hicache_copy=path))
-        h = eng.hicache
-        if path == "side_stream" and h.copier is None:
+        h, copier = eng.hicache, eng.runner.copier
+        if path == "side_stream" and copier is None:
             continue
         dev_pages = eng.allocator.alloc(args.pages, 0)
         host_pages = h.allocator.alloc(args.pages, 0)
-        units = h._layers()
+        units = h.host.units()
         for direction in ("d2h", "h2d"):
             to_host = direction == "d2h"
             best, moved = float("inf"), 0
@@ -72,20 +72,20 @@ def main() -> int:
                 t = time.perf_counter()
                 if path == "jit":
                     for unit in units:
-                        h._move(unit, host_pages, dev_pages, to_host=to_host)
-                    jax.block_until_ready((h.cache, h.draft, eng.pool.cache, eng.pool.draft))
+                        h.copies.move(unit, host_pages, dev_pages, to_host=to_host)
+                    jax.block_until_ready((h.host.cache, h.host.draft, eng.pool.cache, eng.pool.draft))
                 else:
-                    copies, runs = [], h._runs(host_pages, dev_pages)
+                    copies, runs = [], h.copies.runs(host_pages, dev_pages)
                     for unit in units:
                         leaves = jax.tree.leaves(eng.pool.draft if unit[1] else eng.pool.cache)
-                        for b in h._blocks(unit, runs)[0]:
-                            dev = h._address(leaves[b.leaf], 0) + b.offset
+                        for b in h.copies.blocks(unit, runs)[0]:
+                            dev = h.copies.address(leaves[b.leaf], 0) + b.offset
                             copies.append((b.host, dev, b.nbytes, D2H) if to_host else (dev, b.host, b.nbytes, H2D))
-                    h.copier.copy_now(h.device_ids()[0], copies)
-                    h.copier.drain()
+                    copier.copy_now(h.copies.device_ids()[0], copies)
+                    copier.drain()
                 dt = time.perf_counter() - t
                 best = min(best, dt)
-            moved = args.pages * ps * sum(h._row_bytes(k) for u in units for k in h._layer_leaves(*u)[0])
+            moved = args.pages * ps * sum(h.host.row_bytes(k) for u in units for k in h.host.layer_leaves(*u)[0])
             rows.append({"path": path, "direction": direction, "pages": args.pages, "bytes": moved, "s": best,
                          "gb_per_s": moved / best / 1e9})
             print(f"{path:11s} {direction}: {args.pages} pages, {moved / 2 ** 20:.1f} MiB in {best * 1e3:.2f} ms = "
@@ -113,7 +113,7 @@ def main() -> int:
     for _ in range(args.repeat + 1):            # the first round compiles
         for label, cfg in configs.items():
             e = Engine(model, cfg)
-            if cfg.hicache_copy == "side_stream" and e.hicache.copier is None:
+            if cfg.hicache_copy == "side_stream" and e.runner.copier is None:
                 continue
             if label == "hook_only":
                 e.runner.step_copies = functools.partial(with_empty_copy, e.hicache)

@@ -2,7 +2,7 @@
 import json, os, sys, time
 sys.path.insert(0, os.getcwd())
 import jax, jax.numpy as jnp, numpy as np
-from cpkv_jax import side_stream as ss
+from cpkv_jax.hicache import side_stream as ss
 
 cp = ss.install()
 print("cudart", cp.rt.path, flush=True)

@@ -46,9 +46,9 @@ def record_round_trips(eng):
 
     def trees():
         # host pools read through a device copy: the side stream writes them behind JAX's back
-        host = [jax.device_put(h.cache, jax.memory.Space.Device)]
-        if h.draft is not None:
-            host.append(jax.device_put(h.draft, jax.memory.Space.Device))
+        host = [jax.device_put(h.host.cache, jax.memory.Space.Device)]
+        if h.host.draft is not None:
+            host.append(jax.device_put(h.host.draft, jax.memory.Space.Device))
         return list(zip([eng.pool.cache, eng.pool.draft][:len(host)], host))
 
     def wrapped_commit(res):
@@ -102,8 +102,8 @@ def test_backup_and_reload_are_byte_perfect_per_layer(tiny, speculative, cp, cop
     if cp > 1:
         ranks = eng.hicache.host_rank(np.fromiter(checked["host_pages"], np.int64))
         assert set(ranks.tolist()) == set(range(cp)), ranks
-    if eng.hicache.copier is not None:
-        assert not eng.hicache.copier.errors and eng.hicache.stats["failed_backups"] == 0, eng.hicache.stats
+    if eng.runner.copier is not None:
+        assert not eng.runner.copier.errors and eng.hicache.stats["failed_backups"] == 0, eng.hicache.stats
     check_invariants(eng)
 
 
@@ -139,7 +139,7 @@ def test_failed_backup_leaves_nothing_visible_and_returns_slots(tiny, copy):
     prompts = [rng.integers(2, tiny.cfg.vocab_size, 60).tolist()]
     want = Engine(tiny, EngineConfig(page_size=16, kv_pages=64)).generate(prompts, GREEDY)
     eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, hicache_pages=32, hicache_copy=copy))
-    eng.hicache.fail_at_layer = 2               # layers 0, 1 are copied and acknowledged, then a failure
+    eng.hicache.copies.fail_at_layer = 2               # layers 0, 1 are copied and acknowledged, then a failure
     got = eng.generate(prompts, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     h = eng.hicache.stats
@@ -147,7 +147,7 @@ def test_failed_backup_leaves_nothing_visible_and_returns_slots(tiny, copy):
     assert len(eng.radix.all_host_pages()) == 0 and not eng.hicache.pending
     assert eng.hicache.allocator.num_free == eng.hicache.allocator.capacity
     # an aborted request rolls back its reservation
-    eng.hicache.fail_at_layer = None
+    eng.hicache.copies.fail_at_layer = None
     rid = eng.add_request(rng.integers(2, tiny.cfg.vocab_size, 90).tolist(), GREEDY)
     eng.scheduler.admit()                       # reserved before its forward, then aborted
     assert eng.hicache.pending
@@ -209,7 +209,7 @@ def test_hicache_config_errors(tiny):
 def test_page_runs_merge_pages_consecutive_on_both_sides():
     """Copies are planned as runs: pages that advance by one on the device and on the host are one
     copy, in either allocation direction; any break on either side starts a new run."""
-    from cpkv_jax.side_stream import page_runs
+    from cpkv_jax.hicache.side_stream import page_runs
 
     dev = np.array([9, 8, 7, 3, 4, 12, 13])
     host = np.array([5, 4, 3, 10, 11, 20, 22])

@@ -38,7 +38,7 @@ def test_small_device_pool_with_host_tier_equals_unbounded_pool(tiny):
     h = eng.hicache.stats
     assert eng.radix.evicted_pages > 0 and h["loads"] > 0 and h["load_pages"] > 0, h
     assert h["insert_miss_rollbacks"] == 0 and h["failed_backups"] == 0 and h["commits"] > 0, h
-    assert not eng.hicache.copier.errors
+    assert not eng.runner.copier.errors
     # only forwards with copies carry the layer hook: prefill steps do, plain decode steps do not
     hooked = {v[1][1] > 1 for v in eng.runner.variants if v[0] == "target" and v[-1]}
     assert True in hooked and any(v[0] == "target" and not v[-1] and v[1][1] == 1 for v in eng.runner.variants)
