@@ -17,6 +17,7 @@ import numpy as np
 
 from cpkv_jax.kv_pool import KVPool, PageAllocator
 from models.kv import KVCache
+from models.sharding import KV_LEAF_AXES, RULES
 
 LEAVES = ("latent", "k_rope", "index_k", "index_scale")   # the pool tree's leaf order
 
@@ -28,16 +29,13 @@ class HostPool:
     def __init__(self, pool: KVPool, num_pages: int, *, full_layers: tuple[int, ...], mesh=None):
         self.page_size = pool.page_size
         self.mesh = mesh
-        self.ranks = 1 if mesh is None else mesh.shape["cp"]
+        self.ranks = 1 if mesh is None else mesh.shape[RULES.kv_slots]
         self.devices = list(jax.devices()[:1]) if mesh is None else list(mesh.devices.flat)
         self.allocator = PageAllocator(num_pages, self.ranks)
         self.device_pages_per_rank = pool.num_pages // self.ranks
 
-        if mesh is None:
-            where = jax.memory.Space.Host
-        else:
-            from jax.sharding import NamedSharding, PartitionSpec as P
-            where = NamedSharding(mesh, P(None, "cp"), memory_kind="pinned_host")
+        where = (jax.memory.Space.Host if mesh is None
+                 else RULES.sharding(mesh, *KV_LEAF_AXES, memory_kind="pinned_host"))
 
         def host_twin(cache: KVCache | None):
             # from a host numpy buffer: the pool never passes through device memory; its aval is

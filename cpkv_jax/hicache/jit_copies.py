@@ -17,6 +17,7 @@ from cpkv_jax.hicache.copy_path import ACKED, FAILED, SKIPPED
 from cpkv_jax.hicache.host_pool import HostPool
 from cpkv_jax.hicache.reservation import Reservation
 from cpkv_jax.kv_pool import KVPool, OutOfPages
+from models.sharding import KV_LEAF_AXES, RULES
 
 
 def _bucket(n: int) -> int:
@@ -48,8 +49,9 @@ def _copy_pages(dst: tuple, src: tuple, layers, dst_pages, src_pages, *, page_si
     if mesh is None:
         return local(dst, src, layers, dst_pages, src_pages)
     from jax.sharding import PartitionSpec as P
-    pools = tuple(P(None, "cp") for _ in dst)
-    return jax.shard_map(local, mesh=mesh, in_specs=(pools, pools, P(), P("cp"), P("cp")), out_specs=pools)(
+    pools = tuple(RULES.spec(*KV_LEAF_AXES) for _ in dst)
+    per_rank = RULES.spec("kv_slots")   # [ranks, n] page lists: row r is rank r's own pages
+    return jax.shard_map(local, mesh=mesh, in_specs=(pools, pools, P(), per_rank, per_rank), out_specs=pools)(
         dst, src, layers, dst_pages, src_pages)
 
 
