@@ -76,7 +76,7 @@ def cmd_convert(args) -> int:
 
 
 def _engine_config(args, **over):
-    from cpkv_jax.engine import EngineConfig
+    from cpkv_jax.config import EngineConfig
     kw = dict(page_size=args.page_size, kv_pages=args.kv_pages, dtype=args.dtype, cp_size=args.cp,
               cp_mode=args.cp_mode, hicache_pages=args.hicache_pages, hicache_policy=args.hicache_policy,
               hicache_copy=args.hicache_copy)
@@ -337,7 +337,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from models.config import ModelConfigError
     from models.weights import CheckpointError
-    from cpkv_jax.engine import EngineConfigError, EngineInputError
+    from cpkv_jax.config import EngineConfigError
+    from cpkv_jax.engine import EngineInputError
     from cpkv_jax.sampling import SamplingError
     try:
         return args.fn(args)

@@ -61,7 +61,7 @@ class CPPlan:
         return plan, [dataclasses.replace(r, num_tokens=k) for r, k in zip(requests, keep)]
 
     def lanes(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rank, lane) of each new token of request b in the rows build_batch makes."""
+        """(rank, lane) of each new token of request b in the rows cpkv_jax.batch.build_batch makes."""
         ranks = self.token_rank[b]
         lane = np.zeros(len(ranks), np.int64)
         for r in np.unique(ranks):
@@ -142,35 +142,3 @@ def plan(requests: list[CPRequest], page_size: int, cp: int, free_per_rank, *, m
                            for b, r in enumerate(requests))
     return out
 
-
-def build_batch(cp_plan: CPPlan, requests: list[CPRequest], tokens: list, page_tables: list, *, rows: int,
-                lanes: int, table_pages: int):
-    """Host arrays of one CP step: rank r's lanes of request b at row r*rows + b (tokens, positions,
-    global write slots; -1 / 0 padding), the replicated slot table [rows, table_pages*page_size], and
-    where each request's last token sits (rank, lane) for the narrow collection."""
-    from cpkv_jax.kv_pool import page_slots
-    from models.kv import Batch
-
-    cp, ps = cp_plan.cp, cp_plan.page_size
-    tok = np.zeros((cp, rows, lanes), np.int32)
-    pos = np.full((cp, rows, lanes), -1, np.int32)
-    write = np.zeros((cp, rows, lanes), np.int32)
-    table = np.zeros((rows, table_pages * ps), np.int32)
-    last_rank = np.zeros(rows, np.int32)
-    last_lane = np.zeros(rows, np.int32)
-    for b, req in enumerate(requests):
-        slots = page_slots(np.asarray(page_tables[b][:table_pages]), ps)
-        table[b, :len(slots)] = slots
-        toks = np.asarray(tokens[b], np.int32)
-        for r in range(cp):
-            idx = cp_plan.local_tokens(r, b)
-            k = len(idx)
-            tok[r, b, :k] = toks[idx]
-            pos[r, b, :k] = req.start + idx
-            write[r, b, :k] = table[b, req.start + idx]
-        if req.num_tokens:
-            last_rank[b] = cp_plan.token_rank[b][-1]
-            last_lane[b] = int((cp_plan.token_rank[b] == last_rank[b]).sum()) - 1
-    batch = Batch(tok.reshape(cp * rows, lanes), pos.reshape(cp * rows, lanes), write.reshape(cp * rows, lanes),
-                  table)
-    return batch, last_lane, last_rank

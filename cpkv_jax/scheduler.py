@@ -45,6 +45,7 @@ class Request:
     t_admitted: float | None = None
     t_first_token: float | None = None
     t_finish: float | None = None
+    logits: list[np.ndarray] | None = None  # fp32 [vocab] per sampled token, when asked for (return_logits)
 
     @property
     def seq_len(self) -> int:
@@ -69,6 +70,14 @@ class Chunk:
     req: Request
     start: int
     tokens: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    rid: int
+    token_id: int
+    logprob: float
+    finish_reason: str | None
 
 
 class Scheduler:
@@ -197,6 +206,45 @@ class Scheduler:
                 if r.output and r.finish_reason is None]
 
     # ---- results ---------------------------------------------------------------------------------
+    def complete_step(self, chunks: list[Chunk], tokens: list, logprobs: list, logits: np.ndarray | None = None, *,
+                      verified: bool = False, before_release=None) -> list[TokenEvent]:
+        """Take a step's sampled tokens: chunk i emitted tokens[i] (none for a middle prefill chunk),
+        appended until its request finishes; a chunk that ends a prompt publishes it first. `logits`
+        (host, [rows, V] or [rows, tokens, V]) feed the requests that capture them. With `verified`
+        (a speculative round) only the lanes that produced a kept token hold KV. Then
+        `before_release(taken)` runs with the count each chunk took (the draft extend, which needs the
+        tokens and the pages), then prompts' backups complete and finished requests are released;
+        after a verified step the others give back the pages wholly past their KV."""
+        rows = None if logits is None else logits.reshape(len(logits), -1, logits.shape[-1])
+        events, taken = [], []
+        for i, ch in enumerate(chunks):
+            req = ch.req
+            if len(tokens[i]) and ch.start < len(req.prompt):
+                self.prefill_done(req)
+            k = 0
+            for t, lp in zip(tokens[i], logprobs[i]):
+                self.append_token(req, t, lp)
+                if req.logits is not None:
+                    req.logits.append(rows[i, k].copy())
+                events.append(TokenEvent(req.rid, int(t), float(lp), req.finish_reason))
+                k += 1
+                if req.finish_reason is not None:
+                    break
+            if verified:
+                req.computed = ch.start + k
+            taken.append(k)
+        if before_release is not None:
+            before_release(taken)
+        for ch, k in zip(chunks, taken):
+            if k and ch.start < len(ch.req.prompt):   # after the draft extend: the prompt's draft KV is complete too
+                self.backup_prompt(ch.req)
+        for ch, k in zip(chunks, taken):
+            if k and ch.req.finish_reason is not None:
+                self.finish(ch.req)
+            elif verified:
+                self.release_pages_after(ch.req, ch.req.computed)
+        return events
+
     def prefill_done(self, req: Request) -> None:
         """The whole prompt's KV is in the pool: publish its full pages to the prefix cache now, so
         requests admitted while this one decodes already share them."""

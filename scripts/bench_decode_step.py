@@ -54,7 +54,8 @@ def main() -> int:
     step_s = (time.perf_counter() - t) / n
 
     chunks = eng.scheduler.plan_decode()
-    plan, reqs, batch, lane, rank = eng._layout(chunks, False)
+    step = eng.batch_builder.build(chunks, False)
+    batch, lane, rank = step.batch, step.last_lane, step.last_rank
     runner = eng.runner
     # the model step alone, on the engine's own decode shapes (writes the same slots again)
     jax.block_until_ready(runner.forward(batch, lane, attn_path="absorbed", last_rank=rank))
@@ -63,7 +64,7 @@ def main() -> int:
         logits = runner.forward(batch, lane, attn_path="absorbed", last_rank=rank)
     jax.block_until_ready(logits)
     forward_s = (time.perf_counter() - t) / n
-    args_s = eng._sampling_args([c.req for c in chunks], logits.shape[0])
+    args_s = eng.batch_builder.sampling("sample", [c.req for c in chunks], logits.shape[0])
     pos = jnp.zeros(logits.shape[0], jnp.int32)
     jax.block_until_ready(sample_tokens(logits, *args_s, pos))
     t = time.perf_counter()

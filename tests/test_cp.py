@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cpkv_jax import cp as CP
+from cpkv_jax.batch import build_batch
 from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams
 
@@ -228,7 +229,7 @@ def test_tail_collection_is_narrow_in_the_compiled_hlo(tiny):
     tables = [np.array([alloc.alloc(1, int(o))[0] for o in owners]) for owners in plan.new_page_owner]
     T = int(plan.local_lengths.max())
     toks = [np.arange(r.num_tokens) % 500 for r in reqs]
-    batch, lane, rank = CP.build_batch(plan, reqs, toks, tables, rows=B, lanes=T, table_pages=16)
+    batch, lane, rank = build_batch(plan, reqs, toks, tables, rows=B, lanes=T, table_pages=16)
     D = tiny.cfg.hidden_size
 
     def hidden_gathers(all_logits):

@@ -6,7 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cpkv_jax.engine import Engine, EngineConfig, EngineConfigError, EngineInputError
+from cpkv_jax.config import EngineConfigError
+from cpkv_jax.engine import Engine, EngineConfig, EngineInputError
 from cpkv_jax.sampling import SamplingError, SamplingParams
 from models.model import prefill_logits
 from models.weights import CheckpointError

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpkv_jax.engine import Engine, EngineConfig, EngineConfigError
+from cpkv_jax.config import EngineConfigError
+from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.kv_pool import page_slots
 from cpkv_jax.sampling import SamplingParams
 from tests.helpers import check_hicache_invariants as check_invariants, shared_prefix_prompts

@@ -788,14 +788,10 @@ def test_engine_decode_with_paged_scores_on_and_off(monkeypatch):
     with GLM-5's 32 x 128 indexer and a top-k of 64 over prompts of 130-400 tokens, fp8 index keys.
     The kernels round differently, so a near-tie may pick another key: step logits to bf16 rounding
     and mostly bit-identical (equal top-k sets), greedy tokens nearly all equal; and the paged kernel
-    ran at decode. (The engine's runner is given the policy by substituting ModelRunner.)"""
-    import functools
-
+    ran at decode."""
     from flax import nnx
 
-    import cpkv_jax.engine
     from cpkv_jax.engine import Engine, EngineConfig
-    from cpkv_jax.runner import ModelRunner
     from cpkv_jax.sampling import SamplingParams
     from models.config import ModelConfig
     from models.model import DsaModel
@@ -813,10 +809,9 @@ def test_engine_decode_with_paged_scores_on_and_off(monkeypatch):
                         lambda q_, *a, **kw: (calls.append(q_.shape[1]), kernel(q_, *a, **kw))[1])
     jax.clear_caches()                                  # (a cached trace would not call the recorder)
     for on in (True, False):
-        monkeypatch.setattr(cpkv_jax.engine, "ModelRunner",
-                            functools.partial(ModelRunner, kernels=KernelPolicy(mgpu_paged=on)))
         calls.clear()
-        engine = Engine(model, EngineConfig(page_size=64, kv_pages=64, index_dtype="fp8", dtype="bfloat16"))
+        engine = Engine(model, EngineConfig(page_size=64, kv_pages=64, index_dtype="fp8", dtype="bfloat16",
+                                            kernels=KernelPolicy(mgpu_paged=on)))
         outs[on] = engine.generate(prompts, params, return_logits=True)
         assert bool(calls) == on, calls
     # (steps up to the first differing token have the same context in both runs; after it they diverge.

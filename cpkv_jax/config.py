@@ -1,0 +1,83 @@
+"""The engine's options: `EngineConfig` and every check of a value or of a combination of values, so a
+bad configuration fails before a model is loaded or a byte of the pool is allocated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
+
+
+class EngineConfigError(ValueError):
+    """An invalid or inconsistent EngineConfig."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 64              # tokens per KV page
+    kv_pages: int = 256              # device pool size in pages (page 0 is the dummy)
+    max_running: int = 32            # requests decoding/prefilling at once (decode batch bucket cap)
+    max_prefill_tokens: int = 1024   # prefill token budget per step (chunked prefill)
+    prefix_cache: bool = True        # radix prefix cache over finished and prefilled requests
+    dtype: str | None = None         # compute dtype; None -> the checkpoint's
+    index_dtype: str = "fp8"         # indexer key cache: 'fp8' (e4m3 + per-token fp32 scale) or 'same'
+    attn_path: str | None = None     # force 'expanded' / 'absorbed'; None -> by tokens per request
+    min_prefill_lanes: int = 16      # smallest prefill token bucket
+    cp_size: int = 1                 # context-parallel ranks (mesh axis 'cp'); the pool's pages are split over them
+    cp_mode: str = "zigzag"          # 'zigzag' (page-aligned) or 'round_robin'
+    cp_short_policy: str = "owner"   # requests with < 2*cp new pages: 'owner' (page-aligned) or 'token_balanced'
+    speculative: str | None = None   # 'nextn': EAGLE/NextN speculative decoding with the checkpoint's MTP layer
+    num_draft_tokens: int = 2        # draft tokens proposed per decode round (chain)
+    hicache_pages: int = 0           # host KV tier size in pages (pinned host memory); 0 = off
+    hicache_policy: str = "write_through"  # or 'write_through_selective' (back up on the second hit)
+    hicache_copy: str = "auto"       # 'side_stream' (GPU: copies at layer boundaries), 'jit', 'auto' (GPU -> side_stream)
+    kernels: KernelPolicy = DEFAULT_POLICY  # which Pallas kernels every step runs on GPU (pallas_kernels.policy)
+
+    def validate(self) -> "EngineConfig":
+        """Self, or EngineConfigError naming the first bad option or combination."""
+        def positive(name, minimum=1):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < minimum:
+                raise EngineConfigError(f"{name} must be an integer >= {minimum}, got {v!r}")
+        if not isinstance(self.kernels, KernelPolicy):
+            raise EngineConfigError(f"kernels must be a pallas_kernels.policy.KernelPolicy, got {self.kernels!r}")
+        positive("page_size")
+        positive("kv_pages", 2)
+        positive("max_running")
+        positive("max_prefill_tokens")
+        positive("min_prefill_lanes")
+        if self.index_dtype not in ("fp8", "same", "bfloat16", "float32"):
+            raise EngineConfigError(f"index_dtype must be 'fp8', 'same', 'bfloat16' or 'float32', "
+                                    f"got {self.index_dtype!r}")
+        if self.attn_path not in (None, "expanded", "absorbed"):
+            raise EngineConfigError(f"attn_path must be None, 'expanded' or 'absorbed', got {self.attn_path!r}")
+        positive("cp_size")
+        from cpkv_jax.cp import MODES, SHORT_POLICIES
+        if self.cp_mode not in MODES:
+            raise EngineConfigError(f"cp_mode must be one of {MODES}, got {self.cp_mode!r}")
+        if self.cp_short_policy not in SHORT_POLICIES:
+            raise EngineConfigError(f"cp_short_policy must be one of {SHORT_POLICIES}, got {self.cp_short_policy!r}")
+        if self.kv_pages % self.cp_size or self.kv_pages // self.cp_size < 2:
+            raise EngineConfigError(f"kv_pages ({self.kv_pages}) must be a multiple of cp_size ({self.cp_size}) "
+                                    f"with at least 2 pages per rank (each rank keeps a dummy page)")
+        if self.speculative not in (None, "nextn"):
+            raise EngineConfigError(f"speculative must be None or 'nextn', got {self.speculative!r}")
+        positive("num_draft_tokens")
+        if self.hicache_pages:
+            from cpkv_jax.hicache import WRITE_POLICIES
+            positive("hicache_pages", 2)
+            if not self.prefix_cache:
+                raise EngineConfigError("hicache_pages needs prefix_cache=True: the host tier lives under the "
+                                        "radix prefix cache")
+            if self.hicache_pages % self.cp_size or self.hicache_pages // self.cp_size < 2:
+                raise EngineConfigError(f"hicache_pages ({self.hicache_pages}) must be a multiple of cp_size "
+                                        f"({self.cp_size}) with at least 2 pages per rank")
+            if self.hicache_policy not in WRITE_POLICIES:
+                raise EngineConfigError(f"hicache_policy must be one of {WRITE_POLICIES}, got "
+                                        f"{self.hicache_policy!r}")
+            if self.hicache_copy not in ("auto", "side_stream", "jit"):
+                raise EngineConfigError(f"hicache_copy must be 'auto', 'side_stream' or 'jit', got "
+                                        f"{self.hicache_copy!r}")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise EngineConfigError(f"dtype must be None, 'float32' or 'bfloat16', got {self.dtype!r}")
+        return self
