@@ -11,14 +11,17 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16")
 
 
-def _parse_tokens(text: str) -> list[int]:
-    try:
-        toks = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise SystemExit(f"error: --tokens must be comma-separated integers, got {text!r}")
-    if not toks:
-        raise SystemExit("error: --tokens is empty")
-    return toks
+def token_ids(text: str) -> list[int]:
+    """argparse type of --tokens: comma-separated non-negative integers, none empty (argparse turns the
+    error into a usage message and exit 2)."""
+    parts = text.replace(" ", "").split(",")
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give comma-separated token ids, e.g. 1,2,3")
+    if any(not t.isdigit() for t in parts):
+        bad = next(t for t in parts if not t.isdigit())
+        raise argparse.ArgumentTypeError(f"must be comma-separated non-negative integers, got {text!r} "
+                                         f"({'an empty entry' if bad == '' else repr(bad)})")
+    return [int(t) for t in parts]
 
 
 def cmd_score(args) -> int:
@@ -28,7 +31,7 @@ def cmd_score(args) -> int:
     from models.weights import load_model
 
     model = load_model(args.model, dtype=args.dtype)
-    toks = _parse_tokens(args.tokens)
+    toks = args.tokens
     bad = [t for t in toks if not 0 <= t < model.cfg.vocab_size]
     if bad:
         raise SystemExit(f"error: token id(s) {bad[:5]} outside the vocabulary [0, {model.cfg.vocab_size})")
@@ -90,11 +93,7 @@ def cmd_generate(args) -> int:
     from cpkv_jax.engine import Engine
     from cpkv_jax.sampling import SamplingParams
 
-    prompts = []
-    for kind, value in args.requests:
-        prompts.append(value if kind == "prompt" else _parse_tokens(value))
-    if not prompts:
-        raise SystemExit("error: give at least one --prompt TEXT or --tokens IDS")
+    prompts = [value for _, value in args.requests]
     engine = Engine(args.model, _engine_config(args, speculative=args.speculative,
                                                num_draft_tokens=args.num_draft_tokens))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -279,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "cache). --prompt/--tokens may repeat: one request each, outputs in order.")
     engine_args(g)
     g.add_argument("--prompt", action=_Request, dest="requests", metavar="TEXT", help="a text prompt (repeatable)")
-    g.add_argument("--tokens", action=_Request, dest="requests", metavar="IDS",
+    g.add_argument("--tokens", action=_Request, dest="requests", metavar="IDS", type=token_ids,
                    help="a prompt as comma-separated token ids (repeatable)")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -315,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Teacher-forced prefill of one token sequence; writes the per-position "
                                    "fp32 logits [T, vocab] to --out (.npy) and prints NLL/perplexity.")
     s.add_argument("--model", required=True, help="'tiny', a cpkv (orbax) checkpoint dir, or an HF dir")
-    s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    s.add_argument("--tokens", required=True, type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
     s.add_argument("--out", required=True, type=Path, help="output .npy path")
     s.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: checkpoint's)")
     s.add_argument("--attn-path", choices=("expanded", "absorbed"), default="expanded")
@@ -334,7 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.fn is cmd_generate and not args.requests:
+        parser.error("generate: give at least one --prompt TEXT or --tokens IDS")
     from models.config import ModelConfigError
     from models.weights import CheckpointError
     from cpkv_jax.config import EngineConfigError

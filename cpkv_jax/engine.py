@@ -11,6 +11,7 @@ Bucketing bounds the number of compilations by `max_compilations()` whatever the
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -145,6 +146,8 @@ class Engine:
                              if speculative else None)
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
+        # the events of requests an open stream() yields, whichever caller's step sampled them
+        self._inboxes: dict[int, collections.deque[TokenEvent]] = {}
         self.metrics = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0,
                         "decode_tokens": 0, "padded_lanes": 0, "prefill_s": 0.0, "decode_s": 0.0,
                         "spec_rounds": 0, "spec_request_rounds": 0, "spec_drafts": 0, "spec_accepted": 0}
@@ -224,6 +227,10 @@ class Engine:
         if decode:
             events += self._run(decode, prefill=False) if self.spec_decoder is None else self._spec_round(decode)
         self.metrics["steps"] += 1
+        for ev in events:
+            inbox = self._inboxes.get(ev.rid)
+            if inbox is not None:
+                inbox.append(ev)
         return events
 
     def max_compilations(self) -> int:
@@ -316,39 +323,47 @@ class Engine:
         """Run prompts (strings or token id lists) to completion, batched continuously with anything
         else in flight; outputs in prompt order."""
         rids = self._add_all(prompts, params, return_logits)
-        pending = set(rids)
-        while pending:
-            for ev in self.step():
-                if ev.finish_reason is not None:
-                    pending.discard(ev.rid)
+        reqs = [self._requests[r] for r in rids]
+        while any(r.finish_reason is None for r in reqs):   # steps made by others count too
+            self.step()
         if self.hicache is not None:
             self.hicache.settle()   # backups still in flight become visible before returning
         return [self.output(r) for r in rids]
 
     def stream(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[StreamEvent]:
-        """Like generate, yielding each token as it is sampled. Closing the iterator early aborts the
-        requests still running."""
+        """Like generate, yielding each token as it is sampled. Streams and generate calls interleave
+        freely on one engine: a step samples for everything in flight, and each stream's events wait
+        in its own inbox until it asks. Closing (or dropping) the iterator early aborts the requests
+        still running."""
         rids = self._add_all(prompts, params, False)
         index = {r: i for i, r in enumerate(rids)}
-        texts = {r: "" for r in rids}
+        texts, sent = dict.fromkeys(rids, ""), dict.fromkeys(rids, 0)
         pending = set(rids)
+        inbox: collections.deque[TokenEvent] = collections.deque()
+        for r in rids:
+            self._inboxes[r] = inbox
         try:
             while pending:
-                for ev in self.step():
-                    if ev.rid not in index:
-                        continue
-                    delta = ""
-                    if self.tokenizer is not None:
-                        full = self.decode(self._requests[ev.rid].output)
-                        if not full.endswith("\ufffd") or ev.finish_reason is not None:
-                            delta, texts[ev.rid] = full[len(texts[ev.rid]):], full
-                    if ev.finish_reason is not None:
-                        pending.discard(ev.rid)
-                        self._requests.pop(ev.rid, None)
-                    yield StreamEvent(index[ev.rid], ev.token_id, delta, ev.finish_reason)
+                if not inbox:
+                    self.step()   # another stream's or generate's steps may have filled the inbox already
+                    continue
+                ev = inbox.popleft()
+                req = self._requests[ev.rid]
+                sent[ev.rid] += 1
+                delta = ""
+                if self.tokenizer is not None:
+                    full = self.decode(req.output[:sent[ev.rid]])
+                    if not full.endswith("\ufffd") or ev.finish_reason is not None:
+                        delta, texts[ev.rid] = full[len(texts[ev.rid]):], full
+                if ev.finish_reason is not None:
+                    pending.discard(ev.rid)
+                    self._inboxes.pop(ev.rid, None)
+                    self._requests.pop(ev.rid, None)
+                yield StreamEvent(index[ev.rid], ev.token_id, delta, ev.finish_reason)
         finally:
             for r in pending:
+                self._inboxes.pop(r, None)
                 self.abort(r)
                 self._requests.pop(r, None)
 

@@ -64,11 +64,19 @@ def test_convert_fp8_dequantizes_and_matches_hf(tmp_path, capsys):
     (["generate", "--tokens", "1,2", "--max-new-tokens", "5000"], "exceeds the model's context"),
     (["generate"], "at least one --prompt"),
     (["generate", "--tokens", "1,2", "--hicache-pages", "9", "--cp", "2"], "multiple of cp_size"),
+    (["generate", "--tokens", "a,b"], "comma-separated non-negative integers"),
+    (["generate", "--tokens", "1.5,2"], "'1.5'"),
+    (["generate", "--tokens", ""], "is empty"),
+    (["generate", "--tokens", "1,,2"], "an empty entry"),
+    (["generate", "--tokens", "-3,2"], "'-3'"),
+    (["score", "--model", "tiny", "--tokens", "", "--out", "x.npy"], "is empty"),
 ])
-def test_cli_errors_exit_nonzero_with_message(tmp_path, args, message):
+def test_cli_errors_exit_2_with_message(tmp_path, args, message):
+    """Every input error is one message and exit status 2, argument errors and engine errors alike."""
     r = run_cli(*args)
-    assert r.returncode != 0
+    assert r.returncode == 2, (r.returncode, r.stderr)
     assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
 
 
 def test_every_verb_has_help():

@@ -241,3 +241,22 @@ def test_tail_collection_is_narrow_in_the_compiled_hlo(tiny):
     assert narrow and all(int(np.prod(s)) == cp * B * D for s in narrow), narrow
     assert any(int(np.prod(s)) == cp * B * T * D for s in full), full
     assert pool.cache.latent.addressable_shards[0].data.nbytes * cp == pool.cache.latent.nbytes
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zigzag_gives_rank_r_segments_r_and_2cp_minus_1_minus_r(cp):
+    """Page-aligned zigzag over 2cp segments of pages: rank r computes (and owns) segments r and
+    2cp-1-r, so every rank gets one early and one late segment of causal work. Also with segments of
+    unequal length (one extra page on the first ones) and a token-balanced short request."""
+    ps = 4
+    for pages_per_seg, extra in ((1, 0), (3, 0), (2, 3)):
+        n_pages = 2 * cp * pages_per_seg + extra
+        p = CP.plan([CP.CPRequest(0, n_pages * ps)], ps, cp, [10 ** 6] * cp)
+        sizes = [pages_per_seg + (s < extra) for s in range(2 * cp)]
+        want = np.concatenate([np.full(n, s if s < cp else 2 * cp - 1 - s) for s, n in enumerate(sizes)])
+        assert p.page_aligned
+        np.testing.assert_array_equal(p.new_page_owner[0], want)
+        np.testing.assert_array_equal(p.token_rank[0], np.repeat(want, ps))
+    short = CP.plan([CP.CPRequest(0, 4 * cp)], 64, cp, [10 ** 6] * cp, short_policy="token_balanced")
+    want = np.concatenate([np.full(2, s if s < cp else 2 * cp - 1 - s) for s in range(2 * cp)])
+    np.testing.assert_array_equal(short.token_rank[0], want)

@@ -156,3 +156,19 @@ def test_unlock_without_lock_raises():
     _, node = t.match_prefix([1, 2])
     with pytest.raises(RuntimeError, match="not locked"):
         t.unlock(node)
+
+
+def test_eviction_takes_the_least_recently_used_leaf_first():
+    """Three cached prompts, used in the order B, C, A after insertion: eviction frees B's pages first,
+    then C's, then A's; a shared parent goes only after the leaves below it (checked page by page)."""
+    tree = RadixCache(2)
+    a, b, c = [1, 1, 1, 1], [2, 2, 2, 2], [1, 1, 3, 3]     # c shares a's first page
+    tree.insert(a, np.array([10, 11]))
+    tree.insert(b, np.array([20, 21]))
+    tree.insert(c, np.array([10, 31]))                   # page 10 already present: the caller keeps its copy
+    for tokens in (b, c, a):
+        tree.match_prefix(tokens)
+    order = []
+    while tree.evict(1, lambda pages: order.append(sorted(int(p) for p in pages))):
+        pass
+    assert order == [[20, 21], [31], [11], [10]]
