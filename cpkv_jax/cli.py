@@ -19,7 +19,7 @@ def token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError("is empty: give comma-separated token ids, e.g. 1,2,3")
     if any(not t.isdigit() for t in parts):
         bad = next(t for t in parts if not t.isdigit())
-        raise argparse.ArgumentTypeError(f"must be comma-separated non-negative integers, got {text!r} "
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 0, got {text!r} "
                                          f"({'an empty entry' if bad == '' else repr(bad)})")
     return [int(t) for t in parts]
 
@@ -27,6 +27,7 @@ def token_ids(text: str) -> list[int]:
 def cmd_score(args) -> int:
     import numpy as np
 
+    from cpkv_jax.engine import EngineInputError
     from models.model import prefill_logits
     from models.weights import load_model
 
@@ -34,10 +35,10 @@ def cmd_score(args) -> int:
     toks = args.tokens
     bad = [t for t in toks if not 0 <= t < model.cfg.vocab_size]
     if bad:
-        raise SystemExit(f"error: token id(s) {bad[:5]} outside the vocabulary [0, {model.cfg.vocab_size})")
+        raise EngineInputError(f"token id(s) {bad[:5]} outside the vocabulary [0, {model.cfg.vocab_size})")
     if len(toks) > model.cfg.max_position_embeddings:
-        raise SystemExit(f"error: {len(toks)} tokens exceed max_position_embeddings "
-                         f"{model.cfg.max_position_embeddings}")
+        raise EngineInputError(f"{len(toks)} tokens exceed max_position_embeddings "
+                               f"{model.cfg.max_position_embeddings}")
     logits = np.asarray(prefill_logits(model, np.asarray([toks]), attn_path=args.attn_path))[0]
     np.save(args.out, logits.astype(np.float32))
     logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)

@@ -27,7 +27,8 @@ from models.config import ModelConfig
 from models.model import DsaModel, layer_places
 
 MANIFEST = "cpkv_checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: the manifest holds each part's content hash and array shapes / dtypes
+READABLE_VERSIONS = (1, 2)  # 1: parts only, nothing to verify
 
 
 class CheckpointError(ValueError):
@@ -363,17 +364,22 @@ def save_checkpoint(out_dir, cfg_json: dict, parts: Iterator[tuple[str, dict]], 
     ckptr = _checkpointer()
     names = []
     try:
+        digests, arrays = {}, {}
         for name, tree in parts:
             sub = tmp / name.replace(":", "_")
             ckptr.save(sub, tree)
             ckptr.wait_until_finished()
             names.append(name)
+            digests[name] = part_digest(sub)
+            arrays[name] = {"/".join(map(str, path)): [list(np.shape(x)), str(np.asarray(x).dtype)]
+                            for path, x in _leaves_with_paths(tree)}
             if progress:
                 progress(name)
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
         for f in extra_files:
             shutil.copy(f, tmp / Path(f).name)
-        (tmp / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "parts": names}, indent=2))
+        (tmp / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "parts": names,
+                                                "digests": digests, "arrays": arrays}, indent=2))
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -387,9 +393,74 @@ def is_checkpoint(path) -> bool:
     return (Path(path) / MANIFEST).exists()
 
 
-def load_checkpoint(path, dtype=None, mesh=None) -> DsaModel:
+def _leaves_with_paths(tree: dict, path=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves_with_paths(v, path + (k,))
+        else:
+            yield path + (k,), v
+
+
+def part_digest(sub: Path) -> str:
+    """sha256 over a part directory's files (relative names and bytes, in name order): any changed,
+    truncated, missing or extra file changes it."""
+    import hashlib
+    h = hashlib.sha256()
+    for f in sorted(q for q in sub.rglob("*") if q.is_file()):
+        h.update(str(f.relative_to(sub)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def expected_parts(cfg: ModelConfig) -> list[str]:
+    return ["top"] + [f"layer:{i}" for i in range(cfg.num_hidden_layers)] + (["mtp"] if cfg.num_nextn_predict_layers
+                                                                           else [])
+
+
+def read_manifest(path: Path, cfg: ModelConfig, verify: bool) -> dict:
+    """The checkpoint's manifest, checked: JSON of a known format, exactly the parts the config needs,
+    every part directory present and (format 2, with `verify`) its files' hash as written at
+    conversion. Any failure is a CheckpointError naming the file and the problem."""
+    where = path / MANIFEST
+    try:
+        manifest = json.loads(where.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: not a readable JSON manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") not in READABLE_VERSIONS:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"{where}: checkpoint format {version!r} unsupported (expected one of "
+                              f"{READABLE_VERSIONS})")
+    parts = manifest.get("parts")
+    if not isinstance(parts, list) or not all(isinstance(n, str) for n in parts):
+        raise CheckpointError(f"{where}: 'parts' must be a list of part names, got {parts!r}")
+    want = expected_parts(cfg)
+    missing, unknown = [n for n in want if n not in parts], [n for n in parts if n not in want]
+    if missing or unknown or len(set(parts)) != len(parts):
+        raise CheckpointError(f"{where}: parts do not match config.json ({cfg.num_hidden_layers} layers"
+                              f"{', MTP' if cfg.num_nextn_predict_layers else ''}): missing {missing}, "
+                              f"unknown {unknown}{', duplicated entries' if len(set(parts)) != len(parts) else ''}")
+    if manifest["format_version"] >= 2:
+        for key in ("digests", "arrays"):
+            if not isinstance(manifest.get(key), dict) or set(manifest[key]) != set(parts):
+                raise CheckpointError(f"{where}: '{key}' must map every part to its entry")
+    for name in parts:
+        sub = path / name.replace(":", "_")
+        if not sub.is_dir():
+            raise CheckpointError(f"{path}: part {name} is missing (no directory {sub.name})")
+        if verify and manifest["format_version"] >= 2 and part_digest(sub) != manifest["digests"][name]:
+            raise CheckpointError(f"{sub}: content hash differs from the one recorded at conversion (a damaged, "
+                                  f"truncated or changed file); re-convert the checkpoint")
+    return manifest
+
+
+def load_checkpoint(path, dtype=None, mesh=None, *, verify: bool = True) -> DsaModel:
     """Restore our orbax checkpoint; with `mesh`, every array is restored straight into its sharding
-    (models/sharding.py) and layers are written into the stacked group arrays in place."""
+    (models/sharding.py) and layers are written into the stacked group arrays in place. The manifest
+    is checked first (read_manifest); `verify` also hashes every part's files against the manifest,
+    which reads the checkpoint once more from disk (sha256, ~1-2 GB/s per core)."""
     from models.sharding import param_sharding
 
     path = Path(path)
@@ -398,13 +469,13 @@ def load_checkpoint(path, dtype=None, mesh=None) -> DsaModel:
     if not is_checkpoint(path):
         raise CheckpointError(f"{path} is not a complete cpkv checkpoint (no {MANIFEST}; an interrupted "
                               f"conversion, or an HF directory: run `cpkv-jax convert` first)")
-    manifest = json.loads((path / MANIFEST).read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format_version')} unsupported "
-                              f"(expected {FORMAT_VERSION})")
     cfg = ModelConfig.from_json_file(path / "config.json")
+    manifest = read_manifest(path, cfg, verify)
     dtype = jnp.dtype(dtype or cfg.dtype)
-    mtp_meta = _part_tree_metadata(path / "mtp") if "mtp" in manifest["parts"] else {}
+    if "arrays" in manifest:
+        mtp_meta = {k.split("/")[0] for k in manifest["arrays"].get("mtp", {})}
+    else:
+        mtp_meta = _part_tree_metadata(path / "mtp") if "mtp" in manifest["parts"] else {}
     model_abs = abstract_model(cfg, dtype, mtp_own_embed="embed_tokens" in mtp_meta,
                                mtp_own_head="head" in mtp_meta)
     pure_abs = nnx.to_pure_dict(nnx.state(model_abs))
@@ -434,7 +505,12 @@ def load_checkpoint(path, dtype=None, mesh=None) -> DsaModel:
                 g, j, _ = layer_places(model_abs.groups_plan)[int(name.split(":")[1])]
                 lp = ("groups", g, "unit", j)
                 tgt = target(_get_path(pure_abs, lp), lp, True)
-            yield name, ckptr.restore(sub, tgt)
+            try:
+                restored = ckptr.restore(sub, tgt)
+            except Exception as e:  # orbax / tensorstore raise many types for a damaged part
+                raise CheckpointError(f"{sub}: orbax could not restore part {name}: {type(e).__name__}: "
+                                      f"{str(e)[:300]}") from e
+            yield name, restored
 
     try:
         model = assemble(model_abs, parts(), put=lambda path, a: a)  # orbax already placed each array
@@ -529,7 +605,7 @@ def tiny_checkpoint() -> Path:
     return path
 
 
-def load_model(spec, dtype=None, mesh=None) -> DsaModel:
+def load_model(spec, dtype=None, mesh=None, *, verify: bool = True) -> DsaModel:
     """'tiny' (shipped config, deterministic random weights, cached as a checkpoint on first use), one
     of our orbax checkpoints, or an HF safetensors directory (converted in memory; small models)."""
     if spec == "tiny":
@@ -539,7 +615,7 @@ def load_model(spec, dtype=None, mesh=None) -> DsaModel:
         raise CheckpointError(f"model path {path} does not exist (expected 'tiny', a cpkv checkpoint "
                               f"directory or an HF safetensors directory)")
     if is_checkpoint(path):
-        return load_checkpoint(path, dtype, mesh)
+        return load_checkpoint(path, dtype, mesh, verify=verify)
     if (path / "config.json").exists() and (list(path.glob("*.safetensors")) or
                                             (path / "model.safetensors.index.json").exists()):
         return load_hf(path, dtype)

@@ -64,11 +64,11 @@ def test_convert_fp8_dequantizes_and_matches_hf(tmp_path, capsys):
     (["generate", "--tokens", "1,2", "--max-new-tokens", "5000"], "exceeds the model's context"),
     (["generate"], "at least one --prompt"),
     (["generate", "--tokens", "1,2", "--hicache-pages", "9", "--cp", "2"], "multiple of cp_size"),
-    (["generate", "--tokens", "a,b"], "comma-separated non-negative integers"),
+    (["generate", "--tokens", "a,b"], "comma-separated integers >= 0"),
     (["generate", "--tokens", "1.5,2"], "'1.5'"),
     (["generate", "--tokens", ""], "is empty"),
     (["generate", "--tokens", "1,,2"], "an empty entry"),
-    (["generate", "--tokens", "-3,2"], "'-3'"),
+    (["generate", "--tokens=-3,2"], "'-3'"),
     (["score", "--model", "tiny", "--tokens", "", "--out", "x.npy"], "is empty"),
 ])
 def test_cli_errors_exit_2_with_message(tmp_path, args, message):

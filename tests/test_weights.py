@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +197,62 @@ def test_tiny_is_deterministic():
     a, b = load_model("tiny"), load_model("tiny")
     assert_trees_equal(pure(a), pure(b))
     assert a.cfg.num_nextn_predict_layers == 1 and a.mtp is not None
+
+
+def _damaged(converted, tmp_path, damage):
+    """A copy of the converted checkpoint with `damage(dir)` applied."""
+    dst = tmp_path / "ck"
+    shutil.copytree(converted, dst)
+    damage(dst)
+    return dst
+
+
+def _largest_file(part: Path) -> Path:
+    return max((f for f in part.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def _flip_byte(f: Path):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    f.write_bytes(bytes(data))
+
+
+def _edit_manifest(edit):
+    def damage(d):
+        m = json.loads((d / "cpkv_checkpoint.json").read_text())
+        edit(m)
+        (d / "cpkv_checkpoint.json").write_text(json.dumps(m))
+    return damage
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: _flip_byte(_largest_file(d / "layer_1")), "layer_1: content hash differs"),
+    (lambda d: _largest_file(d / "layer_0").write_bytes(_largest_file(d / "layer_0").read_bytes()[:-100]),
+     "layer_0: content hash differs"),
+    (lambda d: _flip_byte(_largest_file(d / "mtp")), "mtp: content hash differs"),
+    (lambda d: shutil.rmtree(d / "layer_2"), "part layer:2 is missing"),
+    (_edit_manifest(lambda m: m["parts"].remove("layer:1")), "missing ['layer:1']"),
+    (_edit_manifest(lambda m: m["parts"].append("layer:99")), "unknown ['layer:99']"),
+    (_edit_manifest(lambda m: m.update(parts="top")), "'parts' must be a list"),
+    (_edit_manifest(lambda m: m["digests"].pop("top")), "'digests' must map every part"),
+    (_edit_manifest(lambda m: m.update(format_version=7)), "format 7 unsupported"),
+    (lambda d: (d / "cpkv_checkpoint.json").write_text("{not json"), "not a readable JSON manifest"),
+])
+def test_damaged_checkpoint_is_refused_naming_the_problem(converted, tmp_path, damage, message):
+    """Byte flips, truncation, a deleted part and every kind of bad manifest: a CheckpointError naming
+    the file and the problem, never a model with different weights (today's flipped byte or missing
+    layer loaded silently)."""
+    ck = _damaged(converted, tmp_path, damage)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ck)
+    assert message in str(e.value), str(e.value)
+
+
+def test_verified_load_reads_back_what_conversion_wrote(converted):
+    """The manifest's hashes and shapes come from the parts as written: a clean checkpoint verifies, and
+    skipping verification loads the same weights."""
+    m = json.loads((converted / "cpkv_checkpoint.json").read_text())
+    assert m["format_version"] == 2 and set(m["digests"]) == set(m["parts"])
+    assert m["arrays"]["top"]["embed_tokens"][0] == [ModelConfig.from_json_file(converted / "config.json").vocab_size,
+                                                     ModelConfig.from_json_file(converted / "config.json").hidden_size]
+    assert_trees_equal(pure(load_checkpoint(converted, verify=False)), pure(load_checkpoint(converted)))
