@@ -28,7 +28,7 @@ from cpkv_jax.config import EngineConfig, EngineConfigError
 from cpkv_jax.kv_pool import KVPool, PageAllocator, pages_for
 from cpkv_jax.radix_cache import RadixCache
 from cpkv_jax.runner import ModelRunner
-from cpkv_jax.sampling import SamplingParams, sample_tokens
+from cpkv_jax.sampling import SamplingError, SamplingParams, sample_tokens
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, TokenEvent
 from cpkv_jax.spec import SpecDecoder
 from models.model import DsaModel
@@ -160,7 +160,10 @@ class Engine:
             return self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if isinstance(prompt, (list, tuple)) and not prompt:
             return []
-        arr = np.asarray(prompt)
+        try:
+            arr = np.asarray(prompt)
+        except (ValueError, TypeError):   # ragged nesting
+            arr = np.zeros((0, 0))
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise EngineInputError(f"a prompt must be a string or a flat sequence of integer token ids, "
                                    f"got {prompt!r:.80}")
@@ -170,6 +173,9 @@ class Engine:
         return None if self.tokenizer is None else self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def _validate(self, prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        if params is not None and not isinstance(params, SamplingParams):
+            raise SamplingError(f"params must be a cpkv_jax.sampling.SamplingParams (or None), got "
+                                f"{type(params).__name__}")
         params = (params or SamplingParams()).validate(self.cfg.vocab_size)
         ids = self.encode(prompt)
         V = self.cfg.vocab_size
@@ -293,6 +299,8 @@ class Engine:
     # ---- results ---------------------------------------------------------------------------------
     def output(self, rid: int) -> GenerationOutput:
         """The result of a finished request (its bookkeeping is dropped)."""
+        if rid not in self._requests:
+            raise EngineInputError(f"no request {rid!r} (unknown, or its output was already taken)")
         req = self._requests.pop(rid)
         if req.finish_reason is None:
             self._requests[rid] = req
@@ -309,6 +317,9 @@ class Engine:
 
     def _add_all(self, prompts, params, return_logits: bool) -> list[int]:
         """Validate every prompt first, so a bad one queues nothing."""
+        if not isinstance(prompts, (list, tuple, str)):
+            raise EngineInputError(f"prompts must be a list of prompts (strings or token id lists), got "
+                                   f"{type(prompts).__name__}")
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             raise EngineInputError("generate takes a list of prompts (strings or token id lists); wrap a "
                                    "single prompt in a list")

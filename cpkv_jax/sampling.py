@@ -15,6 +15,20 @@ class SamplingError(ValueError):
     """Invalid sampling parameters."""
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+# The type check of each field, by its annotation: the dataclass is the one schema.
+_FIELD_TYPES = {
+    "int": (_is_int, "an integer"),
+    "float": (lambda v: _is_int(v) or isinstance(v, (float, np.floating)), "a number"),
+    "bool": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
+    "tuple[int, ...]": (lambda v: isinstance(v, (tuple, list)) and all(_is_int(t) for t in v),
+                        "a list or tuple of integer token ids"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
@@ -27,7 +41,17 @@ class SamplingParams:
     logprobs: bool = False         # return each sampled token's log-probability
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        """These parameters with stop_token_ids as a tuple of ints, or SamplingError naming the first
+        field of the wrong type (by its annotation) or out of range."""
+        for f in dataclasses.fields(self):
+            check, what = _FIELD_TYPES[f.type]
+            v = getattr(self, f.name)
+            if not check(v):
+                raise SamplingError(f"{f.name} must be {what}, got {v!r:.80} ({type(v).__name__})")
+        if not isinstance(self.stop_token_ids, tuple):
+            return dataclasses.replace(self, stop_token_ids=tuple(int(t) for t in self.stop_token_ids)).validate(
+                vocab_size)
+        if self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be >= 0 and finite, got {self.temperature!r}")

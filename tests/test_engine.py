@@ -278,6 +278,18 @@ BAD_REQUESTS = [
     ([1, 2], SamplingParams(top_k=-3), SamplingError, "top_k"),
     ([1, 2], SamplingParams(seed=-1), SamplingError, "seed"),
     ([1, 2], SamplingParams(stop_token_ids=(600,)), SamplingError, "stop_token_ids"),
+    ([[1, 2], [3]], SamplingParams(), EngineInputError, "flat sequence"),
+    ([1, 2], SamplingParams(temperature="hot"), SamplingError, "temperature must be a number"),
+    ([1, 2], SamplingParams(temperature=None), SamplingError, "temperature must be a number"),
+    ([1, 2], SamplingParams(max_new_tokens=4.0), SamplingError, "max_new_tokens must be an integer"),
+    ([1, 2], SamplingParams(top_k=True), SamplingError, "top_k must be an integer"),
+    ([1, 2], SamplingParams(ignore_eos="yes"), SamplingError, "ignore_eos must be True or False"),
+    ([1, 2], SamplingParams(stop_token_ids=7), SamplingError, "stop_token_ids must be a list or tuple"),
+    ([1, 2], SamplingParams(stop_token_ids=None), SamplingError, "stop_token_ids must be a list or tuple"),
+    ([1, 2], SamplingParams(stop_token_ids=("a",)), SamplingError, "stop_token_ids must be a list or tuple"),
+    ([1, 2], SamplingParams(stop_token_ids=((1, 2),)), SamplingError, "stop_token_ids must be a list or tuple"),
+    ([1, 2], SamplingParams(stop_token_ids=(1.5,)), SamplingError, "stop_token_ids must be a list or tuple"),
+    ([1, 2], {"max_new_tokens": 4}, SamplingError, "must be a cpkv_jax.sampling.SamplingParams"),
 ]
 
 
@@ -298,6 +310,10 @@ def test_bad_input_raises_and_leaves_requests_in_flight_untouched(tiny):
         Engine("tiny", EngineConfig(page_size=16, kv_pages=64)).add_request("")
     with pytest.raises(EngineInputError, match="wrap a single prompt"):
         eng.generate([1, 2, 3])
+    with pytest.raises(EngineInputError, match="must be a list of prompts"):
+        eng.generate(None)
+    with pytest.raises(EngineInputError, match="no request 12345"):
+        eng.output(12345)
     # one bad prompt in a generate call queues nothing
     with pytest.raises(EngineInputError):
         eng.generate([good[0], []], params)
@@ -305,6 +321,8 @@ def test_bad_input_raises_and_leaves_requests_in_flight_untouched(tiny):
     while eng.has_unfinished():
         eng.step()
     assert [eng.output(r).token_ids for r in rids] == [o.token_ids for o in ref]
+    stops = eng.add_request([3, 4], SamplingParams(max_new_tokens=2, stop_token_ids=[5, 6]))
+    assert eng._requests[stops].params.stop_token_ids == (5, 6)   # a list is taken, stored as a tuple
 
 
 def test_bad_model_and_config_errors():
