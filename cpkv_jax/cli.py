@@ -14,11 +14,11 @@ DTYPES = ("float32", "bfloat16")
 def token_ids(text: str) -> list[int]:
     """argparse type of --tokens: comma-separated non-negative integers, none empty (argparse turns the
     error into a usage message and exit 2)."""
-    parts = text.replace(" ", "").split(",")
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give comma-separated token ids, e.g. 1,2,3")
-    if any(not t.isdigit() for t in parts):
-        bad = next(t for t in parts if not t.isdigit())
+    parts = text.replace(" ", "").split(",")
+    bad = next((t for t in parts if not t.isdecimal()), None)
+    if bad is not None:
         raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 0, got {text!r} "
                                          f"({'an empty entry' if bad == '' else repr(bad)})")
     return [int(t) for t in parts]

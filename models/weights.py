@@ -10,6 +10,7 @@ never leaves anything that loads."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -371,8 +372,8 @@ def save_checkpoint(out_dir, cfg_json: dict, parts: Iterator[tuple[str, dict]], 
             ckptr.wait_until_finished()
             names.append(name)
             digests[name] = part_digest(sub)
-            arrays[name] = {"/".join(map(str, path)): [list(np.shape(x)), str(np.asarray(x).dtype)]
-                            for path, x in _leaves_with_paths(tree)}
+            arrays[name] = {"/".join(str(k.key) for k in path): [list(np.shape(x)), str(np.asarray(x).dtype)]
+                            for path, x in jax.tree_util.tree_leaves_with_path(tree)}
             if progress:
                 progress(name)
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
@@ -393,18 +394,9 @@ def is_checkpoint(path) -> bool:
     return (Path(path) / MANIFEST).exists()
 
 
-def _leaves_with_paths(tree: dict, path=()):
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _leaves_with_paths(v, path + (k,))
-        else:
-            yield path + (k,), v
-
-
 def part_digest(sub: Path) -> str:
     """sha256 over a part directory's files (relative names and bytes, in name order): any changed,
     truncated, missing or extra file changes it."""
-    import hashlib
     h = hashlib.sha256()
     for f in sorted(q for q in sub.rglob("*") if q.is_file()):
         h.update(str(f.relative_to(sub)).encode() + b"\0")
@@ -580,7 +572,6 @@ def tiny_checkpoint() -> Path:
     """The embedded default model as an orbax checkpoint, created deterministically on first use and
     cached under cache_dir() (keyed by the shipped config and seed, so a changed config never loads
     stale weights)."""
-    import hashlib
 
     cfg_text = (Path(__file__).parent / "configs" / "tiny.json").read_text()
     digest = hashlib.sha256(f"{cfg_text}|seed={TINY_SEED}|v{FORMAT_VERSION}".encode()).hexdigest()[:12]
