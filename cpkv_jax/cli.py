@@ -24,6 +24,15 @@ def token_ids(text: str) -> list[int]:
     return [int(t) for t in parts]
 
 
+def kernel_policy(text: str):
+    """argparse type of --kernels: a KernelPolicy from 'field=value,...'."""
+    from pallas_kernels.policy import KernelPolicy
+    try:
+        return KernelPolicy.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_score(args) -> int:
     import numpy as np
 
@@ -83,7 +92,7 @@ def _engine_config(args, **over):
     from cpkv_jax.config import EngineConfig
     kw = dict(page_size=args.page_size, kv_pages=args.kv_pages, dtype=args.dtype, cp_size=args.cp,
               cp_mode=args.cp_mode, hicache_pages=args.hicache_pages, hicache_policy=args.hicache_policy,
-              hicache_copy=args.hicache_copy)
+              hicache_copy=args.hicache_copy, kernels=args.kernels)
     kw.update(over)
     return EngineConfig(**kw)
 
@@ -273,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--hicache-copy", choices=("auto", "side_stream", "jit"), default="auto",
                        help="host tier copies: on a side CUDA stream at layer boundaries, or jitted after the "
                             "step (default auto: side stream on GPU)")
+        q.add_argument("--kernels", type=kernel_policy, default="default", metavar="FIELD=VALUE,...",
+                       help="kernel choices over the defaults, e.g. moe_kernel=false (the fields of "
+                            "pallas_kernels.policy.KernelPolicy)")
 
     g = sub.add_parser("generate", help="generate tokens for one or more prompts (one batch)",
                        description="Run prompts through the engine (continuous batching, paged KV, prefix "

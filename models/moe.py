@@ -10,7 +10,8 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import Dense, normal_param
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
-from pallas_kernels.row_gather import compaction_plan, expert_order, gather_rows
+from pallas_kernels.moe import expert_mlp
+from pallas_kernels.row_gather import compaction_plan, gather_rows
 
 
 class MLP(nnx.Module):
@@ -55,27 +56,19 @@ def restore_rows(y, dest, kernels: KernelPolicy = DEFAULT_POLICY):
 
 
 def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY):
-    """Sum over each row's k experts of w * down(silu(gate x) * up x). Rows are replicated k times,
-    sorted by expert and pushed through ragged_dot (one grouped matmul per projection). Rows at or
-    beyond n_valid (compacted dummies) join no expert group and come out zero."""
+    """Sum over each row's k experts of w * down(silu(gate x) * up x), through the grouped matmuls of
+    pallas_kernels.moe (kernels chooses the kernel or XLA's ragged_dot). Rows at or beyond n_valid
+    (compacted dummies) join no expert and come out zero."""
     N, D = x.shape
     E = gate.shape[0]
     k = idx.shape[1]
     flat_e = idx.reshape(-1)
     if n_valid is not None:
-        flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)  # E: no expert, sorts last
-    order, sizes = expert_order(flat_e, E)
-    row = order // k
-    xs = gather_rows(x, row, policy=kernels)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
-    y = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
-    used = jnp.arange(N * k) < sizes.sum()  # rows past the groups: ragged_dot leaves them unspecified
-    y = jnp.where(used[:, None], y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
-    # Back to (row, slot) order by the inverse permutation, then each row's k slots summed in slot
-    # order in fp32: no scatter-add (on the GPU that is atomics in arbitrary order, not bit-stable
-    # run to run).
-    unsort = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32), unique_indices=True)
-    return y[unsort].reshape(N, k, D).astype(jnp.float32).sum(axis=1).astype(x.dtype)
+        flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)  # E: no expert
+    y = expert_mlp(x, flat_e, gate, up, down, k, policy=kernels)
+    # Each row's k slots weighted and summed in slot order in fp32: no scatter-add (on the GPU that
+    # is atomics in arbitrary order, not bit-stable run to run).
+    return (y.reshape(N, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1).astype(x.dtype)
 
 
 class MoE(nnx.Module):

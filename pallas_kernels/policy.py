@@ -29,10 +29,35 @@ class KernelPolicy:
     mgpu_min_programs: int = 132
     """The fewest programs (16 query tokens of a request each) for which the gathered Mosaic GPU kernel
     is used: below one program per SM of the H200 it loses to the Triton kernel (docs/perf.md)."""
+    moe_kernel: bool = True
+    """The routed experts' grouped matmuls run the Mosaic GPU kernel (pallas_kernels/moe) where its
+    shapes fit; off: XLA's lax.ragged_dot (the reference)."""
     scores_max_bytes: int = 4 << 30
     """The largest score buffer one indexer call may hold (the kernels' [B, T, S] fp32 scores, or the jnp
     composition's [B, T, H, S]): a longer call runs its query tokens in chunks, so a long prefill's
     memory stays bounded. 4 GiB is T = S = 32768 on the kernels."""
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelPolicy":
+        """'field=value,...' (e.g. 'moe_kernel=false,mgpu_min_programs=64') over the defaults; ValueError
+        naming an unknown field or a value of the wrong type. 'default' or '' is the default policy."""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        over = {}
+        for item in filter(None, (t.strip() for t in ("" if text == "default" else text).split(","))):
+            name, eq, value = item.partition("=")
+            if not eq or name not in fields:
+                raise ValueError(f"kernel policy: {item!r} is not field=value with a field of "
+                                 f"{', '.join(fields)}")
+            if fields[name] in (bool, "bool"):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"kernel policy: {name} takes true or false, got {value!r}")
+                over[name] = value.lower() in ("true", "1")
+            else:
+                try:
+                    over[name] = int(value)
+                except ValueError:
+                    raise ValueError(f"kernel policy: {name} takes an integer, got {value!r}") from None
+        return cls(**over)
 
     def on_gpu(self) -> bool:
         """Whether the Pallas kernels run: enabled, on a GPU backend."""

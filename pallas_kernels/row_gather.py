@@ -79,7 +79,9 @@ def gather_rows(x, idx, *, policy: KernelPolicy = DEFAULT_POLICY):
     bf16): 32 x 512 per program up to 16k rows; from 64k rows, 8 pipelined blocks of 16 x 1024 (442
     against 485 us at 64k rows; no better at 16k)."""
     check_gather_args(x, idx)
-    if policy.on_gpu() and x.shape[1] % min(512, x.shape[1]) == 0:
+    cols = min(512, x.shape[1])
+    # Triton blocks must have a power-of-two size: other widths (hidden 80, 96) take the reference
+    if policy.on_gpu() and x.shape[1] % cols == 0 and cols & (cols - 1) == 0:
         if idx.shape[0] >= 65536 and x.shape[1] % 1024 == 0:
             return gather_rows_pallas(x, idx, block_rows=16, block_cols=1024, steps=8, num_stages=3)
         return gather_rows_pallas(x, idx)

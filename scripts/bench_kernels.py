@@ -21,8 +21,10 @@ moe: the routed experts' grouped matmuls over expert-sorted rows (top-8 routing 
   popularity skew), gate/up [rows, 6144] x [E, 6144, 4096] (gate and up side by side; models/moe.py
   runs them as two N = 2048 calls of the same FLOPs) and down [rows, 2048] x [E, 2048, 6144], bf16 in
   and out: lax.ragged_dot (as models/moe.py calls it), jax's Mosaic GPU ragged_dot_mgpu (tilings),
-  tokamax's Mosaic GPU ragged dot (its default config and set ones; needs the tokamax wheel) and a
-  cuBLAS jnp.dot of the same FLOPs. Prefill at 8192 (and 32768) tokens x E in {16, 64, 256}: TFLOP/s and
+  tokamax's Mosaic GPU ragged dot (its default config and set ones; needs the tokamax wheel), our
+  grouped_matmul kernel on the block plan's padded rows (blocked_*: gate/up fused with SiLU * up, so
+  its output has half the columns; plan + row gather timed beside it) and a cuBLAS jnp.dot of the
+  same FLOPs. Prefill at 8192 (and 32768) tokens x E in {16, 64, 256}: TFLOP/s and
   share of the dense rate; decode (1, 8, 64 tokens, E = 256): bandwidth over the touched experts'
   weights + rows in and out. Each variant's output is checked against an fp32 per-group product on
   up to 64 rows of three groups (max abs error over max |reference|). Failures (out of memory,
@@ -312,6 +314,33 @@ def bench_indexer(args, ceil):
 MOE_MGPU_TILINGS = "128x128x64x4x1,128x128x64x4x8,64x256x64x4x8"
 MOE_DECODE_MGPU_TILINGS = "64x128x64x4x1"
 MOE_TOKAMAX_CONFIGS = "default,128x64x128x4xp"
+MOE_BLOCKED_TILINGS = "128x64x4x8,64x128x4x8,128x128x4x8"
+MOE_DECODE_BLOCKED_TILINGS = "64x128x4x1,64x64x4x1"
+
+
+def _blocked_variant(spec: str, E: int, sizes, proj: str):
+    """Our grouped_matmul kernel (pallas_kernels/moe) on the block plan's padded layout of rows sorted
+    by expert: 'bm x bn x stages x grid_block_n'. gate_up splits the weights' columns into gate and up
+    and runs the fused SiLU * up epilogue (out has half the columns). Returns (fn(x, w), slot_row,
+    plan+gather fn(x)): fn takes the padded rows and the weights (gate_up: gate and up apart)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.moe import Tiling, block_plan, grouped_matmul
+    from pallas_kernels.row_gather import gather_rows
+    bm, bn, st, gbn = map(int, spec.split("x"))
+    t = Tiling(block_m=bm, block_n=bn, stages=st, grid_block_n=gbn)
+    fe = jnp.asarray(np.repeat(np.arange(E), sizes), jnp.int32)
+    slot_row, row_slot, tile_expert = block_plan(fe, E, bm)
+
+    def f(xp, *w):  # gate_up: (gate, up), split before the timed calls
+        return grouped_matmul(xp, w[0], tile_expert, up=w[1] if len(w) > 1 else None, tiling=t)
+
+    def plan_gather(x):
+        _, rs, _ = block_plan(fe, E, bm)
+        return gather_rows(x, rs)
+    return f, slot_row, row_slot, plan_gather
 
 
 def moe_group_sizes(tokens: int, experts: int, top_k: int, skew: float, seed: int = 0):
@@ -401,7 +430,8 @@ def moe_check_rows(sizes, rows_each: int = 64):
     return np.asarray(ids), np.asarray(gids)
 
 
-def bench_moe_case(args, ceil, label, tokens, E, proj, K, N, mgpu_tilings, tokamax_cfgs, decode=False):
+def bench_moe_case(args, ceil, label, tokens, E, proj, K, N, mgpu_tilings, tokamax_cfgs, decode=False,
+                   blocked_tilings=()):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -441,7 +471,8 @@ def bench_moe_case(args, ceil, label, tokens, E, proj, K, N, mgpu_tilings, tokam
 
     if not decode:  # cuBLAS on the same FLOPs: the rate this shape can reach
         entry["dense_same_flops"] = _try(lambda: measure(lambda a, b: jnp.dot(a, b), x, w[0], check=False))
-    entry["lax_ragged_dot"] = _try(lambda: measure(lambda a, b, s: jax.lax.ragged_dot(a, b, s), x, w, sizes))
+    if not args.moe_no_lax:
+        entry["lax_ragged_dot"] = _try(lambda: measure(lambda a, b, s: jax.lax.ragged_dot(a, b, s), x, w, sizes))
     w_t = None
     for tiling in mgpu_tilings:
         name = "mgpu_" + tiling
@@ -471,6 +502,26 @@ def bench_moe_case(args, ceil, label, tokens, E, proj, K, N, mgpu_tilings, tokam
             r["config"] = str(_try(lambda: op.bind(x, w, group_sizes=sizes).default_config))
             return r
         entry[name] = _try(run)
+    for spec in blocked_tilings:
+        name = "blocked_" + spec
+        if not gpu:
+            entry[name] = {"error": "needs GPU (Mosaic GPU kernel)"}
+            continue
+
+        def run_blocked(spec=spec):
+            f, slot_row, row_slot, plan_gather = _blocked_variant(spec, E, sizes_np, proj)
+            xp = jnp.where((row_slot >= 0)[:, None], x[jnp.maximum(row_slot, 0)], 0)
+            ws = (w,) if proj != "gate_up" else (w[:, :, :N // 2], w[:, :, N // 2:])
+            r = measure(f, xp, *ws, check=False)
+            got = np.asarray(jax.jit(f)(xp, *ws)[slot_row[jnp.asarray(ids)]].astype(jnp.float32))
+            want = ref
+            if proj == "gate_up":  # the fused epilogue: silu(x @ gate) * (x @ up)
+                a, b = ref[:, :N // 2], ref[:, N // 2:]
+                want = a / (1 + np.exp(-a)) * b
+            r["max_rel_err"] = float(np.abs(got - want).max() / np.abs(want).max())
+            r["plan_gather_s"] = _moe_timed(jax.jit(plan_gather), x)
+            return r
+        entry[name] = _try(run_blocked)
     dense = entry.get("dense_same_flops", {}).get("s")
     for key, v in entry.items():
         if isinstance(v, dict) and "s" in v and dense and key != "dense_same_flops":
@@ -501,6 +552,7 @@ def bench_moe(args, ceil, save=lambda out: None):
     tokens = [int(t) for t in args.moe_tokens.split(",") if t]
     mgpu = [t for t in args.moe_mgpu_tilings.split(",") if t]
     tkcfg = [t for t in args.moe_tokamax_configs.split(",") if t]
+    blocked = [t for t in args.moe_blocked_tilings.split(",") if t]
     best = {}
 
     def fastest(entry, prefix):
@@ -508,23 +560,27 @@ def bench_moe(args, ceil, save=lambda out: None):
         return [min(ok)[1]] if ok else []
     for E in [int(e) for e in args.moe_experts.split(",") if e]:
         for proj, (K, N) in projs.items():
-            e = bench_moe_case(args, ceil, "prefill", tokens[0], E, proj, K, N, mgpu, tkcfg)
-            best[E, proj] = (fastest(e, "mgpu_") or mgpu[:1], fastest(e, "tokamax_") or tkcfg[:1])
+            e = bench_moe_case(args, ceil, "prefill", tokens[0], E, proj, K, N, mgpu, tkcfg,
+                               blocked_tilings=blocked)
+            best[E, proj] = (fastest(e, "mgpu_") or mgpu[:1], fastest(e, "tokamax_") or tkcfg[:1],
+                             fastest(e, "blocked_") or blocked[:1])
             out.append(e)
             save(out)
     for T in [int(t) for t in args.moe_decode_tokens.split(",") if t]:
         for proj, (K, N) in projs.items():
             out.append(bench_moe_case(args, ceil, "decode", T, args.moe_decode_experts, proj, K, N,
                                       [t for t in args.moe_decode_mgpu_tilings.split(",") if t], tkcfg[:1],
-                                      decode=True))
+                                      decode=True,
+                                      blocked_tilings=[t for t in args.moe_decode_blocked_tilings.split(",") if t]))
             save(out)
     for T in tokens[1:]:
         for E in [int(e) for e in args.moe_experts.split(",") if e]:
             for proj, (K, N) in projs.items():
-                m, t = best.get((E, proj), (mgpu[:1], tkcfg[:1]))
+                m, t, b = best.get((E, proj), (mgpu[:1], tkcfg[:1], blocked[:1]))
                 out.append(bench_moe_case(args, ceil, "prefill", T, E, proj, K, N,
                                           mgpu if args.moe_all_tilings else m,
-                                          tkcfg if args.moe_all_tilings else t))
+                                          tkcfg if args.moe_all_tilings else t,
+                                          blocked_tilings=blocked if args.moe_all_tilings else b))
                 save(out)
     return out
 
@@ -574,6 +630,10 @@ def main() -> int:
     p.add_argument("--moe-tokamax-configs", default=MOE_TOKAMAX_CONFIGS,
                    help="tokamax Mosaic GPU ragged dot configs: 'default' (its cache, else heuristics) or "
                         "block_m x block_n x block_k x stages [x p (persistent)]; decode runs the first only")
+    p.add_argument("--moe-blocked-tilings", default=MOE_BLOCKED_TILINGS,
+                   help="our grouped_matmul kernel's tilings (prefill): block_m x block_n x stages x grid_block_n")
+    p.add_argument("--moe-decode-blocked-tilings", default=MOE_DECODE_BLOCKED_TILINGS)
+    p.add_argument("--moe-no-lax", action="store_true", help="skip lax.ragged_dot (slow: up to 0.5 s a call)")
     p.add_argument("--moe-all-tilings", action="store_true",
                    help="run every tiling at every prefill token count, not only the fastest of the first")
     p.add_argument("--moe-small", action="store_true",

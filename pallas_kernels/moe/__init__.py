@@ -1,0 +1,8 @@
+"""The routed experts' grouped matmuls: the block plan, the Mosaic GPU kernel, and the dispatch."""
+
+from pallas_kernels.moe.dispatch import expert_mlp, expert_mlp_blocked, expert_mlp_ragged
+from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul
+from pallas_kernels.moe.plan import block_plan, padded_rows
+
+__all__ = ["expert_mlp", "expert_mlp_blocked", "expert_mlp_ragged", "Tiling", "grouped_matmul", "block_plan",
+           "padded_rows"]

@@ -1,0 +1,74 @@
+"""The routed experts' MLP over (row, slot) pairs, two ways, and the dispatch between them.
+
+    y[s] = down_e(silu(gate_e x[s // k]) * up_e x[s // k]),   e = flat_expert[s]   (0 when e == E)
+
+`expert_mlp_ragged` sorts the slots by expert and runs XLA's lax.ragged_dot per projection (the
+reference on every backend; on the GPU XLA turns it into padded per-expert dense matmuls, 6% of the
+dense rate at 16 experts and unrunnable at 256: docs/perf.md). `expert_mlp_blocked` lays the slots out
+by `plan.block_plan` and runs the grouped_matmul kernel twice: gate/up fused with SiLU * up, then down.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error
+from pallas_kernels.moe.plan import block_plan, padded_rows
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
+from pallas_kernels.row_gather import expert_order, gather_rows
+
+
+def expert_mlp_ragged(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY):
+    """x [N, D]; flat_expert [N * topk] (slot s belongs to row s // topk; E: no expert). Returns [N * topk, D]
+    in slot order, in x's dtype."""
+    E = gate.shape[0]
+    order, sizes = expert_order(flat_expert, E)
+    xs = gather_rows(x, order // topk, policy=policy)
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    y = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
+    used = jnp.arange(order.shape[0]) < sizes.sum()   # rows past the groups: ragged_dot leaves them unspecified
+    y = jnp.where(used[:, None], y, jnp.zeros((), y.dtype))
+    unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
+    return gather_rows(y, unsort, policy=policy)
+
+
+def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: Tiling, down_tiling: Tiling,
+                       policy: KernelPolicy = DEFAULT_POLICY, interpret=False):
+    """expert_mlp_ragged through the grouped_matmul kernel (both tilings must share block_m)."""
+    if up_tiling.block_m != down_tiling.block_m:
+        raise ValueError(f"the two tilings must share block_m ({up_tiling.block_m} != {down_tiling.block_m})")
+    E = gate.shape[0]
+    slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m)
+    xp = gather_rows(x, jnp.where(row_slot >= 0, row_slot // topk, -1), policy=policy)
+    h = grouped_matmul(xp, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret)
+    y = grouped_matmul(h, down, tile_expert, tiling=down_tiling, interpret=interpret)
+    return gather_rows(y, slot_row, policy=policy)
+
+
+def blocked_tilings(slots: int, D: int, I: int, E: int) -> tuple[Tiling, Tiling]:
+    """The kernel's tilings for a call of `slots` routed rows (tuning in docs/perf.md): 64-row tiles
+    when few rows reach each expert (decode), else 128."""
+    if slots < 4 * E:
+        return Tiling(block_m=64, block_n=128, grid_block_n=1), Tiling(block_m=64, block_n=128, grid_block_n=1)
+    # gate_up holds two accumulators: 128 x 128 each spills (4x slower on the H200)
+    return Tiling(block_m=128, block_n=64), Tiling(block_m=128, block_n=128)
+
+
+def blocked_shape_error(x, gate, down, slots: int) -> str | None:
+    up_t, down_t = blocked_tilings(slots, x.shape[1], gate.shape[2], gate.shape[0])
+    P = padded_rows(slots, gate.shape[0], up_t.block_m)
+    h = jax.ShapeDtypeStruct((P, gate.shape[2]), x.dtype)
+    return (shape_error(jax.ShapeDtypeStruct((P, x.shape[1]), x.dtype), gate, up_t)
+            or shape_error(h, down, down_t))
+
+
+def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY):
+    """The dispatch: the grouped_matmul kernel on GPU with policy.moe_kernel where its shapes fit (K
+    and N multiples of its blocks, bf16), else expert_mlp_ragged."""
+    slots = flat_expert.shape[0]
+    if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots) is None:
+        up_t, down_t = blocked_tilings(slots, x.shape[1], gate.shape[2], gate.shape[0])
+        return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
+                                  policy=policy)
+    return expert_mlp_ragged(x, flat_expert, gate, up, down, topk, policy=policy)

@@ -1,0 +1,49 @@
+"""The block plan of the routed experts' grouped matmuls: each expert's rows padded to whole row tiles.
+
+Rows routed to expert g are laid out contiguously from a tile boundary, so every row tile of the
+padded buffer belongs to exactly one expert (or to none: tiles past the used ones). The matmul kernel
+then needs one number per tile (its expert), loads and stores whole tiles by TMA, and skips unused
+tiles without reading any weight. vLLM and SGLang's fused MoE align their rows the same way
+("moe_align_block_size"). The plan is computed on the device with jnp (sort, cumsum, scatter);
+nothing here is data-dependent in shape.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def padded_rows(slots: int, experts: int, block_m: int) -> int:
+    """Static size of the padded buffer for `slots` routed (row, expert) pairs: every expert touched
+    wastes at most block_m - 1 rows, and at most min(experts, slots) experts are touched."""
+    return (-(-slots // block_m) + min(experts, slots)) * block_m
+
+
+def block_plan(flat_expert, experts: int, block_m: int):
+    """flat_expert [S] int32: the expert of each routed slot (== experts: the slot joins no expert).
+    Returns
+      slot_row  [S] int32   the padded row of each slot (-1 for a slot that joins no expert);
+      row_slot  [P] int32   the slot each padded row holds (-1: a padding row);
+      tile_expert [P // block_m] int32  the expert of each row tile (-1: an unused tile).
+    Slots of one expert keep their order (a stable sort), so the layout is deterministic."""
+    S = flat_expert.shape[0]
+    P = padded_rows(S, experts, block_m)
+    e = flat_expert.astype(jnp.int32)
+    order = jnp.argsort(e, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros(experts + 1, jnp.int32).at[e].add(1)[:experts]
+    tiles = (sizes + block_m - 1) // block_m
+    tile_start = jnp.cumsum(tiles) - tiles                          # first tile of each expert
+    row_start = jnp.cumsum(sizes) - sizes                           # first sorted position of each expert
+    se = e[order]
+    ok = se < experts
+    sg = jnp.minimum(se, experts - 1)
+    rank = jnp.arange(S, dtype=jnp.int32) - row_start[sg]
+    dest = jnp.where(ok, tile_start[sg] * block_m + rank, -1)       # padded row of sorted position i
+    slot_row = jnp.full(S, -1, jnp.int32).at[order].set(dest, unique_indices=True)
+    row_slot = jnp.full(P + 1, -1, jnp.int32).at[jnp.where(ok, dest, P)].set(
+        jnp.where(ok, order, -1))[:P]
+    n_tiles = P // block_m
+    tile_ids = jnp.arange(n_tiles, dtype=jnp.int32)
+    owner = jnp.searchsorted(jnp.cumsum(tiles), tile_ids, side="right").astype(jnp.int32)
+    tile_expert = jnp.where(owner < experts, owner, -1)
+    return slot_row, row_slot, tile_expert

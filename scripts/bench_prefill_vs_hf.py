@@ -1,0 +1,82 @@
+"""End-to-end prefill of the engine beside its HF transformers peer, in one device call: for each
+(experts, prompt length), `scripts/hf_peer.py` and `cpkv-jax bench` (each kernel policy given) run as
+subprocesses one after another on the same GPU; prints a table with tokens/s, MFU and the ratio to HF,
+and writes JSON.
+
+    python3 scripts/bench_prefill_vs_hf.py --experts 16,256 --prompt-lens 8192 \
+        --policies default,moe_kernel=false --json prefill_vs_hf.json
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(cmd, timeout):
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if r.returncode:
+        return {"error": (r.stderr or r.stdout)[-1500:]}
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="glm-5")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--experts", default="16")
+    p.add_argument("--prompt-lens", default="8192")
+    p.add_argument("--policies", default="default",
+                   help="';'-separated kernel policies for `cpkv-jax bench --kernels` ('default': none)")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--timeout", type=int, default=400)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    results, rows = [], [("experts", "prompt", "runner", "prefill ms", "tok/s", "MFU", "vs HF")]
+    for E in args.experts.split(","):
+        for L in args.prompt_lens.split(","):
+            hf = None
+            if not args.no_hf:
+                r = run([sys.executable, "scripts/hf_peer.py", "--model", args.model, "--num-layers",
+                         str(args.num_layers), "--num-experts", E, "--prompt-lens", L], args.timeout)
+                hf = r if isinstance(r, dict) else json.loads(r.stdout.strip().splitlines()[-1])
+                results.append({"experts": int(E), "prompt_len": int(L), "runner": "hf", **hf})
+                if "error" in hf:
+                    rows.append((E, L, "hf", "ERR", hf["error"].splitlines()[-1][:60], "", ""))
+                    hf = None
+                else:
+                    s = hf["prefill"][L]["seconds"]
+                    rows.append((E, L, "hf transformers", f"{s * 1e3:.1f}", f"{int(L) / s:.0f}", "", "1.00x"))
+            for policy in args.policies.split(";"):
+                with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                    cmd = [sys.executable, "-m", "cpkv_jax.cli", "bench", "--model", f"random:{args.model}",
+                           "--num-layers", str(args.num_layers), "--num-experts", E, "--batch", "1",
+                           "--prompt-len", L, "--decode-tokens", "2", "--repeat", "2", "--kv-pages",
+                           str(int(L) // 64 + 8), "--quiet", "--json", f.name]
+                    if policy != "default":
+                        cmd += ["--kernels", policy]
+                    r = run(cmd, args.timeout)
+                    res = r if isinstance(r, dict) else json.loads(Path(f.name).read_text())
+                results.append({"experts": int(E), "prompt_len": int(L), "runner": f"cpkv {policy}", **res})
+                if "error" in res:
+                    rows.append((E, L, f"cpkv {policy}", "ERR", res["error"].splitlines()[-1][:60], "", ""))
+                    continue
+                s = res["prefill"]["seconds"]
+                ratio = f"{hf['prefill'][L]['seconds'] / s:.2f}x" if hf else ""
+                rows.append((E, L, f"cpkv {policy}", f"{s * 1e3:.1f}", f"{int(L) / s:.0f}",
+                             f"{res['prefill']['mfu']:.1%}", ratio))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
