@@ -14,7 +14,10 @@ from models.config import RopeConfig, yarn_mscale
 
 
 def normal_param(rngs: nnx.Rngs, shape, dtype, std: float) -> nnx.Param:
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+    """Random weights drawn in their own dtype when it is narrower than fp32: a GLM-5 slice's stacked
+    expert tensor drawn in fp32 first would need 36 GiB of transients per projection."""
+    draw = jnp.float32 if jnp.dtype(dtype).itemsize >= 4 else dtype
+    return nnx.Param((jax.random.normal(rngs.params(), shape, draw) * jnp.asarray(std, draw)).astype(dtype))
 
 
 def const_param(shape, dtype, value: float) -> nnx.Param:
