@@ -2,10 +2,10 @@
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(VENV)/bin/python || { PY=$$(scripts/find_python.sh) && $$PY -m venv $(VENV); }
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test]'
 	@touch $(STAMP)
 
 .PHONY: venv run test

@@ -61,30 +61,30 @@ def cmd_score(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    import jax.numpy as jnp
     from tqdm import tqdm
 
     from models.config import ModelConfig
-    from models.weights import (SafetensorsReader, hf_mtp_flags, abstract_model, iter_hf_parts,
+    from models.weights import (SafetensorsReader, hf_load_config, hf_mtp_flags, abstract_model, iter_hf_parts,
                                 save_checkpoint)
 
     hf = Path(args.hf)
     cfg = ModelConfig.from_json_file(hf)
-    dtype = jnp.dtype(args.dtype or cfg.dtype)
     reader = SafetensorsReader(hf)
+    cfg, dtype = hf_load_config(cfg, reader, args.dtype)
     own_embed, own_head = hf_mtp_flags(reader, cfg)
     model_abs = abstract_model(cfg, dtype, mtp_own_embed=own_embed, mtp_own_head=own_head)
     hf_json = json.loads((hf / "config.json").read_text())
     hf_json["dtype"] = str(dtype)
     hf_json.pop("torch_dtype", None)
-    hf_json.pop("quantization_config", None)  # weights are stored dequantized
+    hf_json.pop("quantization_config", None)  # fp8_linears says what stays fp8 (128 x 128 e4m3 blocks)
+    hf_json["fp8_linears"] = list(cfg.fp8_linears)
     extras = [hf / n for n in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                                "special_tokens_map.json") if (hf / n).exists()]
     total = 1 + cfg.num_hidden_layers + (1 if cfg.num_nextn_predict_layers else 0)
     with tqdm(total=total, desc="convert", unit="part", disable=args.quiet) as bar:
         out = save_checkpoint(args.out, hf_json, iter_hf_parts(reader, cfg, model_abs, dtype),
                               extra_files=extras, progress=lambda name: bar.update(1))
-    print(json.dumps({"out": str(out), "parts": total, "dtype": str(dtype)}))
+    print(json.dumps({"out": str(out), "parts": total, "dtype": str(dtype), "fp8_linears": list(cfg.fp8_linears)}))
     return 0
 
 
@@ -152,6 +152,9 @@ def bench_model(args):
         over.update(num_hidden_layers=args.num_layers, first_k_dense_replace=min(args.num_layers - 1, 1))
     if args.num_experts:
         over["n_routed_experts"] = args.num_experts
+    if getattr(args, "fp8_weights", False):
+        from models.config import FP8_LINEARS_ALL
+        over["fp8_linears"] = list(FP8_LINEARS_ALL)
     if getattr(args, "max_positions", None):
         over["max_position_embeddings"] = args.max_positions
     cfg = ModelConfig.named(args.model.split(":", 1)[1], **over)
@@ -257,6 +260,21 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from cpkv_jax.engine import Engine
+    from cpkv_jax.server import serve
+    from models.weights import tiny_checkpoint
+
+    engine = Engine(args.model, _engine_config(args, speculative=args.speculative,
+                                               num_draft_tokens=args.num_draft_tokens,
+                                               max_running=args.max_running,
+                                               max_prefill_tokens=args.max_prefill_tokens))
+    model_dir = tiny_checkpoint() if args.model == "tiny" else Path(args.model)
+    serve(engine, host=args.host, port=args.port, model_name=args.served_model_name or Path(str(args.model)).name,
+          model_dir=model_dir if model_dir.is_dir() else None, max_queued=args.max_queued)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpkv-jax", description=__doc__)
     sub = p.add_subparsers(dest="verb", required=True)
@@ -312,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(model="tiny", kv_pages=None)
     b.add_argument("--num-layers", type=int, default=None, help="with --model random:NAME: layers")
     b.add_argument("--num-experts", type=int, default=None, help="with --model random:NAME: routed experts")
+    b.add_argument("--fp8-weights", action="store_true",
+                   help="with --model random:NAME: every linear DeepSeek stores in fp8 kept fp8 (block scales)")
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--prompt-len", type=int, default=256)
     b.add_argument("--decode-tokens", type=int, default=32)
@@ -322,6 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args(b)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(fn=cmd_bench)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                       description="Serve the model over HTTP: /v1/completions and /v1/chat/completions (SSE "
+                                   "streaming, n, stop strings and token ids), /v1/models, /health, /metrics.")
+    engine_args(v)
+    spec_args(v)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    v.add_argument("--max-running", type=int, default=32, help="requests batched at once (default 32)")
+    v.add_argument("--max-prefill-tokens", type=int, default=1024, help="prefill tokens per step (default 1024)")
+    v.add_argument("--max-queued", type=int, default=256, help="requests in flight before 503 (default 256)")
+    v.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("score", help="per-position fp32 logits of a teacher-forced prefill",
                        description="Teacher-forced prefill of one token sequence; writes the per-position "
@@ -335,11 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="HF safetensors -> cpkv orbax checkpoint",
                        description="Stream an HF checkpoint (bf16/fp32, or fp8 with 128x128 block scales, "
-                                   "dequantized) tensor by tensor into a cpkv orbax checkpoint.")
+                                   "kept fp8) tensor by tensor into a cpkv orbax checkpoint.")
     c.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
     c.add_argument("--out", required=True, help="output directory (must not exist)")
-    c.add_argument("--dtype", choices=DTYPES, default=None, help="stored dtype (default: checkpoint's; "
-                                                                  "fp8 checkpoints -> bfloat16)")
+    c.add_argument("--dtype", choices=DTYPES, default=None, help="stored dtype; default: the checkpoint's, with its "
+                   "fp8 linears kept fp8 + 128x128 block scales (a dtype dequantizes them)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
     return p

@@ -37,10 +37,14 @@ class EngineConfig:
         """Self, or EngineConfigError naming the first bad option or combination."""
         def positive(name, minimum=1):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < minimum:
+            if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
                 raise EngineConfigError(f"{name} must be an integer >= {minimum}, got {v!r}")
         if not isinstance(self.kernels, KernelPolicy):
             raise EngineConfigError(f"kernels must be a pallas_kernels.policy.KernelPolicy, got {self.kernels!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise EngineConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if self.hicache_pages != 0:
+            positive("hicache_pages", 2)
         positive("page_size")
         positive("kv_pages", 2)
         positive("max_running")

@@ -71,7 +71,13 @@ def _load_tokenizer(spec):
         return None
     path = tiny_checkpoint() if spec == "tiny" else Path(spec)
     f = path / "tokenizer.json"
-    return Tokenizer.from_file(str(f)) if f.exists() else None
+    if not f.exists():
+        return None
+    try:
+        return Tokenizer.from_file(str(f))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        from models.weights import CheckpointError
+        raise CheckpointError(f"{f}: not a valid tokenizer.json ({e})") from None
 
 
 def _generation_eos(spec) -> set[int]:

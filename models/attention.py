@@ -30,8 +30,9 @@ class Indexer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, stack=()):
         self.cfg = cfg
         self.wq_b = Dense(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dtype, rngs=rngs,
-                          stack=stack)
-        self.wk = Dense(cfg.hidden_size, cfg.index_head_dim, dtype=dtype, rngs=rngs, stack=stack)
+                          stack=stack, fp8=cfg.fp8("self_attn.indexer.wq_b"))
+        self.wk = Dense(cfg.hidden_size, cfg.index_head_dim, dtype=dtype, rngs=rngs, stack=stack,
+                        fp8=cfg.fp8("self_attn.indexer.wk"))
         self.k_norm = LayerNorm(cfg.index_head_dim, 1e-6, dtype=dtype, stack=stack)
         # HF keeps weights_proj in fp32 whatever the model dtype.
         self.weights_proj = Dense(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, rngs=rngs, stack=stack)
@@ -92,15 +93,15 @@ class MLA(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, has_indexer: bool, dtype, rngs: nnx.Rngs, stack=()):
         self.cfg = cfg
         H = cfg.num_attention_heads
-        self.q_a_proj = Dense(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, rngs=rngs, stack=stack)
+        dense = lambda name, din, dout: Dense(din, dout, dtype=dtype, rngs=rngs, stack=stack,  # noqa: E731
+                                              fp8=cfg.fp8(f"self_attn.{name}"))
+        self.q_a_proj = dense("q_a_proj", cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype=dtype, stack=stack)
-        self.q_b_proj = Dense(cfg.q_lora_rank, H * cfg.qk_head_dim, dtype=dtype, rngs=rngs, stack=stack)
-        self.kv_a_proj_with_mqa = Dense(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype,
-                                        rngs=rngs, stack=stack)
+        self.q_b_proj = dense("q_b_proj", cfg.q_lora_rank, H * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = dense("kv_a_proj_with_mqa", cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype=dtype, stack=stack)
-        self.kv_b_proj = Dense(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype,
-                               rngs=rngs, stack=stack)
-        self.o_proj = Dense(H * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
+        self.kv_b_proj = dense("kv_b_proj", cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = dense("o_proj", H * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, stack=stack) if has_indexer else None
 
     def __call__(self, x, prev_topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
@@ -136,7 +137,7 @@ class MLA(nnx.Module):
         def kv_rows(s):  # latent and rope key of local slots, as one array (one collective under CP)
             return jnp.concatenate([lat_pool[s].astype(x.dtype), rope_pool[s].astype(x.dtype)], axis=-1)
 
-        w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(C, H, dn + dv)
+        w_kv = self.kv_b_proj.weight(x.dtype).reshape(C, H, dn + dv)
         w_uk, w_uv = w_kv[..., :dn], w_kv[..., dn:]
         scale = cfg.softmax_scale
         if attn_path == "expanded":

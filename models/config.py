@@ -12,6 +12,14 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 CONFIG_DIR = Path(__file__).parent / "configs"
 
+# Our names of the linears DeepSeek-V3.2 and GLM-5 store in fp8 (every Linear but the router, the
+# indexer's head weights, the embeddings and the output heads), layer-independent.
+FP8_LINEARS_ALL = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                   "self_attn.kv_b_proj", "self_attn.o_proj", "self_attn.indexer.wq_b", "self_attn.indexer.wk",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.experts.gate_proj",
+                   "mlp.experts.up_proj", "mlp.experts.down_proj", "mlp.shared_experts.gate_proj",
+                   "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj", "eh_proj")
+
 
 class ModelConfigError(ValueError):
     """An HF config that cannot describe a model we can run."""
@@ -93,6 +101,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     dtype: str  # the checkpoint's stored dtype: "float32" | "bfloat16"
     eos_token_id: tuple[int, ...] = ()
+    fp8_linears: tuple[str, ...] = ()
+    """Linears kept as fp8 with 128 x 128 block scales (names of models/fp8.py's FP8_LINEARS_ALL): what
+    an fp8 checkpoint stores that way, unless a dtype was asked for at load or conversion."""
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -116,6 +127,9 @@ class ModelConfig:
     @property
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+
+    def fp8(self, linear: str) -> bool:
+        return linear in self.fp8_linears
 
     def layer_kind(self, i: int) -> tuple[str, str]:
         """(mlp kind, indexer kind) of target layer i."""
@@ -207,6 +221,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=dtype,
             eos_token_id=eos,
+            fp8_linears=tuple(sorted(hf.get("fp8_linears") or ())),
         )
         cfg.validate()
         return cfg
@@ -261,6 +276,9 @@ class ModelConfig:
                 f"groups ({per_group * self.topk_group})")
         if self.num_nextn_predict_layers not in (0, 1):
             raise ModelConfigError(f"num_nextn_predict_layers={self.num_nextn_predict_layers}: only 0 or 1 supported")
+        unknown = sorted(set(self.fp8_linears) - set(FP8_LINEARS_ALL))
+        if unknown:
+            raise ModelConfigError(f"fp8_linears names unknown linears {unknown}; known: {list(FP8_LINEARS_ALL)}")
         if self.rope.type == "yarn" and not self.rope.original_max_position_embeddings:
             raise ModelConfigError("yarn rope needs original_max_position_embeddings")
 

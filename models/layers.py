@@ -11,12 +11,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import RopeConfig, yarn_mscale
+from models.fp8 import dequantize, scale_shape
 
 
 def normal_param(rngs: nnx.Rngs, shape, dtype, std: float) -> nnx.Param:
     """Random weights drawn in their own dtype when it is narrower than fp32: a GLM-5 slice's stacked
     expert tensor drawn in fp32 first would need 36 GiB of transients per projection."""
-    draw = jnp.float32 if jnp.dtype(dtype).itemsize >= 4 else dtype
+    size = jnp.dtype(dtype).itemsize
+    draw = jnp.float32 if size >= 4 else dtype if size == 2 else jnp.bfloat16
     return nnx.Param((jax.random.normal(rngs.params(), shape, draw) * jnp.asarray(std, draw)).astype(dtype))
 
 
@@ -25,13 +27,30 @@ def const_param(shape, dtype, value: float) -> nnx.Param:
 
 
 class Dense(nnx.Module):
-    """y = x @ kernel, kernel [*stack, in, out] (the transpose of HF's [out, in] Linear weight)."""
+    """y = x @ kernel, kernel [*stack, in, out] (the transpose of HF's [out, in] Linear weight). fp8:
+    the kernel is stored e4m3 with 128 x 128 block scales (models/fp8.py), dequantized at use."""
 
-    def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs, stack=()):
-        self.kernel = normal_param(rngs, (*stack, din, dout), dtype, din ** -0.5)
+    def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs, stack=(), fp8: bool = False):
+        self.kernel, self.scale_inv = fp8_or_plain_param(rngs, (*stack, din, dout), dtype, din ** -0.5, fp8)
+
+    def weight(self, dtype):
+        return stored_weight(self.kernel, self.scale_inv, dtype)
 
     def __call__(self, x):
-        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+        return jnp.dot(x, self.weight(x.dtype))
+
+
+def fp8_or_plain_param(rngs: nnx.Rngs, shape, dtype, std: float, fp8: bool):
+    """(weight, block scales or None): random N(0, std) weights, as fp8 values N(0, 1) with every block
+    scale std when fp8."""
+    if not fp8:
+        return normal_param(rngs, shape, dtype, std), None
+    return normal_param(rngs, shape, jnp.float8_e4m3fn, 1.0), const_param(scale_shape(shape), jnp.float32, std)
+
+
+def stored_weight(w: nnx.Param, scale_inv: nnx.Param | None, dtype):
+    """A weight as the computation uses it: cast, or dequantized from fp8 blocks."""
+    return w[...].astype(dtype) if scale_inv is None else dequantize(w[...], scale_inv[...], dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -70,7 +70,8 @@ class DecoderLayer(nnx.Module):
         self.self_attn = MLA(cfg, has_indexer=indexer_kind == "full", dtype=dtype, rngs=rngs, stack=stack)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, stack=stack)
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, stack=stack) if mlp_kind == "sparse"
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, stack=stack))
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, stack=stack,
+                             fp8=lambda name: cfg.fp8(f"mlp.{name}")))
 
     def __call__(self, x, topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
                  access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
@@ -121,7 +122,7 @@ class MTPLayer(nnx.Module):
         self.embed_tokens = (normal_param(rngs, (cfg.vocab_size, D), dtype, 1.0) if own_embed else None)
         self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
-        self.eh_proj = Dense(2 * D, D, dtype=dtype, rngs=rngs)
+        self.eh_proj = Dense(2 * D, D, dtype=dtype, rngs=rngs, fp8=cfg.fp8("eh_proj"))
         self.layer = DecoderLayer(cfg, mlp_kind, "full", dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.head = Dense(D, cfg.vocab_size, dtype=dtype, rngs=rngs) if own_head else None

@@ -8,17 +8,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import Dense, normal_param
+from models.layers import Dense, fp8_or_plain_param, stored_weight
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.moe import expert_mlp
 from pallas_kernels.row_gather import compaction_plan, gather_rows
 
 
 class MLP(nnx.Module):
-    def __init__(self, dim: int, inter: int, *, dtype, rngs: nnx.Rngs, stack=()):
-        self.gate_proj = Dense(dim, inter, dtype=dtype, rngs=rngs, stack=stack)
-        self.up_proj = Dense(dim, inter, dtype=dtype, rngs=rngs, stack=stack)
-        self.down_proj = Dense(inter, dim, dtype=dtype, rngs=rngs, stack=stack)
+    def __init__(self, dim: int, inter: int, *, dtype, rngs: nnx.Rngs, stack=(), fp8=lambda name: False):
+        """fp8(name): whether projection `name` (gate_proj, up_proj, down_proj) is stored fp8."""
+        self.gate_proj = Dense(dim, inter, dtype=dtype, rngs=rngs, stack=stack, fp8=fp8("gate_proj"))
+        self.up_proj = Dense(dim, inter, dtype=dtype, rngs=rngs, stack=stack, fp8=fp8("up_proj"))
+        self.down_proj = Dense(inter, dim, dtype=dtype, rngs=rngs, stack=stack, fp8=fp8("down_proj"))
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -77,10 +78,13 @@ class MoE(nnx.Module):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Dense(D, E, dtype=dtype, rngs=rngs, stack=stack)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((*stack, E), jnp.float32))
-        self.experts_gate = normal_param(rngs, (*stack, E, D, I), dtype, D ** -0.5)
-        self.experts_up = normal_param(rngs, (*stack, E, D, I), dtype, D ** -0.5)
-        self.experts_down = normal_param(rngs, (*stack, E, I, D), dtype, I ** -0.5)
-        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype=dtype, rngs=rngs, stack=stack)
+        expert = lambda name, shape, std: fp8_or_plain_param(rngs, (*stack, E, *shape), dtype, std,  # noqa: E731
+                                                             cfg.fp8(f"mlp.experts.{name}"))
+        self.experts_gate, self.experts_gate_scale_inv = expert("gate_proj", (D, I), D ** -0.5)
+        self.experts_up, self.experts_up_scale_inv = expert("up_proj", (D, I), D ** -0.5)
+        self.experts_down, self.experts_down_scale_inv = expert("down_proj", (I, D), I ** -0.5)
+        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype=dtype, rngs=rngs, stack=stack,
+                                   fp8=lambda name: cfg.fp8(f"mlp.shared_experts.{name}"))
                                if cfg.n_shared_experts else None)
 
     def __call__(self, x, valid=None, *, kernels: KernelPolicy = DEFAULT_POLICY):
@@ -91,10 +95,13 @@ class MoE(nnx.Module):
         xf = x.reshape(-1, shape[-1])
         valid = jnp.ones(xf.shape[0], bool) if valid is None else valid.reshape(-1)
         xc, dest, n_valid = compact_rows(xf, valid, kernels)
-        logits = jnp.dot(xc.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
+        logits = jnp.dot(xc.astype(jnp.float32), self.gate.weight(jnp.float32))
         idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
-        out = grouped_expert_mlp(xc, idx, w, self.experts_gate[...], self.experts_up[...],
-                                 self.experts_down[...], n_valid, kernels)
+        # fp8 experts are dequantized for the layer here (a transient of one layer's experts)
+        out = grouped_expert_mlp(xc, idx, w, stored_weight(self.experts_gate, self.experts_gate_scale_inv, x.dtype),
+                                 stored_weight(self.experts_up, self.experts_up_scale_inv, x.dtype),
+                                 stored_weight(self.experts_down, self.experts_down_scale_inv, x.dtype),
+                                 n_valid, kernels)
         if self.shared_experts is not None:
             out = out + self.shared_experts(xc)
         return restore_rows(out, dest, kernels).reshape(shape)

@@ -9,7 +9,8 @@ import dataclasses
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down")
+EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down",
+                 "experts_gate_scale_inv", "experts_up_scale_inv", "experts_down_scale_inv")
 KV_LEAF_AXES = ("layers", "kv_slots")   # every KV pool leaf (device and host) is [layers, slots, ...]
 
 

@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from models.config import ModelConfig
+from models import fp8
+from models.config import FP8_LINEARS_ALL, ModelConfig
 from models.model import DsaModel, layer_places
 
 MANIFEST = "cpkv_checkpoint.json"
@@ -81,30 +82,43 @@ class SafetensorsReader:
         if not self.dir.is_dir():
             raise CheckpointError(f"HF checkpoint directory {self.dir} does not exist")
         index = self.dir / "model.safetensors.index.json"
+        self._handles = {}
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = dict(json.loads(index.read_text())["weight_map"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a safetensors index (a JSON object with a "
+                                      f"'weight_map'): {type(e).__name__}: {e}") from None
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {self.dir}")
             weight_map = {}
             for f in files:
-                with safe_open(f, "np") as h:
-                    weight_map.update({k: f.name for k in h.keys()})
+                weight_map.update({k: f.name for k in self._open(f.name)[1][0] if k != "__metadata__"})
         self.weight_map = weight_map
         hf_cfg = json.loads((self.dir / "config.json").read_text()) if (self.dir / "config.json").exists() else {}
         q = hf_cfg.get("quantization_config") or {}
         self.block = tuple(q.get("weight_block_size") or (128, 128))
-        self._handles = {}
+
+    def _open(self, fname: str):
+        """(safe_open handle, (header, data start)) of one file; a missing, truncated or malformed file
+        is a CheckpointError naming it."""
+        if fname not in self._handles:
+            path = self.dir / fname
+            try:
+                self._handles[fname] = (safe_open(path, "np"), _safetensors_header(path))
+            except Exception as e:  # safetensors raises its own SafetensorError, OSError, ValueError
+                raise CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: "
+                                      f"{str(e)[:200]})") from None
+        return self._handles[fname]
 
     def keys(self) -> set[str]:
         return set(self.weight_map)
 
     def _raw(self, key: str) -> np.ndarray:
         fname = self.weight_map[key]
-        if fname not in self._handles:
-            self._handles[fname] = (safe_open(self.dir / fname, "np"), _safetensors_header(self.dir / fname))
-        handle, (header, data_start) = self._handles[fname]
+        handle, (header, data_start) = self._open(fname)
         info = header[key]
         if info["dtype"] in _FP8_DTYPES:
             # safetensors' numpy reader has no fp8 (it would need torch): map the bytes ourselves.
@@ -113,21 +127,52 @@ class SafetensorsReader:
             return raw.view(_FP8_DTYPES[info["dtype"]]).reshape(info["shape"])
         return handle.get_tensor(key)
 
-    def get(self, key: str) -> np.ndarray:
-        """The tensor as float32 (fp8 weights dequantized with their weight_scale_inv blocks)."""
+    def _scaled(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(stored values, fp32 block scales) of a weight stored block-scaled, else None."""
         if key not in self.weight_map:
             raise CheckpointError(f"checkpoint is missing tensor {key!r}")
+        scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else None
+        if not scale_key or scale_key not in self.weight_map:
+            return None
+        w = self._raw(key)
+        scale = self._raw(scale_key).astype(np.float32)
+        bo, bi = self.block
+        o, i = w.shape
+        if scale.shape != (-(-o // bo), -(-i // bi)):
+            raise CheckpointError(f"{scale_key} has shape {scale.shape}, expected "
+                                  f"{(-(-o // bo), -(-i // bi))} for {key} {w.shape} in {bo}x{bi} blocks")
+        return w, scale
+
+    def fp8_block(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(e4m3 values [out, in], fp32 scales [out/128, in/128]) of a weight kept fp8."""
+        got = self._scaled(key)
+        if got is None or self.block != (fp8.BLOCK, fp8.BLOCK) or got[0].dtype != ml_dtypes.float8_e4m3fn:
+            raise CheckpointError(f"{key}: kept fp8 only as e4m3 in {fp8.BLOCK}x{fp8.BLOCK} blocks (stored: "
+                                  f"{'no scales' if got is None else f'{got[0].dtype} in {self.block} blocks'}); "
+                                  f"load or convert with a dtype to dequantize")
+        return got
+
+    def fp8_linears(self) -> tuple[str, ...]:
+        """Our names (config.FP8_LINEARS_ALL) of the linears whose every stored weight is block-scaled
+        fp8: those the model keeps fp8. A linear stored fp8 in some layers only is dequantized."""
+        seen: dict[str, bool] = {}
+        for key in self.weight_map:
+            name = fp8_linear_name(key)
+            if name is not None:
+                scaled = key[: -len("weight")] + "weight_scale_inv" in self.weight_map
+                seen[name] = seen.get(name, True) and scaled
+        return tuple(sorted(n for n, all_scaled in seen.items() if all_scaled))
+
+    def get(self, key: str) -> np.ndarray:
+        """The tensor as float32 (fp8 weights dequantized with their weight_scale_inv blocks)."""
+        scaled = self._scaled(key)
+        if scaled is not None:
+            w, scale = scaled
+            bo, bi = self.block
+            full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[:w.shape[0], :w.shape[1]]
+            return w.astype(np.float32) * full
         w = self._raw(key)
         scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else None
-        if scale_key and scale_key in self.weight_map:
-            scale = self._raw(scale_key).astype(np.float32)
-            bo, bi = self.block
-            o, i = w.shape
-            if scale.shape != (-(-o // bo), -(-i // bi)):
-                raise CheckpointError(f"{scale_key} has shape {scale.shape}, expected "
-                                      f"{(-(-o // bo), -(-i // bi))} for {key} {w.shape} in {bo}x{bi} blocks")
-            full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[:o, :i]
-            return w.astype(np.float32) * full
         if w.dtype == ml_dtypes.float8_e4m3fn:
             raise CheckpointError(f"{key} is fp8 but has no {scale_key}")
         return w.astype(np.float32)
@@ -137,6 +182,18 @@ class SafetensorsReader:
 
 
 _FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def fp8_linear_name(key: str) -> str | None:
+    """The config.FP8_LINEARS_ALL name of an HF weight key (None: not one of those linears)."""
+    parts = key.split(".")
+    if parts[:2] != ["model", "layers"] or len(parts) < 4 or parts[-1] != "weight":
+        return None
+    rest = parts[3:-1]
+    if rest[:2] == ["mlp", "experts"] and len(rest) == 4:
+        rest = rest[:2] + rest[3:]                       # mlp.experts.{e}.gate_proj -> mlp.experts.gate_proj
+    name = ".".join(rest)
+    return name if name in FP8_LINEARS_ALL else None
 
 
 def _safetensors_header(path: Path) -> tuple[dict, int]:
@@ -166,21 +223,43 @@ def hf_layer_tree(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, mlp_
     experts: dict[str, list] = {}
     for suffix, (path, transpose) in _layer_keys(cfg, mlp_kind, has_indexer).items():
         key = prefix + suffix
-        arr = reader.get(key)
-        if transpose:
-            if arr.ndim != 2:
-                raise CheckpointError(f"tensor {key!r} should be 2-D, has shape {arr.shape}")
-            arr = arr.T
-        if isinstance(path[-1], int):  # one expert of a stacked expert tensor
-            target = _get_path(abstract_layer, path[:-1])
-            _expect_shape(key, arr, target.shape[1:])
-            experts.setdefault(path[:-1], []).append(arr)
-            continue
-        _expect_shape(key, arr, _get_path(abstract_layer, path).shape)
-        _set_path(out, path, arr)
+        expert = isinstance(path[-1], int)              # one expert of a stacked expert tensor
+        target = _get_path(abstract_layer, path[:-1] if expert else path)
+        items = [(path, read_weight(reader, key, transpose, target.dtype))]
+        if jnp.dtype(target.dtype) == jnp.float8_e4m3fn:
+            items[0], items[1:] = (path, items[0][1][0]), [(_scale_path(path), items[0][1][1])]
+        for p, arr in items:
+            want = _get_path(abstract_layer, p[:-1] if expert else p).shape
+            _expect_shape(key, arr, want[1:] if expert else want)
+            if expert:
+                experts.setdefault(p[:-1], []).append(arr)
+            else:
+                _set_path(out, p, arr)
     for path, arrs in experts.items():
         _set_path(out, path, np.stack(arrs))
-    return _cast_tree(out, dtype)
+    return _cast_like(out, abstract_layer)
+
+
+def read_weight(reader: SafetensorsReader, key: str, transpose: bool, target_dtype):
+    """An HF tensor in our layout (a Linear's [out, in] transposed); for an fp8 target, the pair (e4m3
+    values, block scales), both transposed."""
+    if jnp.dtype(target_dtype) == jnp.float8_e4m3fn:
+        w, scale = reader.fp8_block(key)
+        return (w.T, scale.T) if transpose else (w, scale)
+    arr = reader.get(key)
+    if transpose:
+        if arr.ndim != 2:
+            raise CheckpointError(f"tensor {key!r} should be 2-D, has shape {arr.shape}")
+        arr = arr.T
+    return arr
+
+
+def _scale_path(path: tuple) -> tuple:
+    """Where a kept-fp8 weight's block scales live: a Dense's `scale_inv` beside its `kernel`, a stacked
+    expert tensor's `<name>_scale_inv`."""
+    if isinstance(path[-1], int):
+        return path[:-2] + (path[-2] + "_scale_inv", path[-1])
+    return path[:-1] + ("scale_inv",)
 
 
 def _get_path(tree, path):
@@ -201,14 +280,11 @@ def abstract_model(cfg: ModelConfig, dtype=None, *, mtp_own_embed=True, mtp_own_
                                            mtp_own_head=mtp_own_head))
 
 
-def _cast_tree(tree: dict, dtype, path=()):
-    return {k: (_cast_tree(v, dtype, path + (k,)) if isinstance(v, dict)
-                else np.asarray(v, np.float32 if _is_keep32(path + (k,)) else jnp.dtype(dtype)))
+def _cast_like(tree: dict, abstract: dict) -> dict:
+    """Each array in its abstract leaf's dtype (the model's dtype; fp32 for the router bias and the
+    indexer's weights_proj; fp8 and fp32 scales for kept-fp8 linears)."""
+    return {k: (_cast_like(v, abstract[k]) if isinstance(v, dict) else np.asarray(v, abstract[k].dtype))
             for k, v in tree.items()}
-
-
-def _is_keep32(path: tuple) -> bool:
-    return path[-1] == "e_score_correction_bias" or path[-2:-1] == ("weights_proj",)
 
 
 # ---- HF -> parts (shared by in-memory load and conversion) ------------------------------------------------
@@ -250,11 +326,19 @@ def iter_hf_parts(reader: SafetensorsReader, cfg: ModelConfig, model_abs: DsaMod
         raise CheckpointError(f"checkpoint is missing tensor(s): {missing[:5]}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
-    def plain(key, target, transpose=False, keep32=False):
+    def plain(key, target, transpose=False):
         arr = reader.get(key)
         arr = arr.T if transpose else arr
         _expect_shape(key, arr, target.shape)
-        return arr.astype(np.float32 if keep32 else jnp.dtype(dtype))
+        return arr.astype(target.dtype)
+
+    def linear(key, target):
+        """A Dense's tree: {kernel} or, kept fp8, {kernel, scale_inv}."""
+        got = read_weight(reader, key, True, target["kernel"].dtype)
+        tree = {"kernel": got[0], "scale_inv": got[1]} if isinstance(got, tuple) else {"kernel": got}
+        for k, arr in tree.items():
+            _expect_shape(key, arr, target[k].shape)
+        return tree
 
     top = {"embed_tokens": plain("model.embed_tokens.weight", pure_abs["embed_tokens"]),
            "norm": {"weight": plain("model.norm.weight", pure_abs["norm"]["weight"])}}
@@ -274,7 +358,7 @@ def iter_hf_parts(reader: SafetensorsReader, cfg: ModelConfig, model_abs: DsaMod
         p = f"model.layers.{n}."
         mabs = pure_abs["mtp"]
         tree = {"layer": hf_layer_tree(reader, cfg, p, mtp_mlp_kind(cfg), True, mabs["layer"], dtype),
-                "eh_proj": {"kernel": plain(p + "eh_proj.weight", mabs["eh_proj"]["kernel"], True)},
+                "eh_proj": linear(p + "eh_proj.weight", mabs["eh_proj"]),
                 "enorm": {"weight": plain(p + "enorm.weight", mabs["enorm"]["weight"])},
                 "hnorm": {"weight": plain(p + "hnorm.weight", mabs["hnorm"]["weight"])},
                 "norm": {"weight": plain(p + "shared_head.norm.weight", mabs["norm"]["weight"])}}
@@ -282,7 +366,7 @@ def iter_hf_parts(reader: SafetensorsReader, cfg: ModelConfig, model_abs: DsaMod
             tree["embed_tokens"] = plain(p + "embed_tokens.weight", mabs["embed_tokens"])
         if own_head:
             tree["head"] = {"kernel": plain(p + "shared_head.head.weight", mabs["head"]["kernel"], True)}
-        yield "mtp", _cast_tree(tree, dtype)
+        yield "mtp", _cast_like(tree, mabs)
 
 
 def assemble(model_abs: DsaModel, parts: Iterator[tuple[str, dict]], put: Callable | None = None) -> DsaModel:
@@ -334,11 +418,19 @@ def _put_tree(tree, path, put):
             for k, v in tree.items()}
 
 
+def hf_load_config(cfg: ModelConfig, reader: SafetensorsReader, dtype=None) -> tuple[ModelConfig, jnp.dtype]:
+    """(config, dtype) an HF checkpoint loads or converts as: with no dtype asked for, its fp8 linears stay
+    fp8 (reader.fp8_linears) and the rest is in the checkpoint's dtype; a dtype dequantizes everything."""
+    if dtype is None:
+        return cfg.replace(fp8_linears=reader.fp8_linears()), jnp.dtype(cfg.dtype)
+    return cfg.replace(fp8_linears=()), jnp.dtype(dtype)
+
+
 def load_hf(hf_dir, dtype=None, cfg: ModelConfig | None = None) -> DsaModel:
     """HF safetensors directory -> a concrete model in memory (small models, tests)."""
     cfg = cfg or ModelConfig.from_json_file(hf_dir)
     reader = SafetensorsReader(hf_dir)
-    dtype = jnp.dtype(dtype or cfg.dtype)
+    cfg, dtype = hf_load_config(cfg, reader, dtype)
     own_embed, own_head = hf_mtp_flags(reader, cfg)
     model_abs = abstract_model(cfg, dtype, mtp_own_embed=own_embed, mtp_own_head=own_head)
     return assemble(model_abs, iter_hf_parts(reader, cfg, model_abs, dtype))

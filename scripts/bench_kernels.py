@@ -323,7 +323,6 @@ def _blocked_variant(spec: str, E: int, sizes, proj: str):
     by expert: 'bm x bn x stages x grid_block_n'. gate_up splits the weights' columns into gate and up
     and runs the fused SiLU * up epilogue (out has half the columns). Returns (fn(x, w), slot_row,
     plan+gather fn(x)): fn takes the padded rows and the weights (gate_up: gate and up apart)."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 

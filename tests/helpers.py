@@ -33,6 +33,10 @@ def shared_prefix_prompts(rng, vocab, n_systems=3, n_suffixes=4):
     return [s + u for s in systems for u in suffixes]
 
 
+def random_prompts(rng, lengths, vocab):
+    return [rng.integers(2, vocab, n).tolist() for n in lengths]
+
+
 def check_hicache_invariants(eng):
     """Device pages: free + tree + requests = all; host pages: tree + in flight + free = all."""
     s = eng.stats()

@@ -41,9 +41,10 @@ def test_score_hf_dir_with_dtype_override(tmp_path, capsys):
     assert np.isfinite(np.load(npy)).all()
 
 
-def test_convert_fp8_dequantizes_and_matches_hf(tmp_path, capsys):
+def test_convert_fp8_keeps_fp8_and_matches_hf(tmp_path, capsys):
     out = tmp_path / "ck8"
     assert main(["convert", "--hf", str(FIXTURES / "glm_tiny_fp8"), "--out", str(out), "--quiet"]) == 0
+    assert "self_attn.q_b_proj" in json.loads(capsys.readouterr().out)["fp8_linears"]
     ref = reference("glm_tiny_fp8")
     npy = tmp_path / "l.npy"
     toks = ref["prefill_tokens"][1]

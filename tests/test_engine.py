@@ -11,11 +11,7 @@ from cpkv_jax.engine import Engine, EngineConfig, EngineInputError
 from cpkv_jax.sampling import SamplingError, SamplingParams
 from models.model import prefill_logits
 from models.weights import CheckpointError
-from tests.helpers import rel_err
-
-
-def random_prompts(rng, lengths, vocab):
-    return [rng.integers(2, vocab, n).tolist() for n in lengths]
+from tests.helpers import random_prompts, rel_err
 
 
 def recompute_step_logits(model, prompts, outs, index_dtype="same"):
@@ -330,7 +326,9 @@ def test_bad_model_and_config_errors():
         Engine("/nonexistent/model/dir")
     for kw, msg in [({"page_size": 0}, "page_size"), ({"kv_pages": 1}, "kv_pages"),
                     ({"index_dtype": "int4"}, "index_dtype"), ({"attn_path": "dense"}, "attn_path"),
-                    ({"max_running": 0}, "max_running")]:
+                    ({"max_running": 0}, "max_running"), ({"page_size": True}, "page_size"),
+                    ({"kv_pages": "256"}, "kv_pages"), ({"prefix_cache": "yes"}, "prefix_cache"),
+                    ({"hicache_pages": 1.5}, "hicache_pages"), ({"num_draft_tokens": 2.0}, "num_draft_tokens")]:
         with pytest.raises(EngineConfigError, match=msg):
             EngineConfig(**kw).validate()
 

@@ -256,3 +256,29 @@ def test_verified_load_reads_back_what_conversion_wrote(converted):
     assert m["arrays"]["top"]["embed_tokens"][0] == [ModelConfig.from_json_file(converted / "config.json").vocab_size,
                                                      ModelConfig.from_json_file(converted / "config.json").hidden_size]
     assert_trees_equal(pure(load_checkpoint(converted, verify=False)), pure(load_checkpoint(converted)))
+
+
+def test_damaged_hf_files_are_checkpoint_errors_naming_the_file(tmp_path, capsys):
+    """A truncated safetensors file, an index that is not JSON and a corrupt tokenizer.json each end in
+    one CheckpointError naming the file (the CLI: exit 2 and one line), not a library traceback."""
+    from cpkv_jax.cli import main
+    from cpkv_jax.engine import Engine
+    trunc = tmp_path / "trunc"
+    shutil.copytree(FIXTURES / "glm_tiny", trunc)
+    st = trunc / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+        SafetensorsReader(trunc)
+    assert main(["convert", "--hf", str(trunc), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "not a readable safetensors file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    index = tmp_path / "index"
+    shutil.copytree(FIXTURES / "glm_tiny", index)
+    (index / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a safetensors index"):
+        SafetensorsReader(index)
+    tok = tmp_path / "tok"
+    shutil.copytree(FIXTURES / "glm_tiny", tok)
+    (tok / "tokenizer.json").write_text('{"version": "1.0", "model": {broken')
+    with pytest.raises(CheckpointError, match="tokenizer.json: not a valid tokenizer.json"):
+        Engine(str(tok))

@@ -1,0 +1,39 @@
+"""Block-scaled fp8 weights, as DeepSeek-V3 / V3.2 and GLM-5 checkpoints store them: e4m3 values and one
+fp32 `weight_scale_inv` per 128 x 128 block; the real weight is value * scale. Kept fp8 in memory (half
+the bytes of bf16) and dequantized where a linear uses them."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 128
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+def scale_shape(shape: tuple) -> tuple:
+    """Block scales of a [..., rows, cols] weight."""
+    *lead, r, c = shape
+    return (*lead, -(-r // BLOCK), -(-c // BLOCK))
+
+
+def dequantize(w, scale_inv, dtype):
+    """w [..., r, c] fp8 and scale_inv [..., ceil(r/128), ceil(c/128)] -> the weight in dtype (the
+    product in fp32, as the checkpoint defines it)."""
+    r, c = w.shape[-2:]
+    full = jnp.repeat(jnp.repeat(scale_inv, BLOCK, axis=-2), BLOCK, axis=-1)[..., :r, :c]
+    return (w.astype(jnp.float32) * full).astype(dtype)
+
+
+def quantize(w):
+    """A weight [..., r, c] -> (fp8 values, fp32 block scales) with each block's largest magnitude at
+    FP8_MAX (numpy; random models and tests)."""
+    w = np.asarray(w, np.float32)
+    *lead, r, c = w.shape
+    R, C = -(-r // BLOCK) * BLOCK, -(-c // BLOCK) * BLOCK
+    padded = np.zeros((*lead, R, C), np.float32)
+    padded[..., :r, :c] = w
+    blocks = padded.reshape(*lead, R // BLOCK, BLOCK, C // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=(-3, -1))
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    q = (blocks / scale[..., :, None, :, None]).reshape(*lead, R, C)[..., :r, :c]
+    return q.astype(jnp.float8_e4m3fn), scale

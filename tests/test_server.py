@@ -1,0 +1,176 @@
+"""The OpenAI-compatible server (cpkv_jax/server.py) through FastAPI's test client, on the tiny model:
+every answer is checked against the same request run by a plain engine."""
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cpkv_jax.engine import Engine, EngineConfig
+from cpkv_jax.sampling import SamplingParams
+from cpkv_jax.server import StopMatcher, create_app
+
+CONFIG = EngineConfig(page_size=16, kv_pages=64, max_running=8, max_prefill_tokens=128)
+PROMPT = [11, 42, 7, 300, 5, 19, 64, 128]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return Engine("tiny", CONFIG)
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = create_app(Engine("tiny", CONFIG), model_name="tiny", max_queued=4)
+    with TestClient(app) as c:
+        c.app_state = app.state
+        yield c
+
+
+def expected(ref, prompt, **kw):
+    out = ref.generate([prompt], SamplingParams(**kw))[0]
+    return out
+
+
+def sse(resp) -> list:
+    lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def test_completion_equals_the_engine_and_streams_the_same_text(client, ref):
+    want = expected(ref, PROMPT, max_new_tokens=12, ignore_eos=True, logprobs=True)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    choice = got["choices"][0]
+    assert choice["text"] == want.text and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-6)
+    assert got["usage"] == {"prompt_tokens": 8, "completion_tokens": 12, "total_tokens": 20,
+                            "prompt_tokens_details": {"cached_tokens": got["usage"]["prompt_tokens_details"]["cached_tokens"]}}
+    with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as s:
+        chunks = sse(s)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = client.post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 5,
+                                                 "temperature": 0}).json()["choices"][0]["text"]
+    assert text == ref.generate(["The quick brown fox"], SamplingParams(max_new_tokens=5))[0].text
+
+
+def test_n_seeds_stop_strings_and_stop_ids(client, ref):
+    """n samples use seeds seed, seed + 1, ...; a stop string cuts the text before its first occurrence
+    (streamed or not) and ends the request; a stop token id ends it too."""
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0.9, "seed": 3,
+                                             "n": 2, "ignore_eos": True}).json()
+    for i in range(2):
+        want = expected(ref, PROMPT, max_new_tokens=6, temperature=0.9, seed=3 + i, ignore_eos=True)
+        assert r["choices"][i]["text"] == want.text
+    full = expected(ref, PROMPT, max_new_tokens=16, ignore_eos=True)
+    stop = full.text[5:8]
+    cut = full.text[:full.text.find(stop)]
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop, "\x00never"]}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert got["text"] == cut and got["finish_reason"] == "stop"
+    with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as s:
+        assert "".join(c["choices"][0]["text"] for c in sse(s)) == cut
+    stop_id = full.token_ids[3]
+    got = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                                                "stop_token_ids": [stop_id]}).json()["choices"][0]
+    want = expected(ref, PROMPT, max_new_tokens=16, stop_token_ids=[stop_id])
+    assert got["text"] == want.text and got["finish_reason"] == "stop"
+
+
+def test_stop_matcher_holds_back_a_possible_stop_prefix():
+    m = StopMatcher(["END"])
+    out = []
+    for text in ("ab", "abE", "abEN", "abENx", "abENxyEND", "abENxyENDzz"):
+        m.update(text)
+        out.append(m.emit(final=False))
+    assert "".join(out) + m.emit(final=True) == "abENxy" and m.stopped
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"max_tokens": 4}, "prompt"),
+    ({"prompt": [1, 2], "temperature": -1}, "temperature"),
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [1, 10 ** 6]}, "outside the vocabulary"),
+    ({"prompt": [1, 2], "max_tokens": 10 ** 7}, "exceeds the model's context"),
+    ({"prompt": [1, 2], "top_p": 0}, "top_p"),
+    ({"prompt": [1, 2], "logprobs": 5}, "logprobs > 1"),
+])
+def test_bad_requests_are_400_with_an_openai_error(client, body, message):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_renders_the_checkpoint_template(tmp_path, ref):
+    """/v1/chat/completions renders the checkpoint's chat_template.jinja and generates from it, as
+    /v1/completions does from the rendered text; a model without a template answers 400."""
+    from models.weights import tiny_checkpoint
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_checkpoint(), model_dir)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    engine = Engine("tiny", CONFIG)
+    app = create_app(engine, model_name="tiny", model_dir=model_dir)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    with TestClient(app) as c:
+        got = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0}).json()
+        with c.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                             "stream": True}) as s:
+            chunks = sse(s)
+    want = ref.generate(["<system>be brief\n<user>hi there\n<assistant>"], SamplingParams(max_new_tokens=6))[0]
+    assert got["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want.text
+    with TestClient(create_app(engine)) as c:            # the first app's engine thread has stopped
+        r = c.post("/v1/chat/completions", json={"messages": msgs})
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+def test_concurrent_requests_each_equal_their_own_run(client, ref):
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(4)]
+    results = {}
+
+    def call(i):
+        results[i] = client.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 7, "temperature": 0,
+                                                           "ignore_eos": True}).json()["choices"][0]["text"]
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, p in enumerate(prompts):
+        assert results[i] == expected(ref, p, max_new_tokens=7, ignore_eos=True).text
+
+
+def test_a_dropped_stream_is_aborted_and_a_full_queue_is_503(client):
+    """Closing a stream after its first token aborts the request (its pages come back); past max_queued
+    requests in flight the server answers 503."""
+    loop = client.app_state.loop
+    aborted = loop.aborted
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 500, "temperature": 0,
+                                                         "ignore_eos": True, "stream": True}) as s:
+        next(ln for ln in s.iter_lines() if ln.startswith("data: "))
+    deadline = time.time() + 30
+    while (loop.subscribers or loop.engine.has_unfinished()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert loop.aborted == aborted + 1 and not loop.subscribers
+    s = loop.engine.stats()
+    assert s["request_pages"] == 0 and s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "n": 5})     # 5 > max_queued = 4
+    assert r.status_code == 503 and "server busy" in r.json()["error"]["message"]
+
+
+def test_health_models_and_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    text = client.get("/metrics").text
+    for name in ("cpkv_time_to_first_token_seconds", "cpkv_requests_total", "cpkv_free_pages",
+                 "cpkv_cached_prompt_tokens_total"):
+        assert name in text
