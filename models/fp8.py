@@ -10,6 +10,7 @@ import numpy as np
 BLOCK = 128
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
+
 def scale_shape(shape: tuple) -> tuple:
     """Block scales of a [..., rows, cols] weight."""
     *lead, r, c = shape

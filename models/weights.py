@@ -131,7 +131,7 @@ class SafetensorsReader:
         """(stored values, fp32 block scales) of a weight stored block-scaled, else None."""
         if key not in self.weight_map:
             raise CheckpointError(f"checkpoint is missing tensor {key!r}")
-        scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else None
+        scale_key = _scale_key(key)
         if not scale_key or scale_key not in self.weight_map:
             return None
         w = self._raw(key)
@@ -159,7 +159,7 @@ class SafetensorsReader:
         for key in self.weight_map:
             name = fp8_linear_name(key)
             if name is not None:
-                scaled = key[: -len("weight")] + "weight_scale_inv" in self.weight_map
+                scaled = _scale_key(key) in self.weight_map
                 seen[name] = seen.get(name, True) and scaled
         return tuple(sorted(n for n, all_scaled in seen.items() if all_scaled))
 
@@ -172,9 +172,8 @@ class SafetensorsReader:
             full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[:w.shape[0], :w.shape[1]]
             return w.astype(np.float32) * full
         w = self._raw(key)
-        scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else None
         if w.dtype == ml_dtypes.float8_e4m3fn:
-            raise CheckpointError(f"{key} is fp8 but has no {scale_key}")
+            raise CheckpointError(f"{key} is fp8 but has no {_scale_key(key)}")
         return w.astype(np.float32)
 
     def close(self):
@@ -182,6 +181,11 @@ class SafetensorsReader:
 
 
 _FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _scale_key(key: str) -> str | None:
+    """The key of a weight's block scales (`...weight` -> `...weight_scale_inv`); None for a non-weight."""
+    return key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else None
 
 
 def fp8_linear_name(key: str) -> str | None:
@@ -225,9 +229,8 @@ def hf_layer_tree(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, mlp_
         key = prefix + suffix
         expert = isinstance(path[-1], int)              # one expert of a stacked expert tensor
         target = _get_path(abstract_layer, path[:-1] if expert else path)
-        items = [(path, read_weight(reader, key, transpose, target.dtype))]
-        if jnp.dtype(target.dtype) == jnp.float8_e4m3fn:
-            items[0], items[1:] = (path, items[0][1][0]), [(_scale_path(path), items[0][1][1])]
+        got = read_weight(reader, key, transpose, target.dtype)
+        items = [(path, got[0]), (_scale_path(path), got[1])] if isinstance(got, tuple) else [(path, got)]
         for p, arr in items:
             want = _get_path(abstract_layer, p[:-1] if expert else p).shape
             _expect_shape(key, arr, want[1:] if expert else want)

@@ -46,7 +46,7 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
     return gather_rows(y, slot_row, policy=policy)
 
 
-def blocked_tilings(slots: int, D: int, I: int, E: int) -> tuple[Tiling, Tiling]:
+def blocked_tilings(slots: int, E: int) -> tuple[Tiling, Tiling]:
     """The kernel's tilings for a call of `slots` routed rows (tuning in docs/perf.md): 64-row tiles
     when few rows reach each expert (decode), else 128."""
     if slots < 4 * E:
@@ -55,8 +55,7 @@ def blocked_tilings(slots: int, D: int, I: int, E: int) -> tuple[Tiling, Tiling]
     return Tiling(block_m=128, block_n=64), Tiling(block_m=128, block_n=128)
 
 
-def blocked_shape_error(x, gate, down, slots: int) -> str | None:
-    up_t, down_t = blocked_tilings(slots, x.shape[1], gate.shape[2], gate.shape[0])
+def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling) -> str | None:
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     h = jax.ShapeDtypeStruct((P, gate.shape[2]), x.dtype)
     return (shape_error(jax.ShapeDtypeStruct((P, x.shape[1]), x.dtype), gate, up_t)
@@ -67,8 +66,8 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     """The dispatch: the grouped_matmul kernel on GPU with policy.moe_kernel where its shapes fit (K
     and N multiples of its blocks, bf16), else expert_mlp_ragged."""
     slots = flat_expert.shape[0]
-    if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots) is None:
-        up_t, down_t = blocked_tilings(slots, x.shape[1], gate.shape[2], gate.shape[0])
+    up_t, down_t = blocked_tilings(slots, gate.shape[0])
+    if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)
     return expert_mlp_ragged(x, flat_expert, gate, up, down, topk, policy=policy)

@@ -4,13 +4,15 @@ Rows routed to expert g are laid out contiguously from a tile boundary, so every
 padded buffer belongs to exactly one expert (or to none: tiles past the used ones). The matmul kernel
 then needs one number per tile (its expert), loads and stores whole tiles by TMA, and skips unused
 tiles without reading any weight. vLLM and SGLang's fused MoE align their rows the same way
-("moe_align_block_size"). The plan is computed on the device with jnp (sort, cumsum, scatter);
-nothing here is data-dependent in shape.
+("moe_align_block_size"). The plan is computed on the device with jnp (row_gather.expert_order's
+stable sort and group sizes, then cumsums and a scatter); nothing here is data-dependent in shape.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+from pallas_kernels.row_gather import expert_order
 
 
 def padded_rows(slots: int, experts: int, block_m: int) -> int:
@@ -29,8 +31,7 @@ def block_plan(flat_expert, experts: int, block_m: int):
     S = flat_expert.shape[0]
     P = padded_rows(S, experts, block_m)
     e = flat_expert.astype(jnp.int32)
-    order = jnp.argsort(e, stable=True).astype(jnp.int32)
-    sizes = jnp.zeros(experts + 1, jnp.int32).at[e].add(1)[:experts]
+    order, sizes = expert_order(e, experts)
     tiles = (sizes + block_m - 1) // block_m
     tile_start = jnp.cumsum(tiles) - tiles                          # first tile of each expert
     row_start = jnp.cumsum(sizes) - sizes                           # first sorted position of each expert
