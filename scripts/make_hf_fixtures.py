@@ -9,9 +9,18 @@ as `model.layers.{N}.*`), and reference.npz with
   decode_tokens  [B, S]          decode_logits  [B, S, V]   (prefill of P tokens, then 1 token/step)
   mtp_tokens     [B, T+1]        mtp_logits     [B, T, V]   (MTP over the final-normed target hidden)
 
-Usage: scripts/hf_venv.sh && .venv-hf/bin/python scripts/make_hf_fixtures.py
+Every top-k decision the references contain (the indexer's key selection, the router's experts) is
+checked for a margin: the k-th and (k+1)-th candidates must differ by at least MIN_TOPK_MARGIN of the
+row's largest score, else the inputs are redrawn. Paths that are equal up to fp32 rounding (~1e-6
+relative) would otherwise break a near-tie differently and diverge for every later position. The margin
+reached is stored as `topk_margin` (and the input seed as `token_seed`); tests/test_hf_parity.py checks it.
+
+Usage: a venv with torch and transformers (any CPU torch; the CUDA wheel from PyPI works without a GPU):
+  python -m venv .venv-hf && .venv-hf/bin/pip install torch transformers safetensors numpy
+  .venv-hf/bin/python scripts/make_hf_fixtures.py [NAME ...]
 """
 
+import contextlib
 import json
 import math
 import shutil
@@ -24,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+MIN_TOPK_MARGIN = 1e-5   # 10x the relative rounding noise between our paths and HF's (fp32)
 
 COMMON = dict(
     vocab_size=256,
@@ -111,6 +121,86 @@ def mtp_forward(mtp, model, tokens, target_hidden):
     return mtp["head"](mtp["norm"](h))
 
 
+@contextlib.contextmanager
+def topk_margins():
+    """Record, for every top-k taken inside the block, the smallest gap between the k-th and (k+1)-th
+    largest unmasked candidates relative to the row's largest magnitude. Yields a list that holds
+    (margin, call description) of the narrowest decision once the block ends."""
+    narrowest = [(math.inf, None)]
+    tensor_topk, torch_topk = torch.Tensor.topk, torch.topk
+
+    def record(x, k, dim=-1):
+        if not x.is_floating_point() or x.dim() == 0 or k >= x.shape[dim]:
+            return
+        v = torch.sort(x.detach().float().movedim(dim, -1), dim=-1, descending=True).values
+        candidate = torch.isfinite(v) & (v > -1e30)   # HF masks with -inf or the dtype's minimum
+        decided = candidate[..., k]                   # rows with more candidates than k
+        if not decided.any():
+            return
+        finite = torch.where(candidate, v.abs(), torch.zeros_like(v))
+        rel = (v[..., k - 1] - v[..., k]) / finite.amax(-1).clamp(min=1e-30)
+        rel = torch.where(decided, rel, torch.full_like(rel, math.inf))
+        m = float(rel.min())
+        if m < narrowest[0][0]:
+            narrowest[0] = (m, f"topk(k={k}) over {tuple(x.shape)} at row {np.unravel_index(int(rel.argmin()), rel.shape)}")
+
+    def spy(original):
+        def topk(x, k, dim=-1, *args, **kwargs):
+            record(x, k, dim)
+            return original(x, k, dim, *args, **kwargs)
+        return topk
+
+    torch.Tensor.topk, torch.topk = spy(tensor_topk), spy(torch_topk)
+    try:
+        yield narrowest
+    finally:
+        torch.Tensor.topk, torch.topk = tensor_topk, torch_topk
+
+
+def references(model, mtp, config, rng):
+    """The reference logits for one draw of input tokens."""
+    ref = {}
+    with torch.no_grad():
+        # Prefill: two sequences of 96 tokens, logits at every position.
+        toks = torch.tensor(rng.integers(0, config.vocab_size, size=(2, 96)))
+        out = model(toks, use_cache=False, output_hidden_states=True)
+        ref["prefill_tokens"] = toks.numpy().astype(np.int32)
+        ref["prefill_logits"] = out.logits.float().numpy()
+
+        # Prefill 40 then 12 single-token steps through HF's KV cache (incl. indexer key cache).
+        dec = torch.tensor(rng.integers(0, config.vocab_size, size=(2, 52)))
+        o = model(dec[:, :40], use_cache=True)
+        pkv, logits = o.past_key_values, [o.logits]
+        for s in range(40, 52):
+            o = model(dec[:, s:s + 1], past_key_values=pkv, use_cache=True)
+            pkv = o.past_key_values
+            logits.append(o.logits)
+        ref["decode_tokens"] = dec.numpy().astype(np.int32)
+        ref["decode_prefill_len"] = np.int32(40)
+        ref["decode_logits"] = torch.cat(logits, dim=1).float().numpy()
+
+        # MTP on the final-normed hidden of a 64-token prefill, fed token i+1 at position i.
+        mt = torch.tensor(rng.integers(0, config.vocab_size, size=(2, 65)))
+        h = model.model(mt[:, :64]).last_hidden_state
+        ref["mtp_tokens"] = mt.numpy().astype(np.int32)
+        ref["mtp_logits"] = mtp_forward(mtp, model, mt, h).float().numpy()
+    return ref
+
+
+def references_clear_of_ties(name, compute, seed, attempts=50):
+    """Draw input tokens (`compute(rng)` with seed, then seed + 7919 i) until every top-k decision
+    clears MIN_TOPK_MARGIN."""
+    for i in range(attempts):
+        token_seed = seed + 7919 * i
+        with topk_margins() as narrowest:
+            ref = compute(np.random.default_rng(token_seed))
+        margin, where = narrowest[0]
+        print(f"{name}: token seed {token_seed}: narrowest top-k margin {margin:.2e} ({where})")
+        if margin >= MIN_TOPK_MARGIN:
+            return dict(ref, topk_margin=np.float32(margin), token_seed=np.int64(token_seed))
+    raise SystemExit(f"{name}: no input draw in {attempts} clears the top-k margin {MIN_TOPK_MARGIN}")
+
+
 def build(name, config_cls, model_cls, cfg_kwargs, seed):
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -166,32 +256,7 @@ def build(name, config_cls, model_cls, cfg_kwargs, seed):
     tensors[prefix + "embed_tokens.weight"] = mtp["embed_tokens"].weight
     save_file({k: v.contiguous() for k, v in tensors.items()}, st_files[0], metadata={"format": "pt"})
 
-    rng = np.random.default_rng(seed)
-    ref = {}
-    with torch.no_grad():
-        # Prefill: two sequences of 96 tokens, logits at every position.
-        toks = torch.tensor(rng.integers(0, config.vocab_size, size=(2, 96)))
-        out = model(toks, use_cache=False, output_hidden_states=True)
-        ref["prefill_tokens"] = toks.numpy().astype(np.int32)
-        ref["prefill_logits"] = out.logits.float().numpy()
-
-        # Prefill 40 then 12 single-token steps through HF's KV cache (incl. indexer key cache).
-        dec = torch.tensor(rng.integers(0, config.vocab_size, size=(2, 52)))
-        o = model(dec[:, :40], use_cache=True)
-        pkv, logits = o.past_key_values, [o.logits]
-        for s in range(40, 52):
-            o = model(dec[:, s:s + 1], past_key_values=pkv, use_cache=True)
-            pkv = o.past_key_values
-            logits.append(o.logits)
-        ref["decode_tokens"] = dec.numpy().astype(np.int32)
-        ref["decode_prefill_len"] = np.int32(40)
-        ref["decode_logits"] = torch.cat(logits, dim=1).float().numpy()
-
-        # MTP on the final-normed hidden of a 64-token prefill, fed token i+1 at position i.
-        mt = torch.tensor(rng.integers(0, config.vocab_size, size=(2, 65)))
-        h = model.model(mt[:, :64]).last_hidden_state
-        ref["mtp_tokens"] = mt.numpy().astype(np.int32)
-        ref["mtp_logits"] = mtp_forward(mtp, model, mt, h).float().numpy()
+    ref = references_clear_of_ties(name, lambda rng: references(model, mtp, config, rng), seed)
     np.savez_compressed(out_dir / "reference.npz", **ref)
     cfg = json.loads((out_dir / "config.json").read_text())
     print(f"{name}: {len(tensors)} tensors, model_type={cfg['model_type']}, keys e.g. "
@@ -201,7 +266,8 @@ def build(name, config_cls, model_cls, cfg_kwargs, seed):
 
 def fp8_variant(model, src_dir, name, seed):
     """Block-quantize every 2-D linear weight to fp8 e4m3 (128x128 blocks, weight_scale_inv) and record
-    the logits of the HF model loaded with the dequantized weights."""
+    the prefill logits of the HF model loaded with the dequantized weights (its own input draw: the
+    quantized model's top-k decisions have their own near-ties)."""
     out_dir = OUT / name
     shutil.rmtree(out_dir, ignore_errors=True)
     shutil.copytree(src_dir, out_dir)
@@ -246,11 +312,13 @@ def fp8_variant(model, src_dir, name, seed):
     missing = [k for k in hf_sd if k not in sd]
     assert not missing, missing
     model.load_state_dict(hf_sd, strict=False)
-    ref = dict(np.load(src_dir / "reference.npz"))
-    with torch.no_grad():
-        toks = torch.tensor(ref["prefill_tokens"])
-        ref = {"prefill_tokens": ref["prefill_tokens"],
-               "prefill_logits": model(toks, use_cache=False).logits.float().numpy()}
+    def prefill(rng):
+        toks = torch.tensor(rng.integers(0, model.config.vocab_size, size=(2, 96)))
+        with torch.no_grad():
+            return {"prefill_tokens": toks.numpy().astype(np.int32),
+                    "prefill_logits": model(toks, use_cache=False).logits.float().numpy()}
+
+    ref = references_clear_of_ties(name, prefill, seed)
     np.savez_compressed(out_dir / "reference.npz", **ref)
     print(f"{name}: {len(deq)} fp8 tensors")
 

@@ -30,3 +30,53 @@ def test_gpu_prefill_and_decode_match_hf(name, path):
     print(f"gpu decode {name}/{path}: rel err {err:.2e}")
     assert err <= TOL
     assert np.isfinite(dec).all()
+
+
+ODD_SHAPES = {
+    "hidden80": dict(hidden_size=80),
+    "hidden96": dict(hidden_size=96),
+    "experts6": dict(n_routed_experts=6),
+    "heads5": dict(num_attention_heads=5, num_key_value_heads=5),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+def test_engine_runs_odd_model_shapes_like_the_jnp_references(shape, dtype):
+    """Every kernel dispatch pads, tiles or falls back for the shape it is handed: an engine over the
+    tiny model's layout with an odd width, expert count or head count runs prefill, decode and the host
+    tier with the default kernel policy, and in fp32 its tokens and logits equal the same engine's with
+    every Pallas kernel off (the jnp references). bf16 runs the kernels that only take bf16 (the MoE
+    grouped matmul at experts 6); there the kernels and the references round differently, an indexer
+    near-tie then selects another key, and random weights amplify that (H200: up to 8.8e-2 at the first
+    differing token), so bf16 is bounded at 0.15, a check that it runs and stays near, not of
+    exactness. hidden 96 crashed the row-gather kernel's lowering on the H200 before its dispatch
+    learned to fall back."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+    from models.config import ModelConfig
+    from models.model import DsaModel
+    from pallas_kernels.policy import KernelPolicy
+
+    cfg = ModelConfig.named("tiny", **ODD_SHAPES[shape])
+    model = DsaModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (5, 70, 150)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    runs = {}
+    for name, kernels in (("kernels", KernelPolicy()), ("references", KernelPolicy(enabled=False, moe_kernel=False))):
+        eng = Engine(model, EngineConfig(page_size=64, kv_pages=16, hicache_pages=8, kernels=kernels))
+        runs[name] = eng.generate(prompts, params, return_logits=True)
+        assert eng.stats()["request_pages"] == 0
+    for got, want in zip(runs["kernels"], runs["references"]):
+        same = next((i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), len(got.token_ids))
+        # logits are comparable up to the first differing token (bf16 rounding may break a near-tie)
+        err = rel_err(np.stack(got.logits[:same + 1]), np.stack(want.logits[:same + 1]))
+        print(f"{shape}/{dtype}: logits rel err {err:.2e}, tokens equal for {same} of {len(got.token_ids)}")
+        if dtype == "float32":
+            assert got.token_ids == want.token_ids and err <= 1e-4
+        else:
+            assert np.isfinite(np.stack(got.logits)).all() and err <= 0.15

@@ -1,4 +1,5 @@
-"""The JAX model against HF transformers 5.23.0 (fixtures from scripts/make_hf_fixtures.py), fp32."""
+"""The JAX model against HF transformers (fixtures from scripts/make_hf_fixtures.py, transformers 5.17 /
+torch 2.11 CPU), fp32."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,10 @@ from models.model import jit_forward, matmul_precision, prefill_logits
 from tests.helpers import hf_model, reference, rel_err
 
 TOL = 1e-5
+# Parity at TOL holds only while no top-k decision (indexer keys, router experts) in the references sits
+# on a near-tie: our paths and HF's agree to ~1e-6 relative, and a tie broken differently changes every
+# later position of that row. The generator redraws inputs until the narrowest margin clears this.
+MIN_TOPK_MARGIN = 1e-5
 MODELS = ("glm_tiny", "glm_indexcache", "dsv32_tiny")
 PATHS = ("expanded", "absorbed")
 WORST: dict = {}
@@ -26,6 +31,13 @@ def _report_errors(request):
     WORST.clear()
     yield
     request.node.user_properties.extend((f"rel_err/{k}", v) for k, v in WORST.items())
+
+
+@pytest.mark.parametrize("name", MODELS + ("glm_tiny_fp8",))
+def test_fixtures_are_clear_of_topk_near_ties(name):
+    """The margin the parity tests rely on, recorded by the generator for these inputs (a fixture made
+    without the check, like the one whose position 38 tied at 8.5e-7, fails here)."""
+    assert float(reference(name)["topk_margin"]) >= MIN_TOPK_MARGIN
 
 
 @pytest.mark.parametrize("path", PATHS)
