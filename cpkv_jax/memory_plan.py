@@ -1,0 +1,185 @@
+"""Will a model fit a set of devices, and how many KV tokens are left: per-device bytes of weights (from
+the abstract model's leaves placed by the sharding table, models/sharding.py), the KV pool, the host
+pool and the activations of one prefill step, for a mesh of dp x cp x tp devices with the routed
+experts split ep ways.
+
+The layout it plans (issue: the real GLM-5 on a mesh): attention heads, the indexer's heads, dense and
+shared-expert MLPs and the vocabulary split over `tp`; routed experts over `ep` (a divisor of the
+device count; experts are replicated devices / ep times); the KV pool's pages split over `cp` ranks and
+over `dp` replicas (each its own requests), the latent cache replicated over `tp` (MLA's latent is
+shared by every head, so a head split cannot split it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from flax import nnx
+
+from models.config import FP8_LINEARS_ALL, ModelConfig
+from models.kv import kv_cache_shapes
+from models.sharding import RULES, param_logical_axes
+
+GIB = 1 << 30
+KINDS = ("experts", "attention", "dense_mlp", "embedding", "other")
+
+
+class MeshPlanError(ValueError):
+    """A mesh that cannot hold the model's layout (a count it does not divide)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    def size(self, mesh_axis: str | None) -> int:
+        return 1 if mesh_axis is None else getattr(self, mesh_axis)
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshShape":
+        """'ep=8,tp=1,cp=1,dp=8' (any subset; the rest 1)."""
+        kw = {}
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            name, eq, value = item.partition("=")
+            if not eq or name not in {f.name for f in dataclasses.fields(cls)} or not value.isdigit() or int(value) < 1:
+                raise MeshPlanError(f"mesh: {item!r} is not axis=N with an axis of dp, cp, tp, ep and N >= 1")
+            kw[name] = int(value)
+        return cls(**kw)
+
+
+def check_mesh(cfg: ModelConfig, mesh: MeshShape, devices: int) -> None:
+    """Reject a mesh that does not match the devices or divide the counts its axes split."""
+    if mesh.devices != devices:
+        raise MeshPlanError(f"dp x cp x tp = {mesh.dp} x {mesh.cp} x {mesh.tp} = {mesh.devices} devices, "
+                            f"but {devices} are given")
+    if devices % mesh.ep:
+        raise MeshPlanError(f"ep={mesh.ep} does not divide the {devices} devices")
+    for count, name, axis in ((cfg.n_routed_experts, "n_routed_experts", mesh.ep),
+                              (cfg.num_attention_heads, "num_attention_heads", mesh.tp),
+                              (cfg.index_n_heads, "index_n_heads", mesh.tp),
+                              (cfg.vocab_size, "vocab_size", mesh.tp)):
+        if count % axis:
+            raise MeshPlanError(f"{'ep' if name == 'n_routed_experts' else 'tp'}={axis} does not divide "
+                                f"{name}={count}")
+
+
+def _kind(path: tuple) -> str:
+    names = [p for p in path if isinstance(p, str)]
+    if names[-1].startswith("experts_"):
+        return "experts"
+    if "self_attn" in names:
+        return "attention"
+    if names[-1] == "embed_tokens" or {"lm_head", "head"} & set(names):
+        return "embedding"
+    if "mlp" in names and names[-1] != "e_score_correction_bias" and "gate" not in names:
+        return "dense_mlp"
+    return "other"
+
+
+def weight_bytes(cfg: ModelConfig, dtype, mesh: MeshShape) -> tuple[dict, dict]:
+    """(total bytes by kind, per-device bytes by kind): each leaf of the abstract model divided by the
+    mesh sizes of the axes the sharding table gives its dimensions. A split dimension that the mesh
+    does not divide, or that cuts an fp8 weight's 128-wide scale blocks, is a MeshPlanError."""
+    from models.weights import abstract_model
+    state = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype)))
+    total, per_device = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
+    for p, leaf in jax.tree_util.tree_leaves_with_path(state):
+        path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p)
+        stacked = path[0] == "groups"
+        shape = leaf.shape[1:] if stacked else leaf.shape
+        nbytes = leaf.size * leaf.dtype.itemsize
+        split = 1
+        for dim, logical in enumerate(param_logical_axes(path, len(shape))):
+            n = mesh.size(getattr(RULES, logical) if logical else None)
+            if n == 1:
+                continue
+            if shape[dim] % n or (leaf.dtype.itemsize == 1 and path[-1] == "kernel" and (shape[dim] // n) % 128):
+                raise MeshPlanError(f"{'/'.join(map(str, path))} {tuple(shape)}: dimension {dim} ({logical}) "
+                                    f"of {shape[dim]} does not split {n} ways"
+                                    + (" into whole 128-wide fp8 blocks" if leaf.dtype.itemsize == 1 else ""))
+            split *= n
+        kind = _kind(path)
+        total[kind] += nbytes
+        per_device[kind] += nbytes // split
+    return total, per_device
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype, index_dtype: str = "fp8", draft: bool = True) -> int:
+    """Pool bytes of one token slot over every layer (target, and the MTP layer's one-layer cache)."""
+    def slot_bytes(**kw):
+        return sum(s.dtype.itemsize * math.prod(s.shape) for s in jax.tree.leaves(
+            kv_cache_shapes(cfg, 1, dtype, index_dtype, **kw)))
+    return slot_bytes() + (slot_bytes(num_layers=1, num_full=1) if draft else 0)
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, mesh: MeshShape, scores_max_bytes: int = 4 * GIB) -> int:
+    """An estimate of the largest buffers alive in one prefill step of `tokens` tokens on one device
+    (bf16 activations, fp32 scores), not a bound: the residual stream and its normed copies, the
+    per-head queries, the absorbed path's fp32 scores over the top-k, the indexer's score buffer (capped
+    by the kernel policy's scores_max_bytes) and the routed rows of the MoE (gathered, gate/up, down)."""
+    T, D, H = tokens, cfg.hidden_size, cfg.num_attention_heads // mesh.tp
+    k = min(cfg.index_topk, T)
+    residual = 4 * T * D * 2
+    queries = T * H * (cfg.qk_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    attention_scores = T * H * k * 4
+    indexer_scores = min(T * T * 4, scores_max_bytes)
+    routed = T * cfg.num_experts_per_tok * (2 * D + 2 * cfg.moe_intermediate_size) * 2
+    return residual + queries + attention_scores + indexer_scores + routed
+
+
+def plan(cfg: ModelConfig, *, devices: int, device_memory_gib: float, mesh: MeshShape | None = None,
+         weights: str = "fp8", page_size: int = 64, prefill_tokens: int = 8192, index_dtype: str = "fp8",
+         memory_fraction: float = 0.92, host_memory_gib: float = 0.0) -> dict:
+    """The memory plan as one JSON-able dict: per-device bytes by kind, whether it fits (weights +
+    activations + one page per request slot below memory_fraction of the device) and how many KV tokens
+    the rest holds over the whole mesh (dp replicas x cp ranks)."""
+    mesh = mesh or MeshShape(dp=devices, ep=devices)
+    check_mesh(cfg, mesh, devices)
+    if weights not in ("fp8", "bf16"):
+        raise MeshPlanError(f"weights must be fp8 or bf16, got {weights!r}")
+    dtype = jax.numpy.bfloat16
+    wcfg = cfg.replace(fp8_linears=FP8_LINEARS_ALL if weights == "fp8" else ())
+    total, per_device_w = weight_bytes(wcfg, dtype, mesh)
+    act = activation_bytes(cfg, prefill_tokens, mesh)
+    usable = int(device_memory_gib * GIB * memory_fraction)
+    kv_token = kv_bytes_per_token(cfg, dtype, index_dtype)
+    free = usable - sum(per_device_w.values()) - act
+    pages = max(free // (kv_token * page_size), 0)
+    kv_tokens_per_device = int(pages * page_size)
+    host_tokens = int(host_memory_gib * GIB // kv_token)
+    per_device = {f"weights_{k}": v for k, v in per_device_w.items()}
+    per_device.update(weights=sum(per_device_w.values()), activations=act, kv_pool=kv_tokens_per_device * kv_token)
+    return {
+        "model": cfg.model_type, "layers": cfg.num_hidden_layers, "devices": devices,
+        "mesh": dataclasses.asdict(mesh), "weights": weights,
+        "device_memory_bytes": int(device_memory_gib * GIB), "usable_bytes": usable,
+        "total_weight_bytes": int(sum(total.values())),
+        "per_device_bytes": {k: int(v) for k, v in per_device.items()},
+        "kv_bytes_per_token": kv_token,
+        "kv_tokens_per_device": kv_tokens_per_device,
+        "kv_tokens": kv_tokens_per_device * mesh.dp * mesh.cp,   # the latent is replicated over tp
+        "max_context_tokens": kv_tokens_per_device * mesh.cp,     # one request's pages live on its replica
+        "host_kv_tokens": host_tokens,
+        "fits": bool(pages >= 1),
+    }
+
+
+def print_plan(p: dict) -> None:
+    rows = [(k, f"{v / GIB:8.2f} GiB") for k, v in p["per_device_bytes"].items()]
+    rows += [("usable per device", f"{p['usable_bytes'] / GIB:8.2f} GiB"),
+             ("kv bytes per token", str(p["kv_bytes_per_token"])),
+             ("kv tokens (mesh)", f"{p['kv_tokens']:,}"), ("max context", f"{p['max_context_tokens']:,}"),
+             ("fits", str(p["fits"]))]
+    width = max(len(r[0]) for r in rows)
+    print(f"{p['model']} ({p['layers']} layers, {p['weights']} weights) on {p['devices']} devices, mesh "
+          + ",".join(f"{k}={v}" for k, v in p["mesh"].items()))
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
