@@ -56,20 +56,37 @@ def restore_rows(y, dest, kernels: KernelPolicy = DEFAULT_POLICY):
     return gather_rows(y, dest, policy=kernels)
 
 
-def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY):
-    """Sum over each row's k experts of w * down(silu(gate x) * up x), through the grouped matmuls of
-    pallas_kernels.moe (kernels chooses the kernel or XLA's ragged_dot). Rows at or beyond n_valid
-    (compacted dummies) join no expert and come out zero."""
+def routed_sum(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY, first_expert=0):
+    """fp32 [N, D]: the sum over each row's k experts of w * down(silu(gate x) * up x), through the
+    grouped matmuls of pallas_kernels.moe (kernels chooses the kernel or XLA's ragged_dot). `gate`,
+    `up`, `down` hold experts [first_expert, first_expert + E): slots routed elsewhere (another rank's
+    experts) and rows at or beyond n_valid (compacted dummies) join no expert and add zero."""
     N, D = x.shape
     E = gate.shape[0]
     k = idx.shape[1]
-    flat_e = idx.reshape(-1)
+    flat_e = idx.reshape(-1) - first_expert   # outside [0, E): no expert here
     if n_valid is not None:
-        flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)  # E: no expert
+        flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)
     y = expert_mlp(x, flat_e, gate, up, down, k, policy=kernels)
     # Each row's k slots weighted and summed in slot order in fp32: no scatter-add (on the GPU that
     # is atomics in arbitrary order, not bit-stable run to run).
-    return (y.reshape(N, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1).astype(x.dtype)
+    return (y.reshape(N, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1)
+
+
+def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY):
+    """routed_sum over every expert, in x's dtype."""
+    return routed_sum(x, idx, w, gate, up, down, n_valid, kernels).astype(x.dtype)
+
+
+def expert_parallel_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPolicy, axis: str):
+    """Inside a shard_map over `axis`, with the routed experts split over it (rank r holds experts
+    [r E_r, (r + 1) E_r)) and the rows, their routes and weights the same on every rank: each rank runs
+    only its own experts' slots and the ranks' fp32 partial sums are added (one psum of [N, D]). Exact
+    up to the order of that addition; nothing is padded to a capacity. With the rows already on every
+    rank (tensor-parallel attention's output is), the psum moves the same bytes as a dispatch and
+    combine all-to-all of a rank's share of the rows at top-8."""
+    first = jax.lax.axis_index(axis) * gate.shape[0]
+    return jax.lax.psum(routed_sum(x, idx, w, gate, up, down, n_valid, kernels, first), axis).astype(x.dtype)
 
 
 class MoE(nnx.Module):
@@ -87,10 +104,11 @@ class MoE(nnx.Module):
                                    fp8=lambda name: cfg.fp8(f"mlp.shared_experts.{name}"))
                                if cfg.n_shared_experts else None)
 
-    def __call__(self, x, valid=None, *, kernels: KernelPolicy = DEFAULT_POLICY):
+    def __call__(self, x, valid=None, *, kernels: KernelPolicy = DEFAULT_POLICY, expert_axis: str | None = None):
         """x [..., D]; valid [...] marks real tokens (padding lanes are False). Valid rows are compacted
         before the router and experts and restored after, so padding never takes part in routing.
-        kernels: whether the row gathers run the Pallas kernel (static)."""
+        kernels: whether the row gathers run the Pallas kernel (static). expert_axis: inside a shard_map
+        over this mesh axis, with this module's routed experts split over it (expert_parallel_mlp)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         valid = jnp.ones(xf.shape[0], bool) if valid is None else valid.reshape(-1)
@@ -98,10 +116,11 @@ class MoE(nnx.Module):
         logits = jnp.dot(xc.astype(jnp.float32), self.gate.weight(jnp.float32))
         idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
         # fp8 experts are dequantized for the layer here (a transient of one layer's experts)
-        out = grouped_expert_mlp(xc, idx, w, stored_weight(self.experts_gate, self.experts_gate_scale_inv, x.dtype),
-                                 stored_weight(self.experts_up, self.experts_up_scale_inv, x.dtype),
-                                 stored_weight(self.experts_down, self.experts_down_scale_inv, x.dtype),
-                                 n_valid, kernels)
+        experts = (stored_weight(self.experts_gate, self.experts_gate_scale_inv, x.dtype),
+                   stored_weight(self.experts_up, self.experts_up_scale_inv, x.dtype),
+                   stored_weight(self.experts_down, self.experts_down_scale_inv, x.dtype))
+        out = (grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels) if expert_axis is None
+               else expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, expert_axis))
         if self.shared_experts is not None:
             out = out + self.shared_experts(xc)
         return restore_rows(out, dest, kernels).reshape(shape)
