@@ -15,4 +15,4 @@ run: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/cpkv-jax generate --model tiny --prompt "The quick brown fox" --tokens 11,42,7,300,5,19,64,128 --max-new-tokens 16 --page-size 16 --json
 
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q -n 2 --dist worksteal
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=20

@@ -13,7 +13,7 @@ import numpy as np
 from cpkv_jax.config import EngineConfig
 from cpkv_jax.cp import CPPlan, CPRequest, plan as cp_plan
 from cpkv_jax.kv_pool import page_slots, pages_for
-from cpkv_jax.sampling import SamplingParams
+from cpkv_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from cpkv_jax.scheduler import Chunk, Request, Scheduler
 from models.kv import Batch
 
@@ -84,7 +84,7 @@ class BatchBuilder:
         self.config = config
         self.scheduler = scheduler
         self.max_pages = pages_for(max_context, config.page_size)
-        self.sampler_variants: set[tuple[str, int]] = set()
+        self.sampler_variants: set[tuple] = set()
 
     def rows(self, requests: int) -> int:
         return bucket(requests, 1, self.config.max_running)
@@ -123,10 +123,17 @@ class BatchBuilder:
                                                   [ch.req.pages for ch in chunks], rows=B, lanes=T, table_pages=S)
         return StepBatch(plan, requests, batch, last_lane, last_rank)
 
-    def sampling(self, sampler: str, reqs: list[Request], rows: int):
+    @staticmethod
+    def top_logprobs_width(reqs: list[Request]) -> int:
+        """The static top-N width of a step: 0 when no request asks for alternatives, else the largest
+        N asked for bucketed to a power of two (capped at MAX_TOP_LOGPROBS), so N does not recompile."""
+        n = max((r.params.top_logprobs for r in reqs), default=0)
+        return 0 if n == 0 else bucket(n, 1, MAX_TOP_LOGPROBS)
+
+    def sampling(self, sampler: str, reqs: list[Request], rows: int, top_n: int = 0):
         """Per-row (temperature, top_p, top_k, seed) for `sampler` over `rows` rows (padding rows: the
-        defaults); each (sampler, rows) pair is one compiled sampler variant."""
-        self.sampler_variants.add((sampler, rows))
+        defaults); each (sampler, rows, top_n) is one compiled sampler variant."""
+        self.sampler_variants.add((sampler, rows, top_n))
         params = [r.params for r in reqs] + [SamplingParams()] * (rows - len(reqs))
         return (jnp.asarray([p.temperature for p in params], jnp.float32),
                 jnp.asarray([p.top_p for p in params], jnp.float32),
@@ -134,13 +141,17 @@ class BatchBuilder:
                 jnp.asarray([p.seed for p in params], jnp.uint32))
 
     def max_compilations(self, *, speculative: bool, hooked: bool) -> int:
-        """Upper bound on compiled step variants: prefill B x T x S buckets and decode B x S (with
-        speculative decoding also the draft extend of each, and the chain step), twice that under CP
-        (a plan is page-aligned or not), twice again with the host tier's layer hook (`hooked`: a step
-        that copies and one that does not), plus one sampler variant per B bucket and sampler."""
+        """Upper bound on compiled step variants: prefill B x T x S buckets twice (last-token logits, or
+        every position's for prompt logprobs) and decode B x S (with speculative decoding also the draft
+        extend of each, and the chain step), twice that under CP (a plan is page-aligned or not), twice
+        again with the host tier's layer hook (`hooked`: a step that copies and one that does not), plus
+        the samplers: one variant per B bucket, sampler and top-N width, and the prompt log-probability
+        gather per prefill B x T bucket and width."""
         c = self.config
         nB = len(bucket_set(1, c.max_running))
         nT = len(bucket_set(min(c.min_prefill_lanes, c.max_prefill_tokens), c.max_prefill_tokens))
         nS = len(bucket_set(1, self.max_pages))
-        steps = (2 * nB * nT * nS + 3 * nB * nS) if speculative else (nB * nT * nS + nB * nS)
-        return steps * (2 if c.cp_size > 1 else 1) * (2 if hooked else 1) + nB * (3 if speculative else 1)
+        nK = 1 + len(bucket_set(1, MAX_TOP_LOGPROBS))
+        steps = (3 * nB * nT * nS + 3 * nB * nS) if speculative else (2 * nB * nT * nS + nB * nS)
+        samplers = nB * nK * (3 if speculative else 1) + nB * nT * nK
+        return steps * (2 if c.cp_size > 1 else 1) * (2 if hooked else 1) + samplers

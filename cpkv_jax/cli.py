@@ -1,4 +1,4 @@
-"""`cpkv-jax` command line: generate | bench | score | convert."""
+"""`cpkv-jax` command line: generate | bench | serve | score | convert | plan."""
 
 from __future__ import annotations
 
@@ -88,13 +88,21 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def _engine_config(args, **over):
+def engine_config(args, **over):
+    """The EngineConfig of parsed engine options (engine_options: one flag per field), with `over` on top."""
     from cpkv_jax.config import EngineConfig
-    kw = dict(page_size=args.page_size, kv_pages=args.kv_pages, dtype=args.dtype, cp_size=args.cp,
-              cp_mode=args.cp_mode, hicache_pages=args.hicache_pages, hicache_policy=args.hicache_policy,
-              hicache_copy=args.hicache_copy, kernels=args.kernels)
-    kw.update(over)
-    return EngineConfig(**kw)
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)} | over)
+
+
+def compile_cache(args) -> None:
+    """Keep compiled XLA executables under the cache directory ($CPKV_CACHE_DIR/xla), so a second start
+    loads every bucket's step instead of compiling it again; not with --no-compile-cache, and not over a
+    cache directory already set (JAX_COMPILATION_CACHE_DIR, or a program embedding the CLI)."""
+    import jax
+
+    from models.weights import cache_dir
+    if args.compile_cache and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
 
 
 def cmd_generate(args) -> int:
@@ -104,10 +112,11 @@ def cmd_generate(args) -> int:
     from cpkv_jax.sampling import SamplingParams
 
     prompts = [value for _, value in args.requests]
-    engine = Engine(args.model, _engine_config(args, speculative=args.speculative,
-                                               num_draft_tokens=args.num_draft_tokens))
+    engine = Engine(args.model, engine_config(args))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                            stop=tuple(args.stop), n=args.n, top_logprobs=args.top_logprobs,
+                            prompt_logprobs=args.prompt_logprobs)
     t = time.perf_counter()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t
@@ -176,10 +185,10 @@ def cmd_bench(args) -> int:
     model = bench_model(args)
     cfg = model.cfg
     B, L, N = args.batch, args.prompt_len, args.decode_tokens
-    kv_pages = args.kv_pages or args.cp * -(-(B * pages_for(L + N, args.page_size) + 2) // args.cp + 1)
-    budget = args.prefill_budget or min(B * L, 8192)
-    config = _engine_config(args, kv_pages=kv_pages, max_running=B, max_prefill_tokens=budget,
-                            prefix_cache=False, dtype=None)
+    kv_pages = args.kv_pages or args.cp_size * -(-(B * pages_for(L + N, args.page_size) + 2) // args.cp_size + 1)
+    budget = args.max_prefill_tokens or min(B * L, 8192)
+    config = engine_config(args, kv_pages=kv_pages, max_running=args.max_running or B, max_prefill_tokens=budget,
+                           speculative=None)
     engine = Engine(model, config)
     params = SamplingParams(max_new_tokens=N, ignore_eos=True)
     rng = np.random.default_rng(args.seed)
@@ -221,7 +230,7 @@ def cmd_bench(args) -> int:
     result = {
         "model": args.model, "dtype": str(model.dtype), "layers": cfg.num_hidden_layers,
         "experts": cfg.n_routed_experts, "batch": B, "prompt_len": L, "decode_tokens": N,
-        "page_size": args.page_size, "prefill_budget": budget, "device": ceilings["device"], "cp": args.cp,
+        "page_size": args.page_size, "prefill_budget": budget, "device": ceilings["device"], "cp": args.cp_size,
         "pool_bytes_per_rank": engine.pool.bytes_per_rank(),
         "prefill": {"tokens": best["prefill_tokens"], "seconds": p_s, "tokens_per_s": best["prefill_tokens"] / p_s,
                     "flops": prefill_flops, "flops_per_s": prefill_flops / p_s,
@@ -260,54 +269,100 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Per-device memory of a model on a mesh (cpkv_jax.memory_plan): a table, or one JSON object."""
+    from cpkv_jax.memory_plan import MeshShape, plan, print_plan
+    from models.config import ModelConfig
+    path = Path(args.model)
+    cfg = ModelConfig.from_json_file(path) if path.exists() else ModelConfig.named(args.model)
+    mesh = MeshShape.parse(args.mesh) if args.mesh else MeshShape(dp=args.devices, ep=args.devices)
+    result = plan(cfg, devices=args.devices, device_memory_gib=args.device_memory, mesh=mesh, weights=args.weights,
+                  page_size=args.page_size, prefill_tokens=args.prefill_tokens, host_memory_gib=args.host_memory)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_plan(result)
+    return 0
+
+
 def cmd_serve(args) -> int:
     from cpkv_jax.engine import Engine
     from cpkv_jax.server import serve
     from models.weights import tiny_checkpoint
 
-    engine = Engine(args.model, _engine_config(args, speculative=args.speculative,
-                                               num_draft_tokens=args.num_draft_tokens,
-                                               max_running=args.max_running,
-                                               max_prefill_tokens=args.max_prefill_tokens))
+    engine = Engine(args.model, engine_config(args))
     model_dir = tiny_checkpoint() if args.model == "tiny" else Path(args.model)
     serve(engine, host=args.host, port=args.port, model_name=args.served_model_name or Path(str(args.model)).name,
           model_dir=model_dir if model_dir.is_dir() else None, max_queued=args.max_queued)
     return 0
 
 
+def engine_options() -> argparse.ArgumentParser:
+    """The options of the verbs that run the engine (generate, bench, serve), defined once: --model, one
+    flag per EngineConfig field (dest = the field, default = EngineConfig's, read back by engine_config),
+    and --no-compile-cache."""
+    from cpkv_jax.config import EngineConfig
+    from cpkv_jax.cp import MODES, SHORT_POLICIES
+    from pallas_kernels.policy import DEFAULT_POLICY
+
+    d = EngineConfig()
+    q = argparse.ArgumentParser(add_help=False)
+    q.add_argument("--model", default="tiny", help="'tiny' (default), a cpkv (orbax) checkpoint dir, or an HF dir")
+    q.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (default %(default)s)")
+    q.add_argument("--kv-pages", type=int, default=d.kv_pages,
+                   help="device KV pool size in pages (default %(default)s)")
+    q.add_argument("--max-running", type=int, default=d.max_running,
+                   help="requests prefilling or decoding at once (default %(default)s)")
+    q.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                   help="prefill tokens per step, chunked prefill (default %(default)s)")
+    q.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=d.prefix_cache,
+                   help="radix prefix cache over finished and prefilled requests")
+    q.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="compute dtype (default: checkpoint's)")
+    q.add_argument("--index-dtype", choices=("fp8", "same", "bfloat16", "float32"), default=d.index_dtype,
+                   help="indexer key cache: fp8 e4m3 + per-token scale, or unquantized ('same': the compute "
+                        "dtype; what score and HF compute) (default %(default)s)")
+    q.add_argument("--attn-path", choices=("expanded", "absorbed"), default=d.attn_path,
+                   help="force one attention path (default: by tokens per request)")
+    q.add_argument("--min-prefill-lanes", type=int, default=d.min_prefill_lanes,
+                   help="smallest prefill token bucket (default %(default)s)")
+    q.add_argument("--cp", dest="cp_size", type=int, default=d.cp_size, metavar="N",
+                   help="context-parallel ranks (devices); the KV pool is split over them (default 1)")
+    q.add_argument("--cp-mode", choices=MODES, default=d.cp_mode, help="CP token split (default: page-aligned zigzag)")
+    q.add_argument("--ep", dest="ep_size", type=int, default=d.ep_size, metavar="N",
+                   help="expert-parallel ranks: each holds 1/N of the routed experts (default 1)")
+    q.add_argument("--tp", dest="tp_size", type=int, default=d.tp_size, metavar="N",
+                   help="tensor-parallel ranks: heads, MLP intermediate and vocabulary split N ways (default 1)")
+    q.add_argument("--cp-short-policy", choices=SHORT_POLICIES, default=d.cp_short_policy,
+                   help="CP split of requests with fewer than 2*cp new pages: whole pages per rank ('owner', "
+                        "default) or token-balanced segments")
+    q.add_argument("--speculative", choices=("nextn",), default=d.speculative,
+                   help="EAGLE/NextN speculative decoding with the checkpoint's MTP layer")
+    q.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens,
+                   help="draft tokens per round (default %(default)s)")
+    q.add_argument("--hicache-pages", type=int, default=d.hicache_pages,
+                   help="host KV tier (pinned host memory) under the prefix cache, in pages (default 0: off)")
+    q.add_argument("--hicache-policy", choices=("write_through", "write_through_selective"),
+                   default=d.hicache_policy, help="back pages up on first insert (default) or on the second hit")
+    q.add_argument("--hicache-copy", choices=("auto", "side_stream", "jit"), default=d.hicache_copy,
+                   help="host tier copies: on a side CUDA stream at layer boundaries, or jitted after the "
+                        "step (default auto: side stream on GPU)")
+    q.add_argument("--kernels", type=kernel_policy, default=DEFAULT_POLICY, metavar="FIELD=VALUE,...",
+                   help="kernel choices over the defaults, e.g. moe_kernel=false (the fields of "
+                        "pallas_kernels.policy.KernelPolicy)")
+    q.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not keep compiled executables in $CPKV_CACHE_DIR/xla (default: kept, so a second "
+                        "start does not compile again)")
+    return q
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpkv-jax", description=__doc__)
     sub = p.add_subparsers(dest="verb", required=True)
 
-    def spec_args(q):
-        q.add_argument("--speculative", choices=("nextn",), default=None,
-                       help="EAGLE/NextN speculative decoding with the checkpoint's MTP layer")
-        q.add_argument("--num-draft-tokens", type=int, default=2, help="draft tokens per round (default 2)")
-
-    def engine_args(q):
-        q.add_argument("--model", default="tiny", help="'tiny' (default), a cpkv (orbax) checkpoint dir, or an HF dir")
-        q.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
-        q.add_argument("--kv-pages", type=int, default=256, help="device KV pool size in pages (default 256)")
-        q.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: checkpoint's)")
-        q.add_argument("--cp", type=int, default=1, help="context-parallel ranks (devices); the KV pool is "
-                                                        "split over them (default 1)")
-        q.add_argument("--cp-mode", choices=("zigzag", "round_robin"), default="zigzag",
-                       help="CP token split (default: page-aligned zigzag)")
-        q.add_argument("--hicache-pages", type=int, default=0,
-                       help="host KV tier (pinned host memory) under the prefix cache, in pages (default 0: off)")
-        q.add_argument("--hicache-policy", choices=("write_through", "write_through_selective"),
-                       default="write_through", help="back pages up on first insert (default) or on the second hit")
-        q.add_argument("--hicache-copy", choices=("auto", "side_stream", "jit"), default="auto",
-                       help="host tier copies: on a side CUDA stream at layer boundaries, or jitted after the "
-                            "step (default auto: side stream on GPU)")
-        q.add_argument("--kernels", type=kernel_policy, default="default", metavar="FIELD=VALUE,...",
-                       help="kernel choices over the defaults, e.g. moe_kernel=false (the fields of "
-                            "pallas_kernels.policy.KernelPolicy)")
-
-    g = sub.add_parser("generate", help="generate tokens for one or more prompts (one batch)",
+    g = sub.add_parser("generate", parents=[engine_options()],
+                       help="generate tokens for one or more prompts (one batch)",
                        description="Run prompts through the engine (continuous batching, paged KV, prefix "
                                    "cache). --prompt/--tokens may repeat: one request each, outputs in order.")
-    engine_args(g)
     g.add_argument("--prompt", action=_Request, dest="requests", metavar="TEXT", help="a text prompt (repeatable)")
     g.add_argument("--tokens", action=_Request, dest="requests", metavar="IDS", type=token_ids,
                    help="a prompt as comma-separated token ids (repeatable)")
@@ -318,16 +373,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos token")
     g.add_argument("--logprobs", action="store_true", help="include each token's log-probability")
+    g.add_argument("--top-logprobs", type=int, default=0, metavar="N",
+                   help="with --logprobs / --prompt-logprobs: each token's N most likely alternatives")
+    g.add_argument("--prompt-logprobs", action="store_true",
+                   help="include each prompt token's log-probability given the tokens before it")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop at this text (repeatable; matched across tokens, the output cut before it)")
+    g.add_argument("--n", type=int, default=1,
+                   help="samples per prompt, seeds seed, seed + 1, ... (consecutive in the output)")
     g.add_argument("--json", action="store_true", help='print one JSON object {"outputs": [...], "timing": {...}}')
-    spec_args(g)
     g.set_defaults(fn=cmd_generate, requests=[])
 
-    b = sub.add_parser("bench", help="prefill / decode throughput with counted FLOPs and bytes",
+    b = sub.add_parser("bench", parents=[engine_options()],
+                       help="prefill / decode throughput with counted FLOPs and bytes",
                        description="Batch of random prompts through the engine: a warm-up run (compiles), then "
                                    "timed runs; prints prefill and decode tokens/s, MFU and bandwidth "
-                                   "utilisation against ceilings measured in the same run.")
-    engine_args(b)
-    b.set_defaults(model="tiny", kv_pages=None)
+                                   "utilisation against ceilings measured in the same run. Unless given, "
+                                   "--kv-pages, --max-running and --max-prefill-tokens follow the workload "
+                                   "(a pool for the batch, B, min(B*L, 8192)); the prompts are random, so "
+                                   "no prefix cache unless --prefix-cache.")
+    b.set_defaults(kv_pages=None, max_running=None, max_prefill_tokens=None, prefix_cache=False)
     b.add_argument("--num-layers", type=int, default=None, help="with --model random:NAME: layers")
     b.add_argument("--num-experts", type=int, default=None, help="with --model random:NAME: routed experts")
     b.add_argument("--fp8-weights", action="store_true",
@@ -335,24 +400,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--prompt-len", type=int, default=256)
     b.add_argument("--decode-tokens", type=int, default=32)
-    b.add_argument("--prefill-budget", type=int, default=None, help="prefill tokens per step (default min(B*L, 8192))")
     b.add_argument("--repeat", type=int, default=2)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", default=None, help="write the results as JSON to this path")
-    spec_args(b)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(fn=cmd_bench)
 
-    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+    v = sub.add_parser("serve", parents=[engine_options()],
+                       help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
                        description="Serve the model over HTTP: /v1/completions and /v1/chat/completions (SSE "
                                    "streaming, n, stop strings and token ids), /v1/models, /health, /metrics.")
-    engine_args(v)
-    spec_args(v)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    v.add_argument("--max-running", type=int, default=32, help="requests batched at once (default 32)")
-    v.add_argument("--max-prefill-tokens", type=int, default=1024, help="prefill tokens per step (default 1024)")
     v.add_argument("--max-queued", type=int, default=256, help="requests in flight before 503 (default 256)")
     v.set_defaults(fn=cmd_serve)
 
@@ -375,6 +435,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "fp8 linears kept fp8 + 128x128 block scales (a dtype dequantizes them)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
+
+    m = sub.add_parser("plan", help="will a model fit a mesh: per-device bytes and KV capacity",
+                       description="Per-device bytes of weights (by kind), KV pool and one prefill step's "
+                                   "activations for a mesh of dp x cp x tp devices with experts split ep ways.")
+    m.add_argument("--model", required=True, help="a shipped config name (glm-5, deepseek-v3.2, ...) or a "
+                   "checkpoint directory / config.json")
+    m.add_argument("--devices", type=int, required=True)
+    m.add_argument("--device-memory", type=float, required=True, metavar="GIB", help="memory per device in GiB")
+    m.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="dp/cp/tp/ep sizes, e.g. ep=8,dp=8 (default: dp = ep = devices)")
+    m.add_argument("--weights", choices=("fp8", "bf16"), default="fp8")
+    m.add_argument("--page-size", type=int, default=64)
+    m.add_argument("--prefill-tokens", type=int, default=8192, help="one prefill step's tokens (activations)")
+    m.add_argument("--host-memory", type=float, default=0.0, metavar="GIB", help="host KV tier size in GiB")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
+    m.set_defaults(fn=cmd_plan)
     return p
 
 
@@ -387,11 +463,14 @@ def main(argv=None) -> int:
     from models.weights import CheckpointError
     from cpkv_jax.config import EngineConfigError
     from cpkv_jax.engine import EngineInputError
+    from cpkv_jax.memory_plan import MeshPlanError
     from cpkv_jax.sampling import SamplingError
     try:
+        if "compile_cache" in vars(args):
+            compile_cache(args)
         return args.fn(args)
     except (ModelConfigError, CheckpointError, FileNotFoundError, EngineConfigError, EngineInputError,
-            SamplingError) as e:
+            SamplingError, MeshPlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -25,6 +25,8 @@ class EngineConfig:
     min_prefill_lanes: int = 16      # smallest prefill token bucket
     cp_size: int = 1                 # context-parallel ranks (mesh axis 'cp'); the pool's pages are split over them
     cp_mode: str = "zigzag"          # 'zigzag' (page-aligned) or 'round_robin'
+    ep_size: int = 1                 # expert-parallel ranks (mesh axis 'ep', beside 'cp'): each holds 1/ep of the routed experts
+    tp_size: int = 1                 # tensor-parallel ranks (mesh axis 'tp'): heads, MLP intermediate and vocabulary split
     cp_short_policy: str = "owner"   # requests with < 2*cp new pages: 'owner' (page-aligned) or 'token_balanced'
     speculative: str | None = None   # 'nextn': EAGLE/NextN speculative decoding with the checkpoint's MTP layer
     num_draft_tokens: int = 2        # draft tokens proposed per decode round (chain)
@@ -56,6 +58,8 @@ class EngineConfig:
         if self.attn_path not in (None, "expanded", "absorbed"):
             raise EngineConfigError(f"attn_path must be None, 'expanded' or 'absorbed', got {self.attn_path!r}")
         positive("cp_size")
+        positive("ep_size")
+        positive("tp_size")
         from cpkv_jax.cp import MODES, SHORT_POLICIES
         if self.cp_mode not in MODES:
             raise EngineConfigError(f"cp_mode must be one of {MODES}, got {self.cp_mode!r}")

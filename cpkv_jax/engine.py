@@ -28,9 +28,10 @@ from cpkv_jax.config import EngineConfig, EngineConfigError
 from cpkv_jax.kv_pool import KVPool, PageAllocator, pages_for
 from cpkv_jax.radix_cache import RadixCache
 from cpkv_jax.runner import ModelRunner
-from cpkv_jax.sampling import SamplingError, SamplingParams, sample_tokens
+from cpkv_jax.sampling import SamplingError, SamplingParams, position_logprobs, sample_tokens
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, TokenEvent
 from cpkv_jax.spec import SpecDecoder
+from cpkv_jax.stop import StopMatcher
 from models.model import DsaModel
 from models.sharding import RULES
 
@@ -39,27 +40,36 @@ class EngineInputError(ValueError):
     """A request the engine cannot run (nothing else is affected)."""
 
 
+TopLogprobs = list[tuple[int, float]]   # a token's most likely alternatives: (token id, log-probability), best first
+
+
 @dataclasses.dataclass
 class GenerationOutput:
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str               # 'stop' (stop/eos token), 'length' (max_new_tokens) or 'abort'
+    token_ids: list[int]             # every sampled token (with stop strings: through the one that completed it)
+    text: str | None                 # their text; cut before the first stop string when one matched
+    finish_reason: str               # 'stop' (stop/eos token or stop string), 'length' (max_new_tokens) or 'abort'
     prompt_token_ids: list[int]
     cached_tokens: int               # prompt tokens served by the prefix cache
     logprobs: list[float] | None     # of each sampled token under the unmodified distribution
     timing: dict                     # ttft_s, latency_s, decode_tokens_per_s
     logits: list[np.ndarray] | None = None  # fp32 [vocab] per sampled token (return_logits=True)
+    top_logprobs: list[TopLogprobs] | None = None         # per sampled token (params.top_logprobs > 0)
+    prompt_logprobs: list[float | None] | None = None     # per prompt token, the first None (params.prompt_logprobs)
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None  # per prompt token, the first None
 
     def to_json(self) -> dict:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-                "cached_tokens": self.cached_tokens, "logprobs": self.logprobs, "timing": self.timing}
+                "cached_tokens": self.cached_tokens, "logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
+                "prompt_logprobs": self.prompt_logprobs, "prompt_top_logprobs": self.prompt_top_logprobs,
+                "timing": self.timing}
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamEvent:
-    index: int                       # position of the request in the prompts given to stream()
+    index: int                       # the output's position in generate's order (prompt i, sample j: i * n + j)
     token_id: int
-    text: str                        # newly decodable text ('' while a UTF-8 sequence is incomplete)
+    text: str                        # newly decided text ('' while a UTF-8 sequence is incomplete or the
+                                     # end of the text could still begin a stop string)
     finish_reason: str | None
 
 
@@ -90,14 +100,33 @@ def _generation_eos(spec) -> set[int]:
     return set()
 
 
-def _cp_mesh(cp_size: int):
-    """The 'cp' mesh over the first cp_size devices; None for one rank."""
-    if cp_size == 1:
+def _mesh(cp_size: int, ep_size: int, tp_size: int, model_config):
+    """The step's mesh: 'cp' over cp_size devices (the pool's pages split); with ep_size or tp_size > 1
+    also 'ep' (the routed experts split; attention and the pool replicated over it) and 'tp' (heads,
+    MLP intermediate and vocabulary split; the latent pool replicated over it). None for one device.
+    `model_config()` gives the model's config (read only when there is a mesh), whose counts each
+    axis must divide."""
+    if cp_size == ep_size == tp_size == 1:
         return None
     from jax.sharding import Mesh
-    if cp_size > len(jax.devices()):
-        raise EngineConfigError(f"cp_size {cp_size} needs {cp_size} devices, {len(jax.devices())} visible")
-    return Mesh(np.array(jax.devices()[:cp_size]), (RULES.kv_slots,))
+    cfg = model_config()
+    for size, count, name in ((ep_size, cfg.n_routed_experts, "n_routed_experts"),
+                              (tp_size, cfg.num_attention_heads, "num_attention_heads"),
+                              (tp_size, cfg.index_n_heads, "index_n_heads"),
+                              (tp_size, cfg.vocab_size, "vocab_size"),
+                              (tp_size, cfg.intermediate_size, "intermediate_size"),
+                              (tp_size, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1),
+                               "the shared experts' intermediate size")):
+        if count % size:
+            axis = "ep_size" if name == "n_routed_experts" else "tp_size"
+            raise EngineConfigError(f"{axis} {size} does not divide {name}={count}")
+    n = cp_size * ep_size * tp_size
+    if n > len(jax.devices()):
+        raise EngineConfigError(f"cp_size {cp_size} x ep_size {ep_size} x tp_size {tp_size} needs {n} devices, "
+                                f"{len(jax.devices())} visible")
+    if ep_size == tp_size == 1:
+        return Mesh(np.array(jax.devices()[:cp_size]), (RULES.kv_slots,))
+    return Mesh(np.array(jax.devices()[:n]).reshape(cp_size, ep_size, tp_size), (RULES.kv_slots, RULES.experts, RULES.heads))
 
 
 def _side_stream_copier(config: EngineConfig):
@@ -114,15 +143,17 @@ def _side_stream_copier(config: EngineConfig):
 class Engine:
     def __init__(self, model: str | Path | DsaModel = "tiny", config: EngineConfig | None = None, *,
                  tokenizer=None):
-        from models.weights import load_model
+        from models.weights import load_model, model_config
 
         self.config = config = (config or EngineConfig()).validate()
-        self.model = model if isinstance(model, DsaModel) else load_model(model, dtype=config.dtype)
+        # the mesh first, so a checkpoint is restored straight into its shards
+        self.mesh = _mesh(config.cp_size, config.ep_size, config.tp_size,
+                          lambda: model.cfg if isinstance(model, DsaModel) else model_config(model))
+        self.model = model if isinstance(model, DsaModel) else load_model(model, dtype=config.dtype, mesh=self.mesh)
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
         self.eos_ids = frozenset(self.cfg.eos_token_id) | _generation_eos(model)
         ps = config.page_size
-        self.mesh = _cp_mesh(config.cp_size)
         speculative = config.speculative is not None
         if speculative and self.model.mtp is None:
             raise EngineConfigError("speculative='nextn' needs a model with an MTP layer "
@@ -178,7 +209,10 @@ class Engine:
     def decode(self, token_ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def _validate(self, prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+    def validate(self, prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the checked params, or the EngineInputError / SamplingError that
+        add_request would raise (reads nothing that steps change: a server checks requests with it before
+        it starts answering)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise SamplingError(f"params must be a cpkv_jax.sampling.SamplingParams (or None), got "
                                 f"{type(params).__name__}")
@@ -190,6 +224,9 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise EngineInputError(f"token id(s) {bad[:5]} outside the vocabulary [0, {V})")
+        if params.stop and self.tokenizer is None:
+            raise EngineInputError("stop strings need the model's tokenizer.json (the text is matched); this "
+                                   "model has none: use stop_token_ids")
         total = len(ids) + params.max_new_tokens + self.spec_tokens
         if total > self.cfg.max_position_embeddings:
             raise EngineInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens})"
@@ -202,15 +239,22 @@ class Engine:
                                    f"{self.allocator.capacity} (raise kv_pages)")
         return ids, params
 
-    def add_request(self, prompt, params: SamplingParams | None = None, *, return_logits: bool = False) -> int:
-        """Validate and queue one request; returns its id. Invalid input raises EngineInputError (or
-        SamplingError) before anything is touched, so requests in flight are unaffected."""
-        return self._enqueue(*self._validate(prompt, params), return_logits)
+    def add_request(self, prompt, params: SamplingParams | None = None, *, return_logits: bool = False,
+                    stream_text: bool = False) -> int:
+        """Validate and queue one request (one sample: n = 1); returns its id. Invalid input raises
+        EngineInputError (or SamplingError) before anything is touched, so requests in flight are
+        unaffected. `stream_text`: each TokenEvent carries the text its token decides."""
+        ids, params = self.validate(prompt, params)
+        if params.n != 1:
+            raise SamplingError(f"add_request queues one sample, got n={params.n}: add each of params.samples()")
+        return self._enqueue(ids, params, return_logits, stream_text)
 
-    def _enqueue(self, ids: list[int], params: SamplingParams, return_logits: bool) -> int:
+    def _enqueue(self, ids: list[int], params: SamplingParams, return_logits: bool, stream_text: bool) -> int:
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         rid = next(self._rids)
         req = Request(rid, ids, params, stop, t_arrival=time.perf_counter(), logits=[] if return_logits else None)
+        if self.tokenizer is not None and (params.stop or stream_text):
+            req.text = StopMatcher(self.decode, params.stop)
         self._requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -224,18 +268,28 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def finished(self, rid: int) -> bool:
+        """Whether request `rid` (from add_request) has finished. `step` returns only its own step's
+        events, so a caller sharing the engine with streams or generate calls (whose steps sample for
+        its requests too) polls this instead of waiting for a finish event."""
+        if rid not in self._requests:
+            raise EngineInputError(f"no request {rid!r} (unknown, or its output was already taken)")
+        return self._requests[rid].finish_reason is not None
+
     # ---- stepping --------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """Admit what fits, run one prefill batch (chunks within the token budget) and one decode batch;
-        returns the tokens sampled in this step."""
+        returns the tokens sampled in this step (streams' tokens also wait in their own inboxes)."""
         if self.hicache is not None:
             self.hicache.poll()
         self.scheduler.admit()
         decode = self.scheduler.plan_decode()   # planned first: requests finishing prefill now decode next step
         prefill = self.scheduler.plan_prefill()
         events = []
-        if prefill:
-            events += self._run(prefill, prefill=True)
+        for every_position in (False, True):     # prompt logprobs: a forward with every position's logits
+            chunks = [ch for ch in prefill if ch.req.params.prompt_logprobs == every_position]
+            if chunks:
+                events += self._run(chunks, prefill=True)
         if decode:
             events += self._run(decode, prefill=False) if self.spec_decoder is None else self._spec_round(decode)
         self.metrics["steps"] += 1
@@ -257,15 +311,22 @@ class Engine:
     def _run(self, chunks: list[Chunk], prefill: bool) -> list[TokenEvent]:
         """One target step over the chunks: build the padded batch, run it, sample each request's next
         token and hand the results to the scheduler (with speculative decoding the draft extend runs
-        over the same lanes before the scheduler releases anything)."""
+        over the same lanes before the scheduler releases anything). A prefill step of requests that want
+        prompt logprobs has the forward return every position's logits and takes its sampled tokens'
+        logits from them."""
         t0 = time.perf_counter()
         step = self.batch_builder.build(chunks, prefill)
         if self.hicache is not None:
             self.hicache.stage_backups([(ch.req.host_res, ch.req.pages, ch.start + len(ch.tokens)) for ch in chunks])
-        out = self.runner.forward(step.batch, step.last_lane, attn_path=self.config.attn_path,
-                                  output="last_logits" if self.spec_decoder is None else "last_logits_hidden",
+        every_position = prefill and chunks[0].req.params.prompt_logprobs
+        output = ("logits" if every_position else "last_logits") + ("" if self.spec_decoder is None else "_hidden")
+        out = self.runner.forward(step.batch, step.last_lane, attn_path=self.config.attn_path, output=output,
                                   last_rank=step.last_rank, page_aligned=step.plan.page_aligned)
         logits, hidden = (out, None) if self.spec_decoder is None else out
+        reqs = [ch.req for ch in chunks]
+        top_n = self.batch_builder.top_logprobs_width(reqs)
+        if every_position:
+            logits = self._prompt_logprobs(chunks, step, logits, top_n)
         n_tok = sum(len(ch.tokens) for ch in chunks)
         self.metrics["prefill_steps" if prefill else "decode_steps"] += 1
         self.metrics["prefill_tokens" if prefill else "decode_tokens"] += n_tok
@@ -275,17 +336,48 @@ class Engine:
         for i, ch in enumerate(chunks):
             ch.req.computed = ch.start + len(ch.tokens)
             position[i] = ch.req.computed  # position of the token being sampled
-        reqs = [ch.req for ch in chunks]
-        toks, lps = sample_tokens(logits, *self.batch_builder.sampling("sample", reqs, step.rows), jnp.asarray(position))
+        toks, lps, *top = sample_tokens(logits, *self.batch_builder.sampling("sample", reqs, step.rows, top_n),
+                                        jnp.asarray(position), top_n=top_n)
         toks, lps = np.asarray(toks), np.asarray(lps)
         host_logits = np.asarray(logits) if any(r.logits is not None for r in reqs) else None
         # a middle chunk emits nothing: its logits are not a prediction anyone asked for
         emitted = [[] if r.prefilling else [toks[i]] for i, r in enumerate(reqs)]
         draft = None if self.spec_decoder is None else (
             lambda taken: self.spec_decoder.extend(chunks, step.plan, step.requests, hidden))
-        events = self.scheduler.complete_step(chunks, emitted, lps[:, None], host_logits, before_release=draft)
+        events = self.scheduler.complete_step(chunks, emitted, lps[:, None], host_logits,
+                                              top=[np.asarray(x) for x in top] if top_n else None,
+                                              before_release=draft)
         self.metrics["prefill_s" if prefill else "decode_s"] += time.perf_counter() - t0
         return events
+
+    def _prompt_logprobs(self, chunks: list[Chunk], step, logits, top_n: int):
+        """From a prefill step's every-position logits ([B, T, V]; under CP [cp, B, T, V]): record each
+        chunk's prompt-token log-probabilities (position p predicts prompt token p + 1; the prompt's last
+        position predicts the sampled token, which the sampler covers) and return each request's
+        last-token logits [B, V] for the sampler."""
+        B, T = step.rows, logits.shape[-2]
+        L = T * (logits.shape[0] if logits.ndim == 4 else 1)    # a request's lanes over every rank
+        rank, lane, targets = (np.zeros((B, L), np.int32) for _ in range(3))
+        counts = []
+        for b, ch in enumerate(chunks):
+            prompt = ch.req.prompt
+            k = max(0, min(len(ch.tokens), len(prompt) - 1 - ch.start))
+            rank[b, :len(ch.tokens)], lane[b, :len(ch.tokens)] = step.plan.lanes(b)
+            targets[b, :k] = prompt[ch.start + 1:ch.start + 1 + k]
+            counts.append(k)
+        self.batch_builder.sampler_variants.add(("prompt", B, T, top_n))
+        lps, top_ids, top_lps = (np.asarray(x) for x in position_logprobs(
+            logits, jnp.asarray(rank), jnp.asarray(lane), jnp.asarray(targets), top_n=top_n))
+        for b, (ch, k) in enumerate(zip(chunks, counts)):
+            req, n = ch.req, ch.req.params.top_logprobs
+            req.prompt_logprobs.extend(lps[b, :k].tolist())
+            if n:
+                req.prompt_top_logprobs.extend(tuple(zip(i[:n].tolist(), v[:n].tolist()))
+                                               for i, v in zip(top_ids[b, :k], top_lps[b, :k]))
+        rows = np.arange(B)
+        if logits.ndim == 3:
+            return logits[rows, step.last_lane]
+        return logits[step.last_rank, rows, step.last_lane]
 
     def _spec_round(self, chunks: list[Chunk]) -> list[TokenEvent]:
         """A decode step as a speculative verify round (cpkv_jax.spec), and its acceptance counts."""
@@ -315,14 +407,19 @@ class Engine:
                   "latency_s": req.t_finish - req.t_arrival,
                   "decode_tokens_per_s": ((len(req.output) - 1) / (req.t_finish - req.t_first_token)
                                           if len(req.output) > 1 and req.t_finish > req.t_first_token else None)}
-        return GenerationOutput(token_ids=list(req.output), text=self.decode(req.output),
-                                finish_reason=req.finish_reason, prompt_token_ids=list(req.prompt),
-                                cached_tokens=req.cached_tokens,
-                                logprobs=list(req.logprobs) if req.params.logprobs else None, timing=timing,
-                                logits=req.logits)
+        p = req.params
+        return GenerationOutput(
+            token_ids=list(req.output), text=self.decode(req.output) if req.text is None else req.text.final_text(),
+            finish_reason=req.finish_reason, prompt_token_ids=list(req.prompt), cached_tokens=req.cached_tokens,
+            logprobs=list(req.logprobs) if p.logprobs else None, timing=timing, logits=req.logits,
+            top_logprobs=[list(a) for a in req.top_logprobs] if p.logprobs and p.top_logprobs else None,
+            prompt_logprobs=[None] + list(req.prompt_logprobs) if p.prompt_logprobs else None,
+            prompt_top_logprobs=([None] + [list(a) for a in req.prompt_top_logprobs]
+                                 if p.prompt_logprobs and p.top_logprobs else None))
 
-    def _add_all(self, prompts, params, return_logits: bool) -> list[int]:
-        """Validate every prompt first, so a bad one queues nothing."""
+    def _add_all(self, prompts, params, return_logits: bool, stream_text: bool = False) -> list[int]:
+        """Validate every prompt first, so a bad one queues nothing; a prompt whose params ask for n
+        samples queues n requests (params.samples()), consecutive in the returned ids."""
         if not isinstance(prompts, (list, tuple, str)):
             raise EngineInputError(f"prompts must be a list of prompts (strings or token id lists), got "
                                    f"{type(prompts).__name__}")
@@ -332,13 +429,14 @@ class Engine:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise EngineInputError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        checked = [self._validate(p, sp) for p, sp in zip(prompts, plist)]
-        return [self._enqueue(ids, sp, return_logits) for ids, sp in checked]
+        checked = [self.validate(p, sp) for p, sp in zip(prompts, plist)]
+        return [self._enqueue(ids, one, return_logits, stream_text) for ids, sp in checked for one in sp.samples()]
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  return_logits: bool = False) -> list[GenerationOutput]:
         """Run prompts (strings or token id lists) to completion, batched continuously with anything
-        else in flight; outputs in prompt order."""
+        else in flight; outputs in prompt order (params.n > 1: n consecutive outputs per prompt, seeds
+        seed, seed + 1, ...)."""
         rids = self._add_all(prompts, params, return_logits)
         reqs = [self._requests[r] for r in rids]
         while any(r.finish_reason is None for r in reqs):   # steps made by others count too
@@ -349,13 +447,13 @@ class Engine:
 
     def stream(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[StreamEvent]:
-        """Like generate, yielding each token as it is sampled. Streams and generate calls interleave
+        """Like generate, yielding each token as it is sampled (with its new text: the concatenation is
+        generate's text, stop strings cut alike). Streams and generate calls interleave
         freely on one engine: a step samples for everything in flight, and each stream's events wait
         in its own inbox until it asks. Closing (or dropping) the iterator early aborts the requests
         still running."""
-        rids = self._add_all(prompts, params, False)
+        rids = self._add_all(prompts, params, False, stream_text=True)
         index = {r: i for i, r in enumerate(rids)}
-        texts, sent = dict.fromkeys(rids, ""), dict.fromkeys(rids, 0)
         pending = set(rids)
         inbox: collections.deque[TokenEvent] = collections.deque()
         for r in rids:
@@ -366,18 +464,11 @@ class Engine:
                     self.step()   # another stream's or generate's steps may have filled the inbox already
                     continue
                 ev = inbox.popleft()
-                req = self._requests[ev.rid]
-                sent[ev.rid] += 1
-                delta = ""
-                if self.tokenizer is not None:
-                    full = self.decode(req.output[:sent[ev.rid]])
-                    if not full.endswith("\ufffd") or ev.finish_reason is not None:
-                        delta, texts[ev.rid] = full[len(texts[ev.rid]):], full
                 if ev.finish_reason is not None:
                     pending.discard(ev.rid)
                     self._inboxes.pop(ev.rid, None)
                     self._requests.pop(ev.rid, None)
-                yield StreamEvent(index[ev.rid], ev.token_id, delta, ev.finish_reason)
+                yield StreamEvent(index[ev.rid], ev.token_id, ev.text, ev.finish_reason)
         finally:
             for r in pending:
                 self._inboxes.pop(r, None)

@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from cpkv_jax.kv_pool import KVPool
 from models.kv import Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
-from models.sharding import RULES
+from models.sharding import RULES, state_specs
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
@@ -40,8 +41,9 @@ _draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_pat
 
 
 class ModelRunner:
-    """Dispatches the step. With a mesh, the parameters are replicated over it, the pool is sharded
-    over its 'cp' axis and every step runs under shard_map (models.model.run_model). With
+    """Dispatches the step. With a mesh, the parameters are placed by the sharding table (routed experts
+    split over its 'ep' axis, the rest replicated), the pool is sharded over its 'cp' axis and every
+    step runs under shard_map (models.model.run_model). With
     `step_copies` (the host tier's side-stream copies: a StepCopies per device for the next forward), a
     target forward that has copies to make carries the layer hook and pushes them first; the others
     run the plain executable (decode steps do not pay the hook). Batches' slot tables are made of the
@@ -57,8 +59,10 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.pool = pool
         self.mesh, self.axis = mesh, RULES.batch_rows
+        self.cp = 1 if mesh is None or self.axis not in mesh.axis_names else mesh.shape[self.axis]
         if mesh is not None:
-            self.state = jax.device_put(self.state, RULES.sharding(mesh))
+            self.state = jax.device_put(self.state, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                                                 state_specs(self.state, mesh)))
             self._rows = RULES.sharding(mesh, "batch_rows")
             self._replicated = RULES.sharding(mesh)
         self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output, access)
@@ -75,7 +79,7 @@ class ModelRunner:
         B, T = batch.tokens.shape
         if last_index is None:
             last_index = np.full((B,), T - 1, np.int32)
-        access = (KVAccess(self.axis, page_aligned) if self.mesh is not None
+        access = (KVAccess(self.axis, page_aligned) if self.cp > 1
                   else KVAccess(contiguous_blocks=self.pool.page_size % 64 == 0))
         kw = dict(last_index=jnp.asarray(last_index, jnp.int32), access=access, kernels=self.kernels, mesh=self.mesh)
         if self.mesh is not None:
@@ -86,8 +90,7 @@ class ModelRunner:
     def attn_path_for(self, batch: Batch) -> str:
         """The attention path of a batch: per rank, B rows (of cp·B under CP) x T lanes over S keys."""
         B, T = batch.tokens.shape
-        if self.mesh is not None:
-            B //= self.mesh.shape[self.axis]
+        B //= self.cp
         return choose_attn_path(B, T, batch.slot_table.shape[1], self.model.cfg.num_attention_heads)
 
     def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False, last_rank=None,

@@ -5,6 +5,7 @@ else is in its batch or on how its steps were scheduled."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,9 @@ import numpy as np
 
 class SamplingError(ValueError):
     """Invalid sampling parameters."""
+
+
+MAX_TOP_LOGPROBS = 20   # alternatives per token a request may ask for (OpenAI's chat limit)
 
 
 def _is_int(v) -> bool:
@@ -26,6 +30,8 @@ _FIELD_TYPES = {
     "bool": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
     "tuple[int, ...]": (lambda v: isinstance(v, (tuple, list)) and all(_is_int(t) for t in v),
                         "a list or tuple of integer token ids"),
+    "tuple[str, ...]": (lambda v: isinstance(v, (tuple, list)) and all(isinstance(t, str) for t in v),
+                        "a list or tuple of strings"),
 }
 
 
@@ -39,18 +45,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False       # do not stop at the model's eos token(s)
     logprobs: bool = False         # return each sampled token's log-probability
+    stop: tuple[str, ...] = ()     # stop strings: matched on the decoded text, which is cut before the first
+    n: int = 1                     # samples per prompt, drawn with seeds seed, seed + 1, ... (see samples())
+    top_logprobs: int = 0          # the most likely alternatives (and their log-probabilities) per token
+    prompt_logprobs: bool = False  # log-probability of each prompt token given the ones before (the first: None)
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """These parameters with stop_token_ids as a tuple of ints, or SamplingError naming the first
-        field of the wrong type (by its annotation) or out of range."""
+        """These parameters with stop_token_ids / stop as tuples, or SamplingError naming the first field
+        of the wrong type (by its annotation) or out of range."""
         for f in dataclasses.fields(self):
             check, what = _FIELD_TYPES[f.type]
             v = getattr(self, f.name)
             if not check(v):
                 raise SamplingError(f"{f.name} must be {what}, got {v!r:.80} ({type(v).__name__})")
-        if not isinstance(self.stop_token_ids, tuple):
-            return dataclasses.replace(self, stop_token_ids=tuple(int(t) for t in self.stop_token_ids)).validate(
-                vocab_size)
+        if not isinstance(self.stop_token_ids, tuple) or not isinstance(self.stop, tuple):
+            return dataclasses.replace(self, stop_token_ids=tuple(int(t) for t in self.stop_token_ids),
+                                       stop=tuple(self.stop)).validate(vocab_size)
         if self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -63,7 +73,21 @@ class SamplingParams:
             raise SamplingError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise SamplingError(f"stop_token_ids {list(self.stop_token_ids)} outside [0, {vocab_size})")
+        if "" in self.stop:
+            raise SamplingError(f"stop strings must be non-empty, got {list(self.stop)!r:.80}")
+        if self.n < 1 or self.seed + self.n > 2 ** 32:
+            raise SamplingError(f"n must be an integer >= 1 with seed + n <= 2**32 (the samples' seeds are seed, "
+                                f"seed + 1, ...), got n={self.n!r} with seed={self.seed!r}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
+            raise SamplingError("top_logprobs needs logprobs=True or prompt_logprobs=True (the tokens whose "
+                                "alternatives to return)")
         return self
+
+    def samples(self) -> list["SamplingParams"]:
+        """The n requests these parameters stand for: n = 1 each, seeds seed, seed + 1, ..."""
+        return [dataclasses.replace(self, n=1, seed=self.seed + i) for i in range(self.n)]
 
 
 def _truncated(logits, temperature, top_p, top_k):
@@ -86,32 +110,61 @@ def _key(seed, position, salt: int):
     return k if salt == 0 else jax.random.fold_in(k, salt)
 
 
+def _unsorted(order, values, fill):
+    """Rows of `values` given in `order` (per row), put back in vocabulary order."""
+    B = values.shape[0]
+    return jnp.full_like(values, fill).at[jnp.arange(B)[:, None], order].set(values)
+
+
 def _sample_rows(logits, temperature, top_p, top_k, seed, position):
+    """The draw: one Gumbel per vocabulary entry, in vocabulary order, so two near-equal logits that
+    rounding noise (another batch's shapes) sorts the other way round do not change the token drawn."""
     order, masked = _truncated(logits, temperature, top_p, top_k)
     keys = jax.vmap(lambda s, p: _key(s, p, 0))(seed, position)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return jax.vmap(jax.random.categorical)(keys, _unsorted(order, masked, -jnp.inf))
 
 
-@jax.jit
-def sample_tokens(logits, temperature, top_p, top_k, seed, position):
-    """logits [B, V] fp32; per-request temperature/top_p/top_k/seed/position [B]. Returns token ids [B]
-    and their log-probabilities under the unmodified distribution. An all-greedy batch skips the
+def _top(logprobs, n: int):
+    """The n largest log-probabilities over the last axis and their token ids (n static; 0: empty)."""
+    if n == 0:
+        shape = logprobs.shape[:-1] + (0,)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, logprobs.dtype)
+    values, ids = jax.lax.top_k(logprobs, n)
+    return ids.astype(jnp.int32), values
+
+
+@functools.partial(jax.jit, static_argnames=("top_n",))
+def sample_tokens(logits, temperature, top_p, top_k, seed, position, *, top_n: int = 0):
+    """logits [B, V] fp32; per-request temperature/top_p/top_k/seed/position [B]. Returns token ids [B],
+    their log-probabilities under the unmodified distribution, and the top_n alternatives of each row
+    under the same log-softmax (ids and log-probabilities [B, top_n]). An all-greedy batch skips the
     vocabulary sort (lax.cond runs one branch)."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1)
     sampled = jax.lax.cond(jnp.any(temperature > 0), _sample_rows, lambda *a: greedy,
                            logits, temperature, top_p, top_k, seed, position)
     tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return (tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]) + _top(logprobs, top_n)
+
+
+@functools.partial(jax.jit, static_argnames=("top_n",))
+def position_logprobs(logits, rank, lane, targets, *, top_n: int = 0):
+    """Log-probabilities of given tokens from a step's every-position logits [B, T, V] (under CP
+    [cp, B, T, V]): row b's entries j read rank[b, j], lane lane[b, j] (rank ignored without CP).
+    Returns the log-probability of targets [B, L] and the top_n alternatives ([B, L, top_n] ids and
+    log-probabilities), all under one log-softmax, on the device."""
+    if logits.ndim == 3:
+        logits = logits[None]
+    picked = logits[rank, jnp.arange(logits.shape[1])[:, None], lane]
+    logprobs = jax.nn.log_softmax(picked, axis=-1)
+    return (jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0],) + _top(logprobs, top_n)
 
 
 def token_probs(logits, temperature, top_p, top_k):
     """The distribution a request samples from [B, V]: temperature, top-k, top-p; greedy rows
     (temperature 0) one-hot at the argmax."""
     order, masked = _truncated(logits, temperature, top_p, top_k)
-    B = logits.shape[0]
-    probs = jnp.zeros_like(logits).at[jnp.arange(B)[:, None], order].set(jax.nn.softmax(masked, axis=-1))
+    probs = _unsorted(order, jax.nn.softmax(masked, axis=-1), 0.0)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=logits.dtype)
     return jnp.where((temperature > 0)[:, None], probs, onehot)
 
@@ -125,15 +178,16 @@ def propose_tokens(draft_logits, temperature, top_p, top_k, seed, position):
     return jnp.where(temperature > 0, drawn, jnp.argmax(draft_logits, axis=-1)).astype(jnp.int32), q
 
 
-@jax.jit
-def verify_tokens(target_logits, draft_probs, drafts, temperature, top_p, top_k, seed, position):
+@functools.partial(jax.jit, static_argnames=("top_n",))
+def verify_tokens(target_logits, draft_probs, drafts, temperature, top_p, top_k, seed, position, *, top_n: int = 0):
     """Speculative acceptance. target_logits [B, n+1, V]: lane j predicts the token after drafts[:j];
     draft_probs [B, n, V]: the distributions the drafts were drawn from; drafts [B, n]; position [B]:
     the position of drafts[:, 0]. Greedy rows accept while the draft equals the target's argmax;
     sampling rows accept draft j with probability min(1, p/q) and on the first rejection draw from
     normalize(max(p - q, 0)) (after n acceptances: from p), which leaves the output distributed
     exactly as plain sampling from p. Returns (accepted count a [B], the token after the accepted
-    drafts [B], target log-probabilities of drafts and that token [B, n+1])."""
+    drafts [B], target log-probabilities of drafts and that token [B, n+1], and the top_n alternatives
+    of each lane: ids and log-probabilities [B, n+1, top_n])."""
     B, n1, V = target_logits.shape
     n = n1 - 1
     rep = lambda x: jnp.repeat(x, n1)  # noqa: E731
@@ -156,5 +210,6 @@ def verify_tokens(target_logits, draft_probs, drafts, temperature, top_p, top_k,
     drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(resid))
     token = jnp.where(greedy, argmax[rows, a], drawn).astype(jnp.int32)
     chosen = jnp.concatenate([drafts, jnp.zeros((B, 1), drafts.dtype)], axis=1).at[rows, a].set(token)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(target_logits, axis=-1), chosen[..., None], axis=-1)[..., 0]
-    return a, token, logprobs
+    target_logprobs = jax.nn.log_softmax(target_logits, axis=-1)
+    logprobs = jnp.take_along_axis(target_logprobs, chosen[..., None], axis=-1)[..., 0]
+    return (a, token, logprobs) + _top(target_logprobs, top_n)

@@ -21,6 +21,7 @@ import numpy as np
 from cpkv_jax.kv_pool import PageAllocator, pages_for
 from cpkv_jax.radix_cache import RadixCache, TreeNode
 from cpkv_jax.sampling import SamplingParams
+from cpkv_jax.stop import StopMatcher
 
 
 @dataclasses.dataclass(eq=False)
@@ -31,6 +32,10 @@ class Request:
     stop_ids: frozenset[int]
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[tuple] = dataclasses.field(default_factory=list)    # per token: ((id, logprob), ...)
+    prompt_logprobs: list[float] = dataclasses.field(default_factory=list)  # of prompt tokens 1, 2, ...
+    prompt_top_logprobs: list[tuple] = dataclasses.field(default_factory=list)
+    text: StopMatcher | None = None     # the decoded output and its stop strings (streams, stop strings)
     pages: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     reserved: int = 0                   # pages reserved but not yet allocated
     drafts: list[int] = dataclasses.field(default_factory=list)   # speculative proposals for the next round
@@ -78,6 +83,8 @@ class TokenEvent:
     token_id: int
     logprob: float
     finish_reason: str | None
+    top_logprobs: tuple = ()            # ((id, logprob), ...) when the request asks for alternatives
+    text: str = ""                      # newly decided text, for requests that track theirs (Request.text)
 
 
 class Scheduler:
@@ -115,8 +122,9 @@ class Scheduler:
         ps = self.page_size
         prefix, host, node, m = np.zeros(0, np.int32), np.zeros(0, np.int32), None, None
         if self.radix is not None:
-            # at least the last prompt token is computed: its logits give the first output token
-            m = self.radix.match(req.prompt[:-1], count_hit=True)
+            # at least the last prompt token is computed: its logits give the first output token; a
+            # request that wants every prompt token's log-probability computes its whole prompt
+            m = self.radix.match([] if req.params.prompt_logprobs else req.prompt[:-1], count_hit=True)
             prefix, host, node = m.device_pages, m.host_pages, m.node
             if len(host) and not self._can_load(host):  # a rank is short: recompute instead
                 host, node = host[:0], m.device_node
@@ -207,15 +215,18 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------------------
     def complete_step(self, chunks: list[Chunk], tokens: list, logprobs: list, logits: np.ndarray | None = None, *,
-                      verified: bool = False, before_release=None) -> list[TokenEvent]:
+                      top: list | None = None, verified: bool = False, before_release=None) -> list[TokenEvent]:
         """Take a step's sampled tokens: chunk i emitted tokens[i] (none for a middle prefill chunk),
         appended until its request finishes; a chunk that ends a prompt publishes it first. `logits`
-        (host, [rows, V] or [rows, tokens, V]) feed the requests that capture them. With `verified`
+        (host, [rows, V] or [rows, tokens, V]) feed the requests that capture them; `top` (host ids and
+        log-probabilities of the step's top-N alternatives, [rows, N] or [rows, tokens, N]) the requests
+        that ask for alternatives (each takes its own first top_logprobs). With `verified`
         (a speculative round) only the lanes that produced a kept token hold KV. Then
         `before_release(taken)` runs with the count each chunk took (the draft extend, which needs the
         tokens and the pages), then prompts' backups complete and finished requests are released;
         after a verified step the others give back the pages wholly past their KV."""
         rows = None if logits is None else logits.reshape(len(logits), -1, logits.shape[-1])
+        top_ids, top_lps = (None, None) if top is None else (a.reshape(len(a), -1, a.shape[-1]) for a in top)
         events, taken = [], []
         for i, ch in enumerate(chunks):
             req = ch.req
@@ -223,10 +234,13 @@ class Scheduler:
                 self.prefill_done(req)
             k = 0
             for t, lp in zip(tokens[i], logprobs[i]):
-                self.append_token(req, t, lp)
+                n = req.params.top_logprobs
+                alternatives = (tuple(zip(top_ids[i, k, :n].tolist(), top_lps[i, k, :n].tolist()))
+                                if n and top is not None else ())
+                text = self.append_token(req, t, lp, alternatives)
                 if req.logits is not None:
                     req.logits.append(rows[i, k].copy())
-                events.append(TokenEvent(req.rid, int(t), float(lp), req.finish_reason))
+                events.append(TokenEvent(req.rid, int(t), float(lp), req.finish_reason, alternatives, text))
                 k += 1
                 if req.finish_reason is not None:
                     break
@@ -257,16 +271,22 @@ class Scheduler:
         if self.hicache is not None:
             self.hicache.on_prefill_done(req)
 
-    def append_token(self, req: Request, token: int, logprob: float) -> None:
+    def append_token(self, req: Request, token: int, logprob: float, alternatives: tuple = ()) -> str:
+        """Record a sampled token and decide whether the request ends with it (a stop token id, a stop
+        string in its text, or its length); returns the text it decides (requests tracking theirs)."""
         now = time.perf_counter()
         if not req.output:
             req.t_first_token = now
         req.output.append(int(token))
         req.logprobs.append(float(logprob))
-        if int(token) in req.stop_ids:
+        if req.params.top_logprobs:
+            req.top_logprobs.append(alternatives)
+        stop_string = req.text is not None and req.text.append(token)
+        if int(token) in req.stop_ids or stop_string:
             req.finish_reason = "stop"
         elif len(req.output) >= req.params.max_new_tokens:
             req.finish_reason = "length"
+        return "" if req.text is None else req.text.emit(final=req.finish_reason is not None)
 
     def finish(self, req: Request, reason: str | None = None) -> None:
         """Release a finished (or aborted) request: its computed full pages go to the prefix cache, the

@@ -5,8 +5,8 @@ The engine is not thread-safe, so it lives on one thread (`EngineLoop`): HTTP ha
 commands through a queue (add a request, abort one) and receive their request's token events on an
 asyncio queue. A client that goes away has its request aborted and its pages freed; past `max_queued`
 requests in flight the server answers 503; a bad request is a 400 with an OpenAI-style error body.
-Stop strings are matched on the decoded text across token boundaries (the request is aborted at the
-first match and the text cut before it); `n` runs n requests (sampling seeds seed, seed + 1, ...).
+Stop strings, `n` (seeds seed, seed + 1, ...), top-N logprobs and prompt logprobs are the engine's
+(SamplingParams): the engine decodes each request's text as it goes and ends it at a stop string.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 
 from cpkv_jax.engine import Engine, EngineInputError
-from cpkv_jax.sampling import SamplingError, SamplingParams
+from cpkv_jax.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
 
 
 class ServerInputError(ValueError):
@@ -77,7 +77,7 @@ class EngineLoop:
         if cmd[0] == "add":
             _, ids, params, loop, events, fut = cmd
             try:
-                rid = self.engine.add_request(ids, params)
+                rid = self.engine.add_request(ids, params, stream_text=True)
             except (EngineInputError, SamplingError) as e:
                 fut.set_exception(e)
                 return
@@ -91,6 +91,8 @@ class EngineLoop:
                 self._deliver(rid, ("done", out))
                 self.subscribers.pop(rid)
                 self.aborted += 1
+                if self.metrics is not None:      # its pages are back without a step
+                    self.metrics.observe_engine(self.engine)
 
     def _run(self) -> None:
         eng = self.engine
@@ -105,14 +107,13 @@ class EngineLoop:
             if not eng.has_unfinished():
                 continue
             events = eng.step()
-            now = time.perf_counter()
             for ev in events:
                 self._deliver(ev.rid, ev)
                 if ev.finish_reason is not None and ev.rid in self.subscribers:
                     self._deliver(ev.rid, ("done", eng.output(ev.rid)))
                     self.subscribers.pop(ev.rid)
             if self.metrics is not None:
-                self.metrics.after_step(eng, now)
+                self.metrics.observe_engine(eng)
 
 
 # ---- metrics -------------------------------------------------------------------------------------
@@ -136,7 +137,8 @@ class ServerMetrics:
             ("host_pages_used", "Host KV tier pages in use"), ("host_pages_total", "Host KV tier pages"),
             ("spec_acceptance_length", "Speculative decoding: tokens per request per round"))}
 
-    def after_step(self, eng: Engine, now: float) -> None:
+    def observe_engine(self, eng: Engine) -> None:
+        """The gauges from the engine's stats (after each step and each abort)."""
         s = eng.stats()
         for name in ("waiting", "running", "free_pages", "total_pages"):
             if name in s:
@@ -176,7 +178,7 @@ class _Body(BaseModel):
 class CompletionBody(_Body):
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=5)     # OpenAI's limit for completions
     echo: bool = False
 
 
@@ -189,43 +191,12 @@ class ChatMessage(BaseModel):
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 def error_body(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None):
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status)
-
-
-# ---- stop strings --------------------------------------------------------------------------------
-
-class StopMatcher:
-    """Text of a request's tokens so far, cut before the first stop string; `emit()` returns the new
-    text that can no longer become part of a stop string (a tail as long as the longest stop string,
-    minus one character, is held back until it is decided)."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-        self.stopped = False
-
-    def update(self, full_text: str) -> None:
-        if self.stopped:
-            return
-        cut = min((i for i in (full_text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.stopped = full_text[:cut], True
-        else:
-            self.text = full_text
-
-    def emit(self, final: bool) -> str:
-        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
-        if self.text.endswith("\ufffd") and not final:     # a character still being decoded
-            end = min(end, len(self.text) - 1)
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -287,61 +258,51 @@ def create_app(engine: Engine, *, model_name: str = "cpkv", model_dir: str | Pat
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
-    def sampling(body: _Body, max_tokens: int, i: int) -> SamplingParams:
-        seed = (body.seed or 0) + i
+    def sampling(body: _Body, max_tokens: int, top_logprobs: int = 0, prompt_logprobs: bool = False):
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, seed=seed, stop_token_ids=tuple(body.stop_token_ids),
-                              ignore_eos=body.ignore_eos, logprobs=True)
+                              top_k=body.top_k, seed=body.seed or 0, stop_token_ids=tuple(body.stop_token_ids),
+                              ignore_eos=body.ignore_eos, logprobs=True, stop=tuple(stops), n=body.n,
+                              top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
 
-    def prompt_ids(prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if engine.tokenizer is None:
-                raise ServerInputError("this model has no tokenizer: send the prompt as token ids")
-            return engine.tokenizer.encode(prompt, add_special_tokens=False).ids
-        return list(prompt)
+    def token_text(token_id: int) -> str:
+        """A token as the logprobs show it (special tokens by name, as the text never shows them)."""
+        if engine.tokenizer is None:
+            return f"token_id:{token_id}"
+        return engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def run(ids: list[int], params: SamplingParams, stops: list[str], on_token=None):
-        """One request through the engine loop: (token ids, logprobs, text, finish_reason, output).
-        on_token(text_delta, token_id, logprob) is awaited as tokens arrive (streaming)."""
+    def completion_logprobs(ids, logprobs, alternatives) -> dict:
+        """The completions API's logprobs of tokens `ids` (alternatives: None when not asked for)."""
+        return {"tokens": [token_text(t) for t in ids], "token_logprobs": logprobs,
+                "top_logprobs": None if alternatives is None else [
+                    None if a is None else {token_text(t): lp for t, lp in a} for a in alternatives]}
+
+    def chat_logprobs(ids, logprobs, alternatives) -> dict:
+        """The chat API's logprobs: one entry per token with its top alternatives."""
+        return {"content": [{"token": token_text(t), "logprob": lp,
+                             "top_logprobs": [{"token": token_text(i), "logprob": v} for i, v in a or ()]}
+                            for t, lp, a in zip(ids, logprobs, alternatives or [None] * len(ids))]}
+
+    async def run(ids: list[int], params: SamplingParams, on_token=None):
+        """One request (one sample) through the engine loop; returns its GenerationOutput. on_token(event)
+        is awaited for each TokenEvent as it arrives (streaming)."""
         events: asyncio.Queue = asyncio.Queue()
         rid = await asyncio.wrap_future(loop.add(ids, params, events))
-        tokens, logprobs, matcher = [], [], StopMatcher(stops)
-        t_last = time.perf_counter()
+        t_last, first = time.perf_counter(), True
         try:
             while True:
                 item = await events.get()
-                if isinstance(item, tuple) and item[0] == "done":   # ('done', GenerationOutput)
-                    out = item[1]
-                    metrics.finished(out)
-                    reason = "stop" if matcher.stopped else out.finish_reason
-                    matcher.update(engine.decode(tokens) or "")
-                    tail = matcher.emit(final=True)
-                    if on_token is not None:
-                        await on_token(tail, None, None, reason)
-                    return tokens, logprobs, matcher.text, reason, out
+                if isinstance(item, tuple):                   # ('done', GenerationOutput)
+                    metrics.finished(item[1])
+                    return item[1]
                 now = time.perf_counter()
-                (metrics.ttft.observe(now - t_last) if not tokens else metrics.itl.observe(now - t_last))
-                t_last = now
-                if matcher.stopped:
-                    continue
-                tokens.append(item.token_id)
-                logprobs.append(item.logprob)
-                if stops or on_token is not None:
-                    matcher.update(engine.decode(tokens) or "")
-                if matcher.stopped:
-                    loop.abort(rid)                           # the rest is not wanted
-                if on_token is not None and item.finish_reason is None and not matcher.stopped:
-                    await on_token(matcher.emit(final=False), item.token_id, item.logprob, None)
+                (metrics.ttft if first else metrics.itl).observe(now - t_last)
+                t_last, first = now, False
+                if on_token is not None:
+                    await on_token(item)
         except asyncio.CancelledError:                        # the client went away
             loop.abort(rid)
             raise
-
-    def check(ids: list[int], max_tokens: int, n: int):
-        if len(ids) + max_tokens > cfg.max_position_embeddings:
-            raise ServerInputError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                                   f"context of {cfg.max_position_embeddings} tokens")
-        if loop.in_flight() + n > max_queued:
-            raise OverflowError
 
     async def until_disconnect(raw: Request, work):
         """Await work, cancelling it (which aborts its requests) if the client goes away first."""
@@ -352,63 +313,79 @@ def create_app(engine: Engine, *, model_name: str = "cpkv", model_dir: str | Pat
                 task.cancel()
         return task.result()
 
-    async def respond(raw: Request, body: _Body, ids: list[int], kind: str, want_logprobs: bool,
-                      echo_text: str = ""):
+    async def respond(raw: Request, body: _Body, prompt, kind: str, want_logprobs: bool,
+                      top_logprobs: int = 0, echo: bool = False):
+        """Check the request (400 before anything runs or streams), then answer it: its n samples as one
+        response, or as SSE chunks. prompt: text or token ids."""
+        ids = engine.encode(prompt)
         max_tokens = body.max_tokens or max(1, cfg.max_position_embeddings - len(ids))
-        check(ids, max_tokens, body.n)
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        ids, params = engine.validate(ids, sampling(body, max_tokens, top_logprobs, echo and want_logprobs))
+        if loop.in_flight() + body.n > max_queued:
+            raise OverflowError
         created, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        obj = "chat.completion" if kind == "chat" else "text_completion"
+        echo_text = (engine.decode(ids) or "") if echo else ""
         if body.stream:
-            return StreamingResponse(stream(body, ids, max_tokens, stops, kind, rid, created, echo_text),
+            return StreamingResponse(stream(ids, params, kind, rid, created, echo_text, want_logprobs),
                                      media_type="text/event-stream")
-        results = await until_disconnect(
-            raw, asyncio.gather(*[run(ids, sampling(body, max_tokens, i), stops) for i in range(body.n)]))
-        choices, completion, cached = [], 0, 0
-        for i, (tokens, lps, text, reason, out) in enumerate(results):
-            completion += len(tokens)
-            cached = max(cached, out.cached_tokens)
-            choice: dict[str, Any] = {"index": i, "finish_reason": _openai_reason(reason)}
+        outs = await until_disconnect(raw, asyncio.gather(*[run(ids, p) for p in params.samples()]))
+        choices = []
+        for i, out in enumerate(outs):
+            choice: dict[str, Any] = {"index": i, "finish_reason": _openai_reason(out.finish_reason)}
+            text = out.text or ""
             if kind == "chat":
                 choice["message"] = {"role": "assistant", "content": text}
-                choice["logprobs"] = ({"content": [{"token": engine.decode([t]), "logprob": lp}
-                                                   for t, lp in zip(tokens, lps)]} if want_logprobs else None)
+                choice["logprobs"] = (chat_logprobs(out.token_ids, out.logprobs, out.top_logprobs)
+                                      if want_logprobs else None)
             else:
                 choice["text"] = echo_text + text
-                choice["logprobs"] = ({"tokens": [engine.decode([t]) for t in tokens], "token_logprobs": lps,
-                                       "top_logprobs": None} if want_logprobs else None)
+                choice["logprobs"] = None
+                if want_logprobs and echo:                    # the prompt's tokens first (the first has none)
+                    choice["logprobs"] = completion_logprobs(
+                        ids + out.token_ids, out.prompt_logprobs + out.logprobs,
+                        None if not top_logprobs else out.prompt_top_logprobs + out.top_logprobs)
+                elif want_logprobs:
+                    choice["logprobs"] = completion_logprobs(out.token_ids, out.logprobs, out.top_logprobs)
             choices.append(choice)
-        return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+        completion = sum(len(out.token_ids) for out in outs)
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
+                "model": model_name, "choices": choices,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
                           "total_tokens": len(ids) + completion,
-                          "prompt_tokens_details": {"cached_tokens": cached}}}
+                          "prompt_tokens_details": {"cached_tokens": max(out.cached_tokens for out in outs)}}}
 
-    async def stream(body, ids, max_tokens, stops, kind, rid, created, echo_text):
+    async def stream(ids, params, kind, rid, created, echo_text, want_logprobs):
+        """SSE chunks of the n samples as their tokens come (one chunk per token that decides text, or
+        per token when logprobs are asked for), then [DONE]."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         out_q: asyncio.Queue = asyncio.Queue()
 
-        def chunk(i, delta, reason):
+        def chunk(i, delta, reason, ev=None):
             if kind == "chat":
                 c = {"index": i, "delta": {"content": delta} if delta or reason is None else {},
                      "finish_reason": _openai_reason(reason)}
             else:
                 c = {"index": i, "text": delta, "finish_reason": _openai_reason(reason)}
+            if want_logprobs and ev is not None:
+                alternatives = [ev.top_logprobs] if params.top_logprobs else None
+                c["logprobs"] = (chat_logprobs if kind == "chat" else completion_logprobs)(
+                    [ev.token_id], [ev.logprob], alternatives)
             return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [c]}
 
-        async def one(i):
-            async def on_token(delta, token_id, logprob, reason):
-                if delta or reason is not None:
-                    await out_q.put(chunk(i, delta, reason))
-            await run(ids, sampling(body, max_tokens, i), stops, on_token)
+        async def one(i, sample):
+            async def on_token(ev):
+                if ev.text or ev.finish_reason is not None or want_logprobs:
+                    await out_q.put(chunk(i, ev.text, ev.finish_reason, ev))
+            await run(ids, sample, on_token)
 
+        samples = params.samples()
         if kind == "chat":
-            for i in range(body.n):
+            for i in range(len(samples)):
                 yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                             "choices": [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}]})
         elif echo_text:
-            for i in range(body.n):
+            for i in range(len(samples)):
                 yield _sse(chunk(i, echo_text, None))
-        tasks = [asyncio.create_task(one(i)) for i in range(body.n)]
+        tasks = [asyncio.create_task(one(i, sample)) for i, sample in enumerate(samples)]
         done = asyncio.gather(*tasks)
         done.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no "never retrieved" log
         getter = None
@@ -439,13 +416,11 @@ def create_app(engine: Engine, *, model_name: str = "cpkv", model_dir: str | Pat
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, raw: Request):
         async def go():
-            if body.logprobs and body.logprobs > 1:
-                raise ServerInputError("logprobs > 1 (top alternatives) is not supported; use 0 or 1")
-            if body.echo and body.logprobs is not None:
-                raise ServerInputError("echo with logprobs (prompt logprobs) is not supported yet")
-            ids = prompt_ids(body.prompt)
-            echo = (engine.decode(ids) or "") if body.echo else ""
-            return await respond(raw, body, ids, "text", body.logprobs is not None, echo)
+            if body.echo and body.logprobs is not None and body.stream:
+                raise ServerInputError("echo with logprobs (prompt logprobs) is not supported with stream; "
+                                       "send stream: false")
+            return await respond(raw, body, body.prompt, "text", body.logprobs is not None, body.logprobs or 0,
+                                 body.echo)
         return await guarded(go)
 
     @app.post("/v1/chat/completions")
@@ -454,11 +429,11 @@ def create_app(engine: Engine, *, model_name: str = "cpkv", model_dir: str | Pat
             if template is None:
                 raise ServerInputError("this model has no chat template (chat_template.jinja or "
                                        "tokenizer_config.json's chat_template); use /v1/completions")
-            if body.top_logprobs:
-                raise ServerInputError("top_logprobs > 0 is not supported; use logprobs alone")
+            if body.top_logprobs and not body.logprobs:
+                raise ServerInputError("top_logprobs needs logprobs: true")
             text = template.render(messages=[m.model_dump(exclude_none=True) for m in body.messages],
                                    add_generation_prompt=True, **special)
-            return await respond(raw, body, prompt_ids(text), "chat", body.logprobs)
+            return await respond(raw, body, text, "chat", body.logprobs, body.top_logprobs or 0)
         return await guarded(go)
 
     return app

@@ -91,8 +91,10 @@ class SpecDecoder:
         drafts = np.zeros((B, n), np.int32)
         drafts[:len(reqs)] = [r.drafts for r in reqs]
         position = np.array([r.seq_len for r in reqs] + [0] * (B - len(reqs)), np.int32)
-        a, tok, lps = verify_tokens(target, q, jnp.asarray(drafts), *self.batch_builder.sampling("verify", reqs, B),
-                                    jnp.asarray(position))
+        top_n = self.batch_builder.top_logprobs_width(reqs)
+        a, tok, lps, *top = verify_tokens(target, q, jnp.asarray(drafts),
+                                          *self.batch_builder.sampling("verify", reqs, B, top_n),
+                                          jnp.asarray(position), top_n=top_n)
         a, tok, lps = np.asarray(a), np.asarray(tok), np.asarray(lps)
         host_target = np.asarray(target) if any(r.logits is not None for r in reqs) else None
         emitted = [r.drafts[:a[b]] + [int(tok[b])] for b, r in enumerate(reqs)]
@@ -103,5 +105,6 @@ class SpecDecoder:
             self.extend([Chunk(ch.req, ch.start, ch.tokens[:k]) for ch, k in zip(chunks, taken)], kept_plan,
                         kept_requests, hidden)
 
-        return self.scheduler.complete_step(chunks, emitted, lps, host_target, verified=True,
+        return self.scheduler.complete_step(chunks, emitted, lps, host_target,
+                                            top=[np.asarray(x) for x in top] if top_n else None, verified=True,
                                             before_release=extend_kept)

@@ -17,6 +17,7 @@ from models.config import ModelConfig
 from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache
 from models.layers import (Dense, LayerNorm, RMSNorm, apply_rope_half, apply_rope_interleaved,
                            rope_cos_sin)
+from models.sharding import NO_AXES, MeshAxes
 from pallas_kernels.indexer import indexer_topk, quantize_index_k
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
@@ -43,12 +44,14 @@ class Indexer(nnx.Module):
         return jnp.concatenate([rot(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
     def __call__(self, x, q_resid, cos, sin, batch: Batch, cache: KVCache, full_id, k_sel: int,
-                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, axes: MeshAxes = NO_AXES):
         """Writes this layer's indexer keys, returns (top-k positions [B, T, k_sel], cache). Scores
-        this rank's queries against every visible key (gathered from the owners under CP)."""
+        this rank's queries against every visible key (gathered from the owners under CP). Under
+        tensor parallelism each rank scores with its own heads and the per-head sums are added
+        (axes.tp) before the selection."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.wq_b(q_resid).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
+        q = self.wq_b(q_resid).reshape(B, T, -1, cfg.index_head_dim)   # this rank's heads
         q = self._rope(q, cos[:, :, None, :], sin[:, :, None, :])
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [B, T, D]
 
@@ -63,9 +66,10 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_n_heads ** -0.5  # [B, T, H]
         if access.axis is None:
             return indexer_topk(q, w, index_k, index_scale, full_id, batch.slot_table, batch.positions, k_sel,
-                                contiguous_blocks=access.contiguous_blocks, policy=kernels), cache
+                                contiguous_blocks=access.contiguous_blocks, policy=kernels, head_axis=axes.tp), cache
         keys, scales, table = gather_index_keys(access, index_k, index_scale, full_id, batch.slot_table)
-        return indexer_topk(q, w, keys, scales, 0, table, batch.positions, k_sel, policy=kernels), cache
+        return indexer_topk(q, w, keys, scales, 0, table, batch.positions, k_sel, policy=kernels,
+                            head_axis=axes.tp), cache
 
 
 def gather_index_keys(access: KVAccess, index_k, index_scale, layer, slot_table):
@@ -105,17 +109,20 @@ class MLA(nnx.Module):
         self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, stack=stack) if has_indexer else None
 
     def __call__(self, x, prev_topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
-                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, axes: MeshAxes = NO_AXES):
         """x: input_layernorm output [B, T, D]. Writes this layer's KV (and indexer keys on a full layer),
-        then attends each token to its top-k positions. Returns (out [B, T, D], topk, cache)."""
+        then attends each token to its top-k positions. Returns (out [B, T, D], topk, cache). Under
+        tensor parallelism (axes.tp) each rank holds and attends with its own heads (q_b, kv_b split by
+        head, the latent cache whole on every rank) and o_proj's row-parallel partials are added."""
         cfg = self.cfg
         B, T, _ = x.shape
-        H, dn, dr, dv, C = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                            cfg.v_head_dim, cfg.kv_lora_rank)
+        dn, dr, dv, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         cos, sin = rope_cos_sin(batch.positions, cfg.rope, dr, x.dtype)
 
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).reshape(B, T, H, dn + dr)
+        q = self.q_b_proj(q_resid)
+        H = q.shape[-1] // (dn + dr)   # this rank's heads
+        q = q.reshape(B, T, H, dn + dr)
         q_nope = q[..., :dn]
         q_rope = apply_rope_interleaved(q[..., dn:], cos[:, :, None, :], sin[:, :, None, :])
 
@@ -128,7 +135,7 @@ class MLA(nnx.Module):
 
         if self.indexer is not None:
             topk, cache = self.indexer(x, q_resid, cos, sin, batch, cache, full_id, prev_topk.shape[-1], access,
-                                       kernels)
+                                       kernels, axes)
         else:
             topk = prev_topk
         n_local = cache.latent.shape[1]
@@ -166,4 +173,4 @@ class MLA(nnx.Module):
             out = jnp.einsum("bthc,chd->bthd", o_lat, w_uv)
         else:
             raise ValueError(f"attn_path must be one of {ATTN_PATHS}, got {attn_path!r}")
-        return self.o_proj(out.reshape(B, T, H * dv)), topk, cache
+        return axes.psum_tp(self.o_proj(out.reshape(B, T, H * dv))), topk, cache

@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.kv import SINGLE_DEVICE, Batch, KVAccess, KVCache
 from models.layers import Dense, RMSNorm, normal_param
 from models.moe import MLP, MoE
-from models.sharding import KV_LEAF_AXES, RULES
+from models.sharding import KV_LEAF_AXES, NO_AXES, RULES, MeshAxes, state_specs
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 MAX_UNIT = 8
@@ -74,12 +74,14 @@ class DecoderLayer(nnx.Module):
                              fp8=lambda name: cfg.fp8(f"mlp.{name}")))
 
     def __call__(self, x, topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
-                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY,
+                 axes: MeshAxes = NO_AXES):
         a, topk, cache = self.self_attn(self.input_layernorm(x), topk, batch, cache, layer_id, full_id,
-                                        attn_path=attn_path, access=access, kernels=kernels)
+                                        attn_path=attn_path, access=access, kernels=kernels, axes=axes)
         x = x + a
         h = self.post_attention_layernorm(x)
-        x = x + (self.mlp(h, batch.valid, kernels=kernels) if isinstance(self.mlp, MoE) else self.mlp(h))
+        x = x + (self.mlp(h, batch.valid, kernels=kernels, axes=axes) if isinstance(self.mlp, MoE)
+                 else self.mlp(h, axes))
         return x, topk, cache
 
 
@@ -92,7 +94,8 @@ class LayerStack(nnx.Module):
                               for m, ix in group.unit])
 
     def __call__(self, x, topk, batch, cache, full_index: tuple[int, ...], *, attn_path: str,
-                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None,
+                 axes: MeshAxes = NO_AXES):
         graphdefs, states = zip(*(nnx.split(layer) for layer in self.unit))
         layer_ids = jnp.asarray(self.group.layer_ids, jnp.int32)
         full_ids = jnp.asarray([[full_index[i] for i in row] for row in self.group.layer_ids], jnp.int32)
@@ -104,7 +107,8 @@ class LayerStack(nnx.Module):
                 if boundary is not None:
                     cache, x = boundary(cache, x)
                 x, topk, cache = nnx.merge(gd, st[j])(x, topk, batch, cache, lid[j], fid[j],
-                                                       attn_path=attn_path, access=access, kernels=kernels)
+                                                       attn_path=attn_path, access=access, kernels=kernels,
+                                                       axes=axes)
             return (x, topk, cache), None
 
         (x, topk, cache), _ = jax.lax.scan(body, (x, topk, cache), (states, layer_ids, full_ids))
@@ -151,54 +155,59 @@ class DsaModel(nnx.Module):
     def topk_width(self, kv_width: int) -> int:
         return min(self.cfg.index_topk, kv_width)
 
-    def embed(self, tokens):
-        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+    def embed(self, tokens, axes: MeshAxes = NO_AXES):
+        return axes.embed(self.embed_tokens[...], tokens)
 
-    def logits(self, h):
-        """fp32 logits of final-normed hidden states."""
+    def logits(self, h, axes: MeshAxes = NO_AXES):
+        """fp32 logits of final-normed hidden states (all of the vocabulary on every rank)."""
         if self.lm_head is None:
-            return jnp.dot(h, self.embed_tokens[...].T.astype(h.dtype)).astype(jnp.float32)
-        return self.lm_head(h).astype(jnp.float32)
+            return axes.gather_vocab(jnp.dot(h, self.embed_tokens[...].T.astype(h.dtype)).astype(jnp.float32))
+        return axes.gather_vocab(self.lm_head(h).astype(jnp.float32))
 
     # ---- forward ---------------------------------------------------------------------------------
     def __call__(self, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
-                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None):
+                 access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None,
+                 axes: MeshAxes = NO_AXES):
         """Target forward. Returns (final-normed hidden [B, T, D], updated cache). Under CP (inside the
         shard_map, `access.axis` set) the batch holds this rank's tokens and the cache its shard.
         `boundary(cache, x) -> (cache, x)`, if given, runs before every layer and after the last (the
         host tier's copy hook: it sees the pool between layers and must return both unchanged).
-        `kernels`: which kernels the layers run (static, like `access`)."""
-        x = self.embed(batch.tokens)
+        `kernels`: which kernels the layers run (static, like `access`); `axes`: the mesh axes the
+        parameters are split over, inside a shard_map over them (models.sharding.MeshAxes)."""
+        x = self.embed(batch.tokens, axes)
         B, T = batch.tokens.shape
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         for stack in self.groups:
             x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path, access=access,
-                                   kernels=kernels, boundary=boundary)
+                                   kernels=kernels, boundary=boundary, axes=axes)
         if boundary is not None:
             cache, x = boundary(cache, x)
         return self.norm(x), cache
 
     def mtp_hidden(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
-                   access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY):
+                   access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY,
+                   axes: MeshAxes = NO_AXES):
         """MTP layer over target hidden states [B, T, D] (final-normed) and the token that follows each
         position [B, T]; positions/slots come from `batch`; `cache` is the draft's one-layer cache (same
         slots as the target's). Returns (the layer's output hidden before shared_head.norm, cache)."""
         m = self.mtp
         if m is None:
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers == 0)")
-        emb = jnp.take((m.embed_tokens if m.embed_tokens is not None else self.embed_tokens)[...],
-                       next_tokens, axis=0)
+        emb = axes.embed((m.embed_tokens if m.embed_tokens is not None else self.embed_tokens)[...], next_tokens)
         x = m.eh_proj(jnp.concatenate([m.enorm(emb), m.hnorm(hidden.astype(emb.dtype))], axis=-1))
         B, T = next_tokens.shape
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         zero = jnp.int32(0)
-        x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path, access=access, kernels=kernels)
+        x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path, access=access, kernels=kernels,
+                              axes=axes)
         return x, cache
 
-    def mtp_logits(self, x):
+    def mtp_logits(self, x, axes: MeshAxes = NO_AXES):
         """fp32 draft logits of MTP output hidden states (shared_head.norm, then its head or lm_head)."""
         h = self.mtp.norm(x)
-        return (self.mtp.head(h) if self.mtp.head is not None else self.logits(h)).astype(jnp.float32)
+        if self.mtp.head is None:
+            return self.logits(h, axes)
+        return axes.gather_vocab(self.mtp.head(h).astype(jnp.float32))
 
     def mtp_forward(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
                     kernels: KernelPolicy = DEFAULT_POLICY):
@@ -233,14 +242,16 @@ def pick_last(h, last_index, last_rank, access: KVAccess):
 OUTPUTS = ("logits", "hidden", "last_logits", "last_logits_hidden", "logits_hidden")
 
 
-def _specs(access: KVAccess, cache: KVCache):
-    """PartitionSpec, the rows' spec, and the cache / batch specs of a CP shard_map (the sharding rules'
-    `batch_rows` and `kv_slots` axes, which must be the axis the KV access collects over)."""
+def _specs(access: KVAccess, cache: KVCache, state, mesh):
+    """PartitionSpec, the rows' spec, and the cache / batch / parameter specs of a step's shard_map (the
+    sharding rules' `batch_rows` and `kv_slots` axes, which must be the axis the KV access collects
+    over; the parameters' axes from the table: routed experts split over 'ep')."""
     from jax.sharding import PartitionSpec as P
-    if access.axis != RULES.kv_slots:
+    if access.axis is not None and access.axis != RULES.kv_slots:
         raise ValueError(f"CP access over {access.axis!r}, but the sharding rules place KV slots on {RULES.kv_slots!r}")
-    rows = RULES.spec("batch_rows")
-    return P, rows, jax.tree.map(lambda _: RULES.spec(*KV_LEAF_AXES), cache), Batch(rows, rows, rows, P())
+    rows = RULES.spec("batch_rows", mesh=mesh)
+    cache_spec = jax.tree.map(lambda _: RULES.spec(*KV_LEAF_AXES, mesh=mesh), cache)
+    return P, rows, cache_spec, Batch(rows, rows, rows, P()), state_specs(state, mesh)
 
 
 def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
@@ -255,30 +266,34 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
     `boundary`: the layer hook (DsaModel.__call__), static; `kernels`: which kernels the layers run,
     static.
 
-    With `access.axis` set the forward runs under shard_map over `mesh`: batch rows [cp*B, T] are
-    split over the axis (rank r gets its own lanes of every request), `slot_table` [B, S] is
-    replicated, the cache's slot axis is sharded. Last-token outputs take each request's last token
+    With a mesh the forward runs under shard_map over it, the parameters placed by the sharding table
+    (routed experts split over 'ep', each rank running its own: models.moe.expert_parallel_mlp). With
+    `access.axis` set: batch rows [cp*B, T] are split over the axis (rank r gets its own lanes of every
+    request), `slot_table` [B, S] is replicated, the cache's slot axis is sharded. Last-token outputs take each request's last token
     from rank `last_rank[b]`, lane `last_index[b]` (narrow collection); every-position outputs gather
     all of them ([cp, B, T, ...]) — the flag for batches that need them."""
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
 
+    axes = MeshAxes.of(mesh)
+
     def forward(state, batch, cache, last_index, last_rank):
         m = nnx.merge(graphdef, state)
         with jax.default_matmul_precision(matmul_precision(m.dtype)):
-            h, cache = m(batch, cache, attn_path=attn_path, access=access, kernels=kernels, boundary=boundary)
+            h, cache = m(batch, cache, attn_path=attn_path, access=access, kernels=kernels, boundary=boundary,
+                         axes=axes)
             if output.startswith("last"):
-                out = m.logits(pick_last(h, last_index, last_rank, access))
+                out = m.logits(pick_last(h, last_index, last_rank, access), axes)
             else:
                 every = h if access.axis is None else jax.lax.all_gather(h, access.axis)
-                out = every if output == "hidden" else m.logits(every)
+                out = every if output == "hidden" else m.logits(every, axes)
             return ((out, h) if output.endswith("_hidden") else out), cache
 
-    if access.axis is None:
+    if mesh is None:
         return forward(state, batch, cache, last_index, last_rank)
-    P, rows, cache_spec, batch_spec = _specs(access, cache)
+    P, rows, cache_spec, batch_spec, param_spec = _specs(access, cache, state, mesh)
     out_spec = (P(), rows) if output.endswith("_hidden") else P()
-    return jax.shard_map(forward, mesh=mesh, in_specs=(P(), batch_spec, cache_spec, P(), P()),
+    return jax.shard_map(forward, mesh=mesh, in_specs=(param_spec, batch_spec, cache_spec, P(), P()),
                          out_specs=(out_spec, cache_spec), check_vma=False)(state, batch, cache, last_index, last_rank)
 
 
@@ -289,21 +304,23 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
     lanes (draft extend: under CP each rank's local slice, never gathered) or one row per request
     [B, D] (chain steps, broadcast to the lanes). Returns ((draft logits [B, V], the MTP output hidden
     [B, D]) at each request's last lane, draft cache)."""
+    axes = MeshAxes.of(mesh)
+
     def forward(state, hidden, next_tokens, batch, cache, last_index, last_rank):
         m = nnx.merge(graphdef, state)
         with jax.default_matmul_precision(matmul_precision(m.dtype)):
             if hidden.ndim == 2:
                 hidden = jnp.broadcast_to(hidden[:, None, :], next_tokens.shape + hidden.shape[-1:])
             x, cache = m.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path, access=access,
-                                    kernels=kernels)
+                                    kernels=kernels, axes=axes)
             x_last = pick_last(x, last_index, last_rank, access)
-            return (m.mtp_logits(x_last), x_last), cache
+            return (m.mtp_logits(x_last, axes), x_last), cache
 
-    if access.axis is None:
+    if mesh is None:
         return forward(state, hidden, next_tokens, batch, cache, last_index, last_rank)
-    P, rows, cache_spec, batch_spec = _specs(access, cache)
+    P, rows, cache_spec, batch_spec, param_spec = _specs(access, cache, state, mesh)
     hidden_spec = rows if hidden.ndim == 3 else P()
-    return jax.shard_map(forward, mesh=mesh, in_specs=(P(), hidden_spec, rows, batch_spec, cache_spec, P(), P()),
+    return jax.shard_map(forward, mesh=mesh, in_specs=(param_spec, hidden_spec, rows, batch_spec, cache_spec, P(), P()),
                          out_specs=((P(), P()), cache_spec), check_vma=False)(
         state, hidden, next_tokens, batch, cache, last_index, last_rank)
 

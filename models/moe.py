@@ -9,6 +9,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import Dense, fp8_or_plain_param, stored_weight
+from models.sharding import NO_AXES, MeshAxes
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.moe import expert_mlp
 from pallas_kernels.row_gather import compaction_plan, gather_rows
@@ -21,8 +22,9 @@ class MLP(nnx.Module):
         self.up_proj = Dense(dim, inter, dtype=dtype, rngs=rngs, stack=stack, fp8=fp8("up_proj"))
         self.down_proj = Dense(inter, dim, dtype=dtype, rngs=rngs, stack=stack, fp8=fp8("down_proj"))
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, axes: MeshAxes = NO_AXES):
+        """Under tensor parallelism gate/up are column-parallel and down row-parallel: one psum."""
+        return axes.psum_tp(self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 def route(cfg: ModelConfig, logits32, bias):
@@ -104,11 +106,12 @@ class MoE(nnx.Module):
                                    fp8=lambda name: cfg.fp8(f"mlp.shared_experts.{name}"))
                                if cfg.n_shared_experts else None)
 
-    def __call__(self, x, valid=None, *, kernels: KernelPolicy = DEFAULT_POLICY, expert_axis: str | None = None):
+    def __call__(self, x, valid=None, *, kernels: KernelPolicy = DEFAULT_POLICY, axes: MeshAxes = NO_AXES):
         """x [..., D]; valid [...] marks real tokens (padding lanes are False). Valid rows are compacted
         before the router and experts and restored after, so padding never takes part in routing.
-        kernels: whether the row gathers run the Pallas kernel (static). expert_axis: inside a shard_map
-        over this mesh axis, with this module's routed experts split over it (expert_parallel_mlp)."""
+        kernels: whether the row gathers run the Pallas kernel (static). axes: inside a shard_map, the
+        mesh axes the parameters are split over (routed experts: expert_parallel_mlp; the shared
+        experts' intermediate: tensor-parallel)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         valid = jnp.ones(xf.shape[0], bool) if valid is None else valid.reshape(-1)
@@ -119,8 +122,8 @@ class MoE(nnx.Module):
         experts = (stored_weight(self.experts_gate, self.experts_gate_scale_inv, x.dtype),
                    stored_weight(self.experts_up, self.experts_up_scale_inv, x.dtype),
                    stored_weight(self.experts_down, self.experts_down_scale_inv, x.dtype))
-        out = (grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels) if expert_axis is None
-               else expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, expert_axis))
+        out = (grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels) if axes.experts is None
+               else expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts))
         if self.shared_experts is not None:
-            out = out + self.shared_experts(xc)
+            out = out + self.shared_experts(xc, axes)
         return restore_rows(out, dest, kernels).reshape(shape)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down",
@@ -70,3 +72,55 @@ def param_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
 
 def param_sharding(path: tuple, ndim: int, mesh: Mesh, rules: ShardingRules = RULES) -> NamedSharding:
     return rules.sharding(mesh, *param_logical_axes(path, ndim))
+
+
+def state_specs(state, mesh: Mesh, rules: ShardingRules = RULES):
+    """The PartitionSpec of every leaf of a model's nnx.State (same tree): the table's axes by path;
+    stacked group leaves with a leading `layers` axis."""
+    def spec(path, x):
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        stacked = keys[0] == "groups"
+        logical = (("layers",) if stacked else ()) + param_logical_axes(keys, x.ndim - stacked)
+        return rules.spec(*logical, mesh=mesh)
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+    """The mesh axes a forward runs split over inside its shard_map (None: not split); static, like
+    KVAccess. experts: the routed experts (models.moe.expert_parallel_mlp); tp: attention heads, the
+    indexer's heads, the MLP intermediate and the vocabulary (the table's heads / index_heads / mlp /
+    vocab axes, which must be one axis). The collectives of tensor parallelism live here."""
+
+    experts: str | None = None
+    tp: str | None = None
+
+    @classmethod
+    def of(cls, mesh: Mesh | None, rules: ShardingRules = RULES) -> "MeshAxes":
+        def split(axis):
+            return axis if mesh is not None and axis in mesh.axis_names and mesh.shape[axis] > 1 else None
+        tp = {split(a) for a in (rules.heads, rules.index_heads, rules.mlp, rules.vocab)}
+        if len(tp) > 1:
+            raise ValueError(f"heads, index_heads, mlp and vocab must split over one mesh axis, got {tp}")
+        return cls(split(rules.experts), tp.pop())
+
+    def psum_tp(self, x):
+        """The sum of a row-parallel product's per-rank partials (o_proj, MLP down, embedding rows)."""
+        return x if self.tp is None else jax.lax.psum(x, self.tp)
+
+    def gather_vocab(self, logits):
+        """Every rank's vocabulary slice of the logits, in order, on every rank."""
+        return logits if self.tp is None else jax.lax.all_gather(logits, self.tp, axis=-1, tiled=True)
+
+    def embed(self, table, tokens):
+        """Rows of a vocabulary-parallel embedding table: each rank looks up the ids in its slice, zero
+        elsewhere, and the ranks' rows are added."""
+        if self.tp is None:
+            return jnp.take(table, tokens, axis=0)
+        local = tokens - jax.lax.axis_index(self.tp) * table.shape[0]
+        mine = (local >= 0) & (local < table.shape[0])
+        rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+        return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype)), self.tp)
+
+
+NO_AXES = MeshAxes()

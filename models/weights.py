@@ -691,6 +691,11 @@ def tiny_checkpoint() -> Path:
     return path
 
 
+def model_config(spec) -> ModelConfig:
+    """The config of what load_model(spec) would load, without loading it (to plan its mesh first)."""
+    return ModelConfig.from_json_file(tiny_checkpoint() if spec == "tiny" else Path(spec))
+
+
 def load_model(spec, dtype=None, mesh=None, *, verify: bool = True) -> DsaModel:
     """'tiny' (shipped config, deterministic random weights, cached as a checkpoint on first use), one
     of our orbax checkpoints, or an HF safetensors directory (converted in memory; small models)."""

@@ -71,6 +71,8 @@ def test_convert_fp8_keeps_fp8_and_matches_hf(tmp_path, capsys):
     (["generate", "--tokens", "1,,2"], "an empty entry"),
     (["generate", "--tokens=-3,2"], "'-3'"),
     (["score", "--model", "tiny", "--tokens", "", "--out", "x.npy"], "is empty"),
+    (["generate", "--tokens", "1,2", "--index-dtype", "int4"], "invalid choice: 'int4'"),
+    (["generate", "--tokens", "1,2", "--n", "0"], "n must be an integer >= 1"),
 ])
 def test_cli_errors_exit_2_with_message(tmp_path, args, message):
     """Every input error is one message and exit status 2, argument errors and engine errors alike."""
@@ -81,7 +83,7 @@ def test_cli_errors_exit_2_with_message(tmp_path, args, message):
 
 
 def test_every_verb_has_help():
-    for verb in ("generate", "bench", "score", "convert"):
+    for verb in ("generate", "bench", "serve", "score", "convert"):
         r = run_cli(verb, "--help")
         assert r.returncode == 0 and "usage: cpkv-jax" in r.stdout
 
@@ -144,3 +146,113 @@ def test_generate_with_host_cache_matches_plain(capsys):
     assert main(base + ["--hicache-pages", "32"]) == 0
     host = json.loads(capsys.readouterr().out)
     assert [o["token_ids"] for o in host["outputs"]] == [o["token_ids"] for o in plain["outputs"]]
+
+
+# Each EngineConfig field: the flag that sets it and a non-default value (one table: a field added to
+# EngineConfig without a flag fails the first test).
+ENGINE_FLAGS = {
+    "page_size": (["--page-size", "32"], 32), "kv_pages": (["--kv-pages", "96"], 96),
+    "max_running": (["--max-running", "4"], 4), "max_prefill_tokens": (["--max-prefill-tokens", "256"], 256),
+    "prefix_cache": (["--no-prefix-cache"], False), "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+    "index_dtype": (["--index-dtype", "same"], "same"), "attn_path": (["--attn-path", "absorbed"], "absorbed"),
+    "min_prefill_lanes": (["--min-prefill-lanes", "8"], 8), "cp_size": (["--cp", "2"], 2),
+    "ep_size": (["--ep", "2"], 2), "tp_size": (["--tp", "2"], 2),
+    "cp_mode": (["--cp-mode", "round_robin"], "round_robin"),
+    "cp_short_policy": (["--cp-short-policy", "token_balanced"], "token_balanced"),
+    "speculative": (["--speculative", "nextn"], "nextn"), "num_draft_tokens": (["--num-draft-tokens", "3"], 3),
+    "hicache_pages": (["--hicache-pages", "8"], 8),
+    "hicache_policy": (["--hicache-policy", "write_through_selective"], "write_through_selective"),
+    "hicache_copy": (["--hicache-copy", "jit"], "jit"),
+    "kernels": (["--kernels", "moe_kernel=false"], "moe_kernel=false"),
+}
+VERB_ARGS = {"generate": ["--tokens", "1,2"], "bench": [], "serve": []}
+
+
+def test_every_engine_config_field_has_the_same_flag_on_generate_bench_and_serve():
+    """Each flag sets its field (and only it) of the EngineConfig the verbs build (cli.engine_config),
+    with the same name on every verb; with no flags generate and serve run EngineConfig's defaults."""
+    import dataclasses
+
+    from cpkv_jax.cli import build_parser, engine_config
+    from cpkv_jax.config import EngineConfig
+    from pallas_kernels.policy import KernelPolicy
+
+    assert set(ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)}
+    parser = build_parser()
+    for verb, base in VERB_ARGS.items():
+        default = engine_config(parser.parse_args([verb, *base]))
+        if verb != "bench":            # bench sizes the pool, running set and budget from its workload
+            assert default == EngineConfig()
+        for field, (flag, value) in ENGINE_FLAGS.items():
+            want = KernelPolicy.parse(value) if field == "kernels" else value
+            got = engine_config(parser.parse_args([verb, *base, *flag]))
+            assert got == dataclasses.replace(default, **{field: want}), (verb, field)
+
+
+def test_compile_cache_is_kept_under_the_cache_dir_unless_opted_out(monkeypatch):
+    """generate, bench and serve point JAX's persistent compilation cache at $CPKV_CACHE_DIR/xla before
+    they run; --no-compile-cache leaves it unset, and a directory already set is kept."""
+    import jax
+
+    import cpkv_jax.cli as cli
+    from models.weights import cache_dir
+
+    seen = []
+    for name in ("cmd_generate", "cmd_bench", "cmd_serve"):
+        monkeypatch.setattr(cli, name, lambda args: seen.append(jax.config.jax_compilation_cache_dir) or 0)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        for verb, base in VERB_ARGS.items():
+            jax.config.update("jax_compilation_cache_dir", None)
+            assert main([verb, *base, "--no-compile-cache"]) == 0
+            assert main([verb, *base]) == 0
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
+        assert main(["generate", "--tokens", "1"]) == 0
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert seen == [None, str(cache_dir() / "xla")] * 3 + ["/elsewhere"]
+
+
+def test_generate_stop_strings_and_n_equal_the_engine(capsys):
+    import dataclasses
+
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+
+    eng = Engine("tiny", EngineConfig(page_size=16, kv_pages=64))
+    prompt = [11, 42, 7, 300, 5, 19, 64, 128]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=9, n=2)
+    full = eng.generate([prompt], params)[0].text
+    stop = next(c for c in full[1:] if c != "\ufffd")
+    want = eng.generate([prompt, "Hi"], dataclasses.replace(params, stop=(stop, "\x00")))
+    assert want[0].finish_reason == "stop" and want[0].text == full[:full.find(stop)]
+    args = ["generate", "--tokens", ",".join(map(str, prompt)), "--prompt", "Hi", "--max-new-tokens", "16",
+            "--ignore-eos", "--temperature", "0.8", "--seed", "9", "--n", "2", "--stop", stop, "--stop", "\x00",
+            "--page-size", "16", "--kv-pages", "64", "--json"]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)["outputs"]
+    assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in got] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in want]
+    assert len(got) == 4
+
+
+def test_generate_index_dtype_same_gives_scores_argmax(tmp_path, capsys):
+    """On an HF fixture, greedy generate with unquantized indexer keys emits score's argmax at every
+    step with score's log-probabilities; the default fp8 keys do not give score's numbers."""
+    model = str(FIXTURES / "glm_tiny")
+    prompt = reference("glm_tiny")["prefill_tokens"][0][:40].tolist()
+    base = ["generate", "--model", model, "--tokens", ",".join(map(str, prompt)), "--max-new-tokens", "8",
+            "--ignore-eos", "--logprobs", "--page-size", "16", "--kv-pages", "64", "--json"]
+    assert main(base + ["--index-dtype", "same"]) == 0
+    same = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert main(base) == 0
+    fp8 = json.loads(capsys.readouterr().out)["outputs"][0]
+    npy = tmp_path / "l.npy"
+    assert main(["score", "--model", model, "--tokens", ",".join(map(str, prompt + same["token_ids"])),
+                 "--out", str(npy)]) == 0
+    logits = np.load(npy)
+    steps = np.arange(len(prompt) - 1, len(prompt) - 1 + 8)
+    assert same["token_ids"] == logits[steps].argmax(-1).tolist()
+    logp = logits - np.logaddexp.reduce(logits, -1, keepdims=True)
+    np.testing.assert_allclose(same["logprobs"], logp[steps, same["token_ids"]], atol=1e-5)
+    assert fp8["token_ids"] != same["token_ids"] or np.abs(np.subtract(fp8["logprobs"], same["logprobs"])).max() > 1e-3

@@ -1,6 +1,7 @@
 """The memory plan (cpkv_jax/memory_plan.py) against arrays actually placed on a mesh, and the real
 configs on an 8 x H200 node."""
 
+import json
 import re
 
 import jax
@@ -93,3 +94,14 @@ def test_mesh_flag_parsing():
             MeshShape.parse(bad)
     tiny = plan(ModelConfig.named("tiny"), devices=1, device_memory_gib=1.0, page_size=64)
     assert tiny["fits"] and tiny["kv_tokens"] % 64 == 0 and tiny["kv_tokens"] > 0
+
+
+def test_plan_cli_prints_one_json_object_and_refuses_a_bad_mesh(capsys):
+    from cpkv_jax.cli import main
+    assert main(["plan", "--model", "glm-5", "--devices", "8", "--device-memory", str(H200_GIB), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["kv_tokens"] > 0 and out["per_device_bytes"]["weights"] > 0
+    assert out == plan(ModelConfig.named("glm-5"), devices=8, device_memory_gib=H200_GIB)
+    assert main(["plan", "--model", "glm-5", "--devices", "8", "--device-memory", "140", "--mesh", "tp=3,ep=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dp x cp x tp = 1 x 1 x 3 = 3 devices, but 8 are given" in err[0]

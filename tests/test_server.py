@@ -6,12 +6,14 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams
-from cpkv_jax.server import StopMatcher, create_app
+from cpkv_jax.server import create_app
+from models.model import prefill_logits
 
 CONFIG = EngineConfig(page_size=16, kv_pages=64, max_running=8, max_prefill_tokens=128)
 PROMPT = [11, 42, 7, 300, 5, 19, 64, 128]
@@ -33,6 +35,16 @@ def client():
 def expected(ref, prompt, **kw):
     out = ref.generate([prompt], SamplingParams(**kw))[0]
     return out
+
+
+def token_text(engine, t):
+    return engine.tokenizer.decode([t], skip_special_tokens=False)
+
+
+def recompute_logprobs(engine, tokens):
+    """log_softmax of a no-cache teacher-forced prefill of `tokens` [len, V] (indexer keys as the engine's)."""
+    logits = np.asarray(prefill_logits(engine.model, np.asarray([tokens]), index_dtype=engine.config.index_dtype))[0]
+    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
 
 
 def sse(resp) -> list:
@@ -84,13 +96,32 @@ def test_n_seeds_stop_strings_and_stop_ids(client, ref):
     assert got["text"] == want.text and got["finish_reason"] == "stop"
 
 
-def test_stop_matcher_holds_back_a_possible_stop_prefix():
-    m = StopMatcher(["END"])
-    out = []
-    for text in ("ab", "abE", "abEN", "abENx", "abENxyEND", "abENxyENDzz"):
-        m.update(text)
-        out.append(m.emit(final=False))
-    assert "".join(out) + m.emit(final=True) == "abENxy" and m.stopped
+def test_top_logprobs_and_echoed_prompt_logprobs(client, ref):
+    """logprobs: N gives each token's N alternatives; with echo the prompt's tokens come first with
+    their log-probabilities (the first None), all equal to the log-softmax of a no-cache recompute;
+    streamed chunks carry the same per-token logprobs."""
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 3, "echo": True}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]
+    want = ref.generate([PROMPT], SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=3,
+                                                 prompt_logprobs=True))[0]
+    lp = recompute_logprobs(ref, PROMPT + want.token_ids)
+    ids = PROMPT + want.token_ids
+    logprobs = got["logprobs"]
+    assert got["text"] == ref.decode(PROMPT) + want.text
+    assert logprobs["tokens"] == [token_text(ref, t) for t in ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    np.testing.assert_allclose(logprobs["token_logprobs"][1:], lp[np.arange(len(ids) - 1), ids[1:]], atol=2e-5)
+    for k in range(1, len(ids)):
+        top = logprobs["top_logprobs"][k]
+        best = np.argsort(-lp[k - 1])[:3]
+        assert top == pytest.approx({token_text(ref, int(i)): float(lp[k - 1, i]) for i in best}, abs=2e-5)
+    with client.stream("POST", "/v1/completions", json=dict(body, echo=False, stream=True)) as s:
+        chunks = [c["choices"][0] for c in sse(s)]
+    assert [c["logprobs"]["tokens"][0] for c in chunks] == logprobs["tokens"][len(PROMPT):]
+    assert [c["logprobs"]["token_logprobs"][0] for c in chunks] == pytest.approx(
+        logprobs["token_logprobs"][len(PROMPT):], abs=2e-5)
+    for c, top in zip(chunks, logprobs["top_logprobs"][len(PROMPT):]):
+        assert c["logprobs"]["top_logprobs"][0] == pytest.approx(top, abs=2e-5)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -100,7 +131,10 @@ def test_stop_matcher_holds_back_a_possible_stop_prefix():
     ({"prompt": [1, 10 ** 6]}, "outside the vocabulary"),
     ({"prompt": [1, 2], "max_tokens": 10 ** 7}, "exceeds the model's context"),
     ({"prompt": [1, 2], "top_p": 0}, "top_p"),
-    ({"prompt": [1, 2], "logprobs": 5}, "logprobs > 1"),
+    ({"prompt": [1, 2], "logprobs": 6}, "logprobs"),
+    ({"prompt": [1, 2], "stop": ["ok", ""]}, "stop strings must be non-empty"),
+    ({"prompt": [1, 2], "n": 0}, "n"),
+    ({"prompt": [1, 2], "logprobs": 1, "echo": True, "stream": True}, "not supported with stream"),
 ])
 def test_bad_requests_are_400_with_an_openai_error(client, body, message):
     r = client.post("/v1/completions", json=body)
@@ -121,11 +155,21 @@ def test_chat_renders_the_checkpoint_template(tmp_path, ref):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     with TestClient(app) as c:
         got = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0}).json()
+        with_logprobs = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                             "logprobs": True, "top_logprobs": 2}).json()
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2})
+        assert r.status_code == 400 and "top_logprobs needs logprobs" in r.json()["error"]["message"]
         with c.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
                                                              "stream": True}) as s:
             chunks = sse(s)
-    want = ref.generate(["<system>be brief\n<user>hi there\n<assistant>"], SamplingParams(max_new_tokens=6))[0]
+    want = ref.generate(["<system>be brief\n<user>hi there\n<assistant>"],
+                        SamplingParams(max_new_tokens=6, logprobs=True, top_logprobs=2))[0]
     assert got["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    content = with_logprobs["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [token_text(ref, t) for t in want.token_ids]
+    assert [c["logprob"] for c in content] == pytest.approx(want.logprobs, abs=2e-5)
+    assert [[(a["token"], a["logprob"]) for a in c["top_logprobs"]] for c in content] == [
+        [(token_text(ref, i), pytest.approx(v, abs=2e-5)) for i, v in top] for top in want.top_logprobs]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want.text
     with TestClient(create_app(engine)) as c:            # the first app's engine thread has stopped

@@ -115,7 +115,7 @@ def test_verify_tokens_distribution():
                                jnp.full((n + 1,), top_k, jnp.int32)))
     drafts = rng.choice(V, size=(N, n), p=q / q.sum())
     f = lambda x: jnp.broadcast_to(jnp.asarray(x), (N,) + np.shape(x))  # noqa: E731
-    a, tok, _ = verify_tokens(f(target), f(np.stack([q] * n)), jnp.asarray(drafts, jnp.int32),
+    a, tok, *_ = verify_tokens(f(target), f(np.stack([q] * n)), jnp.asarray(drafts, jnp.int32),
                               f(np.float32(temp)), f(np.float32(top_p)), f(np.int32(top_k)),
                               jnp.arange(N, dtype=jnp.uint32), jnp.full((N,), 5, jnp.int32))
     a, tok = np.asarray(a), np.asarray(tok)

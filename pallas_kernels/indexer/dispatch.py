@@ -8,6 +8,7 @@ the Triton kernel for the rest; then the selection over each row's visible lengt
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -41,7 +42,7 @@ def use_mgpu_scores(B: int, T: int, H: int, D: int, q_dtype, contiguous_blocks: 
 
 
 def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int, contiguous_blocks: bool = False,
-                 q_scale=None, *, policy: KernelPolicy = DEFAULT_POLICY):
+                 q_scale=None, *, policy: KernelPolicy = DEFAULT_POLICY, head_axis: str | None = None):
     """The dispatch for the whole indexer selection on one device: kernels on GPU (scores through the
     page table, then selection over each row's visible length; or the fused path with
     policy.fused_indexer), the jnp composition elsewhere; in query chunks of at most
@@ -49,12 +50,15 @@ def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: in
     contiguous_blocks: the caller promises that each 64-position block of slot_table is 64
     consecutive slots (pages of a multiple of 64 slots), which lets short calls read the keys from
     the pool by TMA (the paged Mosaic GPU kernel). q_scale [B, T, H]: q is fp8 with that scale per
-    token and head (fold_query_scale: every path, kernels or not, then sees plain queries)."""
+    token and head (fold_query_scale: every path, kernels or not, then sees plain queries).
+    head_axis: q and w hold this rank's heads of a tensor-parallel split over that mesh axis; the
+    per-rank head sums of the scores are added before the selection (the fused path, which never
+    holds the scores, is not taken)."""
     check_indexer_args(q, w, index_k, index_scale, layer, slot_table, positions)
     q, w = fold_query_scale(q, w, q_scale, index_k.dtype)
     B, T, H, D = q.shape
     kernels = policy.on_gpu() and _pow2(D) and _pow2(H)  # Triton tiles: power-of-two dims
-    if kernels and policy.fused_indexer:
+    if kernels and policy.fused_indexer and head_axis is None:
         return indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions, k, policy=policy)
     chunk = max(1, policy.scores_max_bytes // (B * slot_table.shape[1] * 4 * (1 if kernels else H)))
     chunk -= chunk % 128 if chunk >= 128 else 0
@@ -66,8 +70,11 @@ def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: in
             mgpu = use_mgpu_scores(B, q_.shape[1], H, D, q.dtype, contiguous_blocks, index_k.dtype, policy=policy)
             scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, slot_table, pos_, write_invisible=False,
                                          mgpu=mgpu, contiguous_blocks=contiguous_blocks)
-            return select_topk(scores, k, pos_ + 1, policy=policy)
-        return select_topk_reference(index_scores_reference(q_, w_, keys, pos_, D), k)
+            return select_topk(sum_heads(scores), k, pos_ + 1, policy=policy)
+        return select_topk_reference(sum_heads(index_scores_reference(q_, w_, keys, pos_, D)), k)
+
+    def sum_heads(scores):
+        return scores if head_axis is None else jax.lax.psum(scores, head_axis)
     if T <= chunk:
         return select(0)
     return jnp.concatenate([select(t0) for t0 in range(0, T, chunk)], axis=1)
