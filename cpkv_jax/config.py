@@ -60,6 +60,9 @@ class EngineConfig:
         positive("cp_size")
         positive("ep_size")
         positive("tp_size")
+        if self.hicache_pages and (self.ep_size > 1 or self.tp_size > 1):
+            raise EngineConfigError("hicache_pages with ep_size or tp_size > 1 is not supported yet: the host "
+                                    "tier's copies are planned per CP rank, not per device of an ep/tp mesh")
         from cpkv_jax.cp import MODES, SHORT_POLICIES
         if self.cp_mode not in MODES:
             raise EngineConfigError(f"cp_mode must be one of {MODES}, got {self.cp_mode!r}")

@@ -17,7 +17,8 @@ Requests stream with `logprobs: 0`, so the server sends one chunk per token and 
         --output-len 8 --page-size 16 --json bench_serving.json
 
 Without --url the script starts the server itself, in this process (the engine options are the CLI's:
---model, --page-size, --max-running, ...): convenient, but the client then shares the interpreter with
+--model, --page-size, --max-running, ...; --model random:glm-5 --num-layers L --num-experts E serves a
+GLM-5-shaped slice with random weights, as `cpkv-jax bench` does): convenient, but the client then shares the interpreter with
 the server; for numbers worth quoting start `cpkv-jax serve` separately and pass --url. Each level
 first runs an untimed warm-up pass (the same lengths and concurrency), which compiles the step shapes
 the timed pass uses; every pass has its own random prompts, so nothing is served from the prefix cache
@@ -118,12 +119,13 @@ def start_server(args):
     """The server on a free 127.0.0.1 port, on a thread of this process: (url, the model's vocabulary size)."""
     import uvicorn
 
-    from cpkv_jax.cli import compile_cache
+    from cpkv_jax.cli import bench_model, compile_cache
     from cpkv_jax.engine import Engine
     from cpkv_jax.server import create_app
 
     compile_cache(args)
-    engine = Engine(args.model, engine_config(args))
+    model = bench_model(args) if str(args.model).startswith("random:") else args.model
+    engine = Engine(model, engine_config(args))
     app = create_app(engine, model_name=Path(str(args.model)).name, max_queued=max(256, 2 * max(args.concurrency)))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -169,6 +171,8 @@ def main(argv=None) -> int:
                                                               "vocabulary, or 256 with --url: valid for any model)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip each level's untimed warm-up pass")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=None, help="with --model random:NAME: layers")
+    p.add_argument("--num-experts", type=int, default=None, help="with --model random:NAME: routed experts")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
     args = p.parse_args(argv)
     if min(args.concurrency) < 1 or args.num_prompts < 1:
