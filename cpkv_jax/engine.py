@@ -109,17 +109,10 @@ def _mesh(cp_size: int, ep_size: int, tp_size: int, model_config):
     if cp_size == ep_size == tp_size == 1:
         return None
     from jax.sharding import Mesh
-    cfg = model_config()
-    for size, count, name in ((ep_size, cfg.n_routed_experts, "n_routed_experts"),
-                              (tp_size, cfg.num_attention_heads, "num_attention_heads"),
-                              (tp_size, cfg.index_n_heads, "index_n_heads"),
-                              (tp_size, cfg.vocab_size, "vocab_size"),
-                              (tp_size, cfg.intermediate_size, "intermediate_size"),
-                              (tp_size, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1),
-                               "the shared experts' intermediate size")):
-        if count % size:
-            axis = "ep_size" if name == "n_routed_experts" else "tp_size"
-            raise EngineConfigError(f"{axis} {size} does not divide {name}={count}")
+    from cpkv_jax.memory_plan import split_error
+    error = split_error(model_config(), ep_size, tp_size, label=lambda axis, n: f"{axis}_size {n}")
+    if error:
+        raise EngineConfigError(error)
     n = cp_size * ep_size * tp_size
     if n > len(jax.devices()):
         raise EngineConfigError(f"cp_size {cp_size} x ep_size {ep_size} x tp_size {tp_size} needs {n} devices, "

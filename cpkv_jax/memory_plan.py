@@ -55,6 +55,22 @@ class MeshShape:
         return cls(**kw)
 
 
+def split_error(cfg: ModelConfig, ep: int, tp: int, label=lambda axis, n: f"{axis}={n}") -> str | None:
+    """The first count an ep / tp split does not divide (experts; heads, index heads, vocabulary, MLP
+    intermediate), as a message with the split named by `label(axis, size)`; None if all divide. Shared
+    by the planner and the engine's mesh."""
+    for axis, size, count, name in (("ep", ep, cfg.n_routed_experts, "n_routed_experts"),
+                                    ("tp", tp, cfg.num_attention_heads, "num_attention_heads"),
+                                    ("tp", tp, cfg.index_n_heads, "index_n_heads"),
+                                    ("tp", tp, cfg.vocab_size, "vocab_size"),
+                                    ("tp", tp, cfg.intermediate_size, "intermediate_size"),
+                                    ("tp", tp, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1),
+                                     "the shared experts' intermediate size")):
+        if count % size:
+            return f"{label(axis, size)} does not divide {name}={count}"
+    return None
+
+
 def check_mesh(cfg: ModelConfig, mesh: MeshShape, devices: int) -> None:
     """Reject a mesh that does not match the devices or divide the counts its axes split."""
     if mesh.devices != devices:
@@ -62,13 +78,9 @@ def check_mesh(cfg: ModelConfig, mesh: MeshShape, devices: int) -> None:
                             f"but {devices} are given")
     if devices % mesh.ep:
         raise MeshPlanError(f"ep={mesh.ep} does not divide the {devices} devices")
-    for count, name, axis in ((cfg.n_routed_experts, "n_routed_experts", mesh.ep),
-                              (cfg.num_attention_heads, "num_attention_heads", mesh.tp),
-                              (cfg.index_n_heads, "index_n_heads", mesh.tp),
-                              (cfg.vocab_size, "vocab_size", mesh.tp)):
-        if count % axis:
-            raise MeshPlanError(f"{'ep' if name == 'n_routed_experts' else 'tp'}={axis} does not divide "
-                                f"{name}={count}")
+    error = split_error(cfg, mesh.ep, mesh.tp)
+    if error:
+        raise MeshPlanError(error)
 
 
 def _kind(path: tuple) -> str:

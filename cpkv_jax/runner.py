@@ -7,12 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from cpkv_jax.kv_pool import KVPool
 from models.kv import Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
-from models.sharding import RULES, state_specs
+from models.sharding import RULES, place_state
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
@@ -61,8 +60,7 @@ class ModelRunner:
         self.mesh, self.axis = mesh, RULES.batch_rows
         self.cp = 1 if mesh is None or self.axis not in mesh.axis_names else mesh.shape[self.axis]
         if mesh is not None:
-            self.state = jax.device_put(self.state, jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                                                 state_specs(self.state, mesh)))
+            self.state = place_state(self.state, mesh)
             self._rows = RULES.sharding(mesh, "batch_rows")
             self._replicated = RULES.sharding(mesh)
         self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output, access)

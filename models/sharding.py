@@ -85,6 +85,11 @@ def state_specs(state, mesh: Mesh, rules: ShardingRules = RULES):
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
+def place_state(state, mesh: Mesh, rules: ShardingRules = RULES):
+    """The state's arrays on the mesh, each leaf placed by state_specs."""
+    return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, mesh, rules)))
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshAxes:
     """The mesh axes a forward runs split over inside its shard_map (None: not split); static, like

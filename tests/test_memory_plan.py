@@ -12,6 +12,7 @@ from flax import nnx
 from cpkv_jax.kv_pool import KVPool
 from cpkv_jax.memory_plan import MeshPlanError, MeshShape, kv_bytes_per_token, plan, weight_bytes
 from models.config import FP8_LINEARS_ALL, ModelConfig
+from models.sharding import place_state
 from models.weights import load_hf
 from tests.helpers import FIXTURES
 
@@ -30,20 +31,9 @@ def test_per_device_weight_bytes_equal_the_shards_placed_on_a_mesh(axes):
     sharding table on a real (8 simulated devices) mesh: experts 1/ep, head/vocab/MLP splits 1/tp."""
     names = tuple(axes)
     mesh = jax.make_mesh(tuple(axes.values()), names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
-    from models.sharding import param_sharding
     model = load_hf(FIXTURES / "glm_indexcache")
     state = nnx.state(model)
-
-    def place(path, x):
-        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-        stacked = keys[0] == "groups"
-        sh = param_sharding(keys, x.ndim - stacked, mesh)
-        if stacked:
-            sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *sh.spec))
-        return jax.device_put(x, sh)
-
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state)))
-    nnx.update(model, state)
+    nnx.update(model, place_state(state, mesh))
     held = _device0_param_bytes(model)
     _, per_device = weight_bytes(model.cfg, jnp.float32, MeshShape(tp=axes.get("tp", 1), ep=axes.get("ep", 1),
                                                                     dp=8 // axes.get("tp", 1)))
