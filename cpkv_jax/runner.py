@@ -13,6 +13,7 @@ from models.kv import Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
 from models.sharding import RULES, place_state
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
+from pallas_kernels.sparse_mla import kernel_applies
 
 ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the absorbed path
 # The expanded path materializes fp32 scores [B, heads, T, S] (and the softmax's copy of them): above
@@ -21,11 +22,13 @@ ABSORBED_MAX_TOKENS = 16  # extends up to this many tokens per request use the a
 EXPANDED_MAX_SCORES = 1 << 32
 
 
-def choose_attn_path(rows: int, tokens_per_request: int, width: int, heads: int) -> str:
-    """Absorbed attention (over the gathered top-k latents) for decode, short extends and chunks whose
-    dense score matrix would not fit; expanded (kv_b_proj over every visible latent, amortized over
-    many queries) for other long prefill chunks."""
-    if tokens_per_request <= ABSORBED_MAX_TOKENS or rows * heads * tokens_per_request * width > EXPANDED_MAX_SCORES:
+def choose_attn_path(rows: int, tokens_per_request: int, width: int, heads: int, sparse_kernel: bool = False) -> str:
+    """Absorbed attention (over the top-k latents) for decode, short extends, chunks whose dense score
+    matrix would not fit, and every chunk when the sparse MLA kernel runs it (its cost grows with
+    top-k, the expanded path's with the context: docs/perf.md); expanded (kv_b_proj over every visible
+    latent, amortized over many queries) for other long prefill chunks."""
+    if (sparse_kernel or tokens_per_request <= ABSORBED_MAX_TOKENS
+            or rows * heads * tokens_per_request * width > EXPANDED_MAX_SCORES):
         return "absorbed"
     return "expanded"
 
@@ -63,6 +66,11 @@ class ModelRunner:
             self.state = place_state(self.state, mesh)
             self._rows = RULES.sharding(mesh, "batch_rows")
             self._replicated = RULES.sharding(mesh)
+        cfg = model.cfg
+        q_lat = jax.ShapeDtypeStruct((1, cfg.num_attention_heads, cfg.kv_lora_rank), pool.cache.latent.dtype)
+        q_rope = jax.ShapeDtypeStruct((1, cfg.num_attention_heads, cfg.qk_rope_head_dim), pool.cache.latent.dtype)
+        # the kernel runs without CP only (under CP the selected rows are fetched from their owners)
+        self.sparse_kernel = self.cp == 1 and kernel_applies(q_lat, q_rope, kernels)
         self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output, access)
 
     def place(self, batch: Batch) -> Batch:
@@ -89,7 +97,8 @@ class ModelRunner:
         """The attention path of a batch: per rank, B rows (of cp·B under CP) x T lanes over S keys."""
         B, T = batch.tokens.shape
         B //= self.cp
-        return choose_attn_path(B, T, batch.slot_table.shape[1], self.model.cfg.num_attention_heads)
+        return choose_attn_path(B, T, batch.slot_table.shape[1], self.model.cfg.num_attention_heads,
+                                sparse_kernel=self.sparse_kernel)
 
     def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False, last_rank=None,
               page_aligned: bool = True):

@@ -3,8 +3,9 @@
 Both attention paths read K from the KVCache layout (latent + rope key per token slot):
 - expanded: kv_b_proj expands every visible latent to per-head keys/values; scores are masked to the
   selected positions (long prefill, where the expansion is amortized over many queries);
-- absorbed: W_UK is folded into the query and W_UV applied after, attention runs over the gathered
-  latents of the selected positions only (decode and short extends).
+- absorbed: W_UK is folded into the query and W_UV applied after, attention runs over the latents
+  of the selected positions only (decode and short extends; on the GPU every chunk, through the
+  sparse MLA kernel, which reads the selected rows from the pool itself).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from models.layers import (Dense, LayerNorm, RMSNorm, apply_rope_half, apply_rop
 from models.sharding import NO_AXES, MeshAxes
 from pallas_kernels.indexer import indexer_topk, quantize_index_k
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
+from pallas_kernels.sparse_mla import kernel_applies, sparse_mla
 
 # Masked attention scores use the most negative finite float (as HF does), never -inf: a padding lane
 # with nothing selected then gets finite garbage instead of NaN that could reach the dummy slot.
@@ -162,14 +164,22 @@ class MLA(nnx.Module):
             p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
             out = jnp.einsum("bhts,bshd->bthd", p, v)
         elif attn_path == "absorbed":
-            kv_sel = access.pick(kv_rows, batch.slot_table, topk, n_local)   # [B, T, K, C + dr]
-            lat_sel, rope_sel = kv_sel[..., :C], kv_sel[..., C:]
             q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
-            s = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel)
-                 + jnp.einsum("bthr,btkr->bthk", q_rope, rope_sel)) * scale
-            s = jnp.where((topk >= 0)[:, :, None, :], s.astype(jnp.float32), MASKED)
-            p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
-            o_lat = jnp.einsum("bthk,btkc->bthc", p, lat_sel)
+            if access.axis is None and kernel_applies(q_lat, q_rope, kernels):
+                # the kernel reads the selected rows from the pool itself: no [B, T, K, C] gather in HBM
+                K = topk.shape[-1]
+                slots = jnp.take_along_axis(batch.slot_table[:, None, :], jnp.maximum(topk, 0), axis=2)
+                slots = jnp.where(topk >= 0, slots, -1).reshape(B * T, K)
+                o_lat = sparse_mla(q_lat.reshape(B * T, H, C), q_rope.reshape(B * T, H, dr), cache.latent,
+                                   cache.k_rope, layer_id, slots, scale, policy=kernels).reshape(B, T, H, C)
+            else:
+                kv_sel = access.pick(kv_rows, batch.slot_table, topk, n_local)   # [B, T, K, C + dr]
+                lat_sel, rope_sel = kv_sel[..., :C], kv_sel[..., C:]
+                s = (jnp.einsum("bthc,btkc->bthk", q_lat, lat_sel)
+                     + jnp.einsum("bthr,btkr->bthk", q_rope, rope_sel)) * scale
+                s = jnp.where((topk >= 0)[:, :, None, :], s.astype(jnp.float32), MASKED)
+                p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
+                o_lat = jnp.einsum("bthk,btkc->bthc", p, lat_sel)
             out = jnp.einsum("bthc,chd->bthd", o_lat, w_uv)
         else:
             raise ValueError(f"attn_path must be one of {ATTN_PATHS}, got {attn_path!r}")

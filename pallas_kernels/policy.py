@@ -32,6 +32,11 @@ class KernelPolicy:
     moe_kernel: bool = True
     """The routed experts' grouped matmuls run the Mosaic GPU kernel (pallas_kernels/moe) where its
     shapes fit; off: XLA's lax.ragged_dot (the reference)."""
+    sparse_mla_kernel: bool = True
+    """Absorbed attention over the selected rows runs the sparse MLA kernel (pallas_kernels/sparse_mla)
+    where its shapes fit, reading the rows from the pool in the kernel; with it, long prefill chunks
+    take the absorbed path too (its cost grows with top-k, the expanded path's with the context). Off:
+    the jnp composition, which gathers the rows first."""
     scores_max_bytes: int = 4 << 30
     """The largest score buffer one indexer call may hold (the kernels' [B, T, S] fp32 scores, or the jnp
     composition's [B, T, H, S]): a longer call runs its query tokens in chunks, so a long prefill's

@@ -1,6 +1,6 @@
 """Kernel benchmarks on the GPU, side by side with XLA in one run (table + JSON).
 
-    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe]
+    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe,sparse_mla]
     JAX_PLATFORMS=cpu python scripts/bench_kernels.py --only moe --moe-small   # CPU smoke test
 
 compaction: rows x 6144 bf16 with ~half the rows valid; bytes = valid rows read and written plus
@@ -30,6 +30,10 @@ moe: the routed experts' grouped matmuls over expert-sorted rows (top-8 routing 
   up to 64 rows of three groups (max abs error over max |reference|). Failures (out of memory,
   a tiling that does not lower, GPU-only kernels on the CPU) are rows with an error string. Timed
   by pipelined_time (back-to-back calls of 0.1-600 ms kernels, one compile each).
+sparse_mla: GLM-5's absorbed attention over the top-k rows (64 heads, latent 512 + rope 64, k = 2048,
+  bf16) read from the pool through their slots: kernel tilings vs the jnp composition (gather +
+  einsums) and, at prefill, the expanded path it replaces; prefill TFLOP/s over the selected rows
+  against the matmul rate, decode bytes of the selected rows against the copy rate.
 Short kernels are timed by `cpkv_jax.perf.chained_time` (n chained calls in one executable); the row
 gather and its same-size copy by `pipelined_time` (back-to-back calls: a chain would let XLA narrow
 its gather to the one element the chain reads)."""
@@ -584,6 +588,111 @@ def bench_moe(args, ceil, save=lambda out: None):
     return out
 
 
+def sparse_mla_inputs(N: int, K: int, P: int, causal: bool, H: int = 64, C: int = 512, R: int = 64, seed: int = 0):
+    """GLM-5's absorbed attention operands, bf16: queries [N, H, C] / [N, H, R], a one-layer pool of P
+    slots, and each query's K selected slots (causal: query t selects min(t + 1, K) of slots 0..t,
+    the rest -1, as the indexer leaves them; else K distinct slots of the pool). Returns the operands
+    and the number of selected rows."""
+    import jax
+    import jax.numpy as jnp
+    kq, kl, kr, ks = jax.random.split(jax.random.key(seed), 4)
+    q_lat = (0.05 * jax.random.normal(kq, (N, H, C))).astype(jnp.bfloat16)
+    q_rope = (0.05 * jax.random.normal(kr, (N, H, R))).astype(jnp.bfloat16)
+    latent = jax.random.normal(kl, (1, P, C), jnp.bfloat16)
+    k_rope = jax.random.normal(kr, (1, P, R), jnp.bfloat16)
+    if causal:
+        t = jnp.arange(N, dtype=jnp.int32)[:, None]
+        # K distinct slots of 0..t: a random offset walk that wraps within t + 1 (exact-once when t + 1 <= K)
+        start = jax.random.randint(ks, (N, 1), 0, 1 << 20)
+        lane = jnp.arange(K, dtype=jnp.int32)[None, :]
+        stride = jnp.maximum((t + 1) // K, 1)
+        slots = jnp.where(lane <= t, (start + lane * stride) % (t + 1), -1).astype(jnp.int32)
+        selected = int(jnp.sum(jnp.minimum(jnp.arange(N) + 1, K)))
+    else:
+        slots = jax.vmap(lambda k: jax.random.choice(k, P, (K,), replace=False))(jax.random.split(ks, N)).astype(jnp.int32)
+        selected = N * K
+    return (q_lat, q_rope, latent, k_rope, 0, slots, 0.1), selected
+
+
+def _expanded_attention(q_nope, q_rope, lat, rope, w_uk, w_uv, scale):
+    """The expanded path's math for one request over every visible key (models/attention.py), causal."""
+    import jax
+    import jax.numpy as jnp
+    k_nope = jnp.einsum("sc,chd->shd", lat, w_uk)
+    v = jnp.einsum("sc,chd->shd", lat, w_uv)
+    s = (jnp.einsum("thd,shd->hts", q_nope, k_nope) + jnp.einsum("thr,sr->hts", q_rope, rope)) * scale
+    T = q_nope.shape[0]
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool))[None], s.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    return jnp.einsum("hts,shd->thd", jax.nn.softmax(s, axis=-1).astype(lat.dtype), v)
+
+
+def bench_sparse_mla(args, ceil):
+    """Prefill (causal, one request of N tokens, k = 2048) and decode (N queries over a 131072-slot
+    pool): each kernel tiling, the jnp composition (gather + einsums; prefill on a slice of the
+    queries), and at prefill the expanded path it replaces on the same tokens. TFLOP/s counts the
+    selected rows only (2 H (C + R) + 2 H C per row); bandwidth counts the selected rows' bytes once."""
+    import jax
+    import jax.numpy as jnp
+
+    from cpkv_jax.perf import print_table
+    from pallas_kernels.sparse_mla import Tiling, sparse_mla_pallas, sparse_mla_reference
+    from pallas_kernels.sparse_mla.dispatch import tiling_for
+    H, C, R, K = 64, 512, 64, args.k
+    out, rows = [], [["case", "variant", "ms", "TFLOP/s", "GB/s", "share", "err"]]
+    cases = [("prefill", int(n)) for n in args.mla_prefill.split(",") if n]
+    cases += [("decode", int(n)) for n in args.mla_decode.split(",") if n]
+    for kind, N in cases:
+        prefill = kind == "prefill"
+        ops, selected = sparse_mla_inputs(N, K, N if prefill else 131072, causal=prefill)
+        flops = selected * (2 * H * (C + R) + 2 * H * C)
+        nbytes = selected * (C + R) * 2
+        check = slice(0, min(N, 256))
+        want = jax.jit(sparse_mla_reference, static_argnums=(4, 6))(
+            ops[0][check], ops[1][check], *ops[2:5], ops[5][check], ops[6]).astype(jnp.float32)
+        entry = {"case": kind, "queries": N, "k": K, "flops": flops, "bytes": nbytes}
+        variants = {}
+        for spec in [t for t in (args.mla_tilings if prefill else args.mla_decode_tilings).split(",") if t]:
+            if spec == "dispatch":
+                t = tiling_for(N, H, K)
+            else:
+                bh, bk, warps, stages, *sp = (int(v) for v in spec.split(":"))
+                t = Tiling(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages, splits=sp[0] if sp else 1)
+            variants[f"kernel_{spec}"] = jax.jit(lambda *a, t=t: sparse_mla_pallas(*a, tiling=t), static_argnums=(4, 6))
+        for name, fn in variants.items():
+            def one(fn=fn):
+                sec = _moe_timed(fn, *ops)
+                got = fn(ops[0][check], ops[1][check], *ops[2:5], ops[5][check], ops[6]).astype(jnp.float32)
+                err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                return {"s": sec, "err": err}
+            entry[name] = _try(one)
+        # the jnp composition (the model's path off the GPU kernel), on a slice where its gather fits
+        m = min(N, 1024)
+        sl = (ops[0][:m], ops[1][:m], *ops[2:5], ops[5][:m], ops[6])
+        ref = jax.jit(sparse_mla_reference, static_argnums=(4, 6))
+        entry["jnp_composition"] = _try(lambda: {"s": _moe_timed(ref, *sl) * N / m, "scaled_from": m})
+        if prefill and N <= 8192:
+            kx = jax.random.split(jax.random.key(1), 2)
+            w_uk = (0.05 * jax.random.normal(kx[0], (C, H, 192))).astype(jnp.bfloat16)
+            w_uv = (0.05 * jax.random.normal(kx[1], (C, H, 256))).astype(jnp.bfloat16)
+            q_nope = (0.05 * jax.random.normal(kx[0], (N, H, 192))).astype(jnp.bfloat16)
+            exp_fn = jax.jit(_expanded_attention, static_argnums=(6,))
+            entry["expanded_path"] = _try(lambda: {"s": _moe_timed(exp_fn, q_nope, ops[1], ops[2][0], ops[3][0],
+                                                                   w_uk, w_uv, 0.1)})
+        out.append(entry)
+        for name, v in entry.items():
+            if isinstance(v, dict):
+                if "s" in v:
+                    tf, gb = flops / v["s"] / 1e12, nbytes / v["s"] / 1e9
+                    share = (f"{tf * 1e12 / ceil['matmul_flops_per_s']:.0%}" if prefill
+                             else f"{gb * 1e9 / ceil['copy_bytes_per_s']:.0%}")
+                    rows.append([f"{kind} {N}", name, f"{v['s'] * 1e3:.3f}", f"{tf:.0f}", f"{gb:.0f}", share,
+                                 f"{v.get('err', float('nan')):.1e}"])
+                else:
+                    rows.append([f"{kind} {N}", name, v.get("error", "")[:80], "", "", "", ""])
+    print_table(rows)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
@@ -637,6 +746,11 @@ def main() -> int:
                    help="run every tiling at every prefill token count, not only the fastest of the first")
     p.add_argument("--moe-small", action="store_true",
                    help="tiny shapes and ceilings (CPU smoke test: lax.ragged_dot only)")
+    p.add_argument("--mla-prefill", default="8192,32768", help="sparse_mla prefill queries (one causal request)")
+    p.add_argument("--mla-decode", default="1,8,64", help="sparse_mla decode queries")
+    p.add_argument("--mla-tilings", default="dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
+                   help="sparse MLA kernel tilings: block_h:block_k:warps:stages[:splits] or 'dispatch'")
+    p.add_argument("--mla-decode-tilings", default="dispatch,64:32:8:2:8,64:64:8:2:16,64:32:4:2:33")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
     if args.moe_small:
@@ -661,6 +775,8 @@ def main() -> int:
             save(name, fn(args, ceil))
     if "moe" in args.only.split(","):
         save("moe", bench_moe(args, ceil, save=lambda part: save("moe", part)))
+    if "sparse_mla" in args.only.split(","):
+        save("sparse_mla", bench_sparse_mla(args, ceil))
     return 0
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from models.kv import contiguous_batch, empty_kv_cache
 from models.model import jit_forward, matmul_precision, prefill_logits
+from pallas_kernels.policy import DEFAULT_POLICY
 from tests.helpers import hf_model, reference, rel_err
 
 TOL = 1e-5
@@ -51,13 +52,13 @@ def test_prefill_logits_match_hf(name, path):
     assert (logits.argmax(-1) == ref["prefill_logits"].argmax(-1)).all()
 
 
-def decode_logits(model, tokens, prefill_len, path, index_dtype="same"):
+def decode_logits(model, tokens, prefill_len, path, index_dtype="same", kernels=DEFAULT_POLICY):
     """Prefill `prefill_len` tokens, then one token per step through the cache."""
     tokens = np.asarray(tokens)
     B, total = tokens.shape
     table = 1 + np.arange(B)[:, None] * total + np.arange(total)[None]
     cache = empty_kv_cache(model.cfg, 1 + B * total, model.dtype, index_dtype)
-    fwd = jit_forward(model, attn_path=path)
+    fwd = jit_forward(model, attn_path=path, kernels=kernels)
     out, cache = fwd(contiguous_batch(tokens[:, :prefill_len], 0, table), cache)
     steps = [np.asarray(out)]
     for s in range(prefill_len, total):

@@ -1,0 +1,52 @@
+"""Which sparse MLA runs: the kernel on GPU where its shapes fit, else the jnp reference."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
+from pallas_kernels.sparse_mla.kernel import Tiling, sparse_mla_pallas
+from pallas_kernels.sparse_mla.reference import sparse_mla_reference
+
+_SM_COUNT = 132   # H200: below about two programs per SM the selected rows are split over programs
+
+
+def kernel_shape_error(q_lat, q_rope) -> str | None:
+    """Why the kernel cannot take these operands (None: it can)."""
+    C, R = q_lat.shape[-1], q_rope.shape[-1]
+    for name, d in (("latent width", C), ("rope width", R)):
+        if d < 16 or d & (d - 1):
+            return f"{name} {d} is not a power of two >= 16"
+    if q_lat.dtype not in (jnp.bfloat16, jnp.float16):
+        # fp32 runs in interpret mode (tests); compiled, it has not yet been checked on the GPU
+        return f"queries are {q_lat.dtype}, the dispatch takes the kernel for bf16 and fp16"
+    return None
+
+
+def tiling_for(N: int, H: int, K: int, dtype=jnp.bfloat16) -> Tiling:
+    """The tiling of a call (measured on the H200, docs/perf.md): 64 heads per program (fewer heads: the
+    next power of two >= 16). Enough queries for two programs per SM (prefill): 128 rows per step in
+    one stage; fewer (decode, verify): 64-row steps in two stages, each query's rows split over
+    programs until they cover the SMs twice. fp32: 32-row steps, four warps."""
+    block_h = min(64, max(16, 1 << (H - 1).bit_length()))
+    programs = N * -(-H // block_h)
+    if jnp.dtype(dtype) == jnp.float32:
+        return Tiling(block_h=block_h, block_k=32, num_warps=4, num_stages=2)
+    if programs >= 2 * _SM_COUNT:
+        return Tiling(block_h=block_h, block_k=128, num_stages=1)
+    splits = max(1, min(-(-K // 64), -(-2 * _SM_COUNT // programs)))
+    return Tiling(block_h=block_h, block_k=64, num_stages=2, splits=splits)
+
+
+def kernel_applies(q_lat, q_rope, policy: KernelPolicy) -> bool:
+    """Whether sparse_mla runs the kernel for these operands (shapes or ShapeDtypeStructs)."""
+    return policy.on_gpu() and policy.sparse_mla_kernel and kernel_shape_error(q_lat, q_rope) is None
+
+
+def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, policy: KernelPolicy = DEFAULT_POLICY):
+    """The dispatch (see sparse_mla_reference for the arguments)."""
+    if kernel_applies(q_lat, q_rope, policy):
+        N, H, _ = q_lat.shape
+        return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale,
+                                 tiling=tiling_for(N, H, slots.shape[1], q_lat.dtype))
+    return sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale)

@@ -1,0 +1,33 @@
+"""The jnp reference of sparse MLA: gather each query's selected rows, softmax, weighted sum.
+
+    s[h, j] = scale * (q_lat[h] . latent[slot_j] + q_rope[h] . k_rope[slot_j])     (slot_j >= 0)
+    o_lat[h] = sum_j softmax_j(s[h, :]) latent[slot_j]
+
+A query with no selected row gets zeros."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.sparse_mla.common import check_sparse_mla_args
+
+
+def sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale: float):
+    """q_lat [N, H, C], q_rope [N, H, R]; latent [L, P, C], k_rope [L, P, R] (the pool, read at
+    `layer`); slots [N, K] int32 pool slots (< 0: not selected); returns o_lat [N, H, C] in q's dtype,
+    the softmax in fp32."""
+    check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
+    valid = slots >= 0
+    safe = jnp.maximum(slots, 0)
+    lat = latent[layer][safe].astype(q_lat.dtype)                                # [N, K, C]
+    rope = k_rope[layer][safe].astype(q_lat.dtype)
+    precision = jax.lax.Precision.HIGHEST if q_lat.dtype == jnp.float32 else None
+    s = (jnp.einsum("nhc,nkc->nhk", q_lat, lat, precision=precision, preferred_element_type=jnp.float32)
+         + jnp.einsum("nhr,nkr->nhk", q_rope, rope, precision=precision, preferred_element_type=jnp.float32))
+    s = jnp.where(valid[:, None, :], s * scale, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(valid[:, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("nhk,nkc->nhc", p, lat.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q_lat.dtype)

@@ -1,0 +1,145 @@
+"""The sparse MLA kernel equals its reference, and the reference equals a float64 loop written another
+way: interpret mode on CPU (semantics), compiled on the GPU (marked gpu)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.policy import KernelPolicy
+from pallas_kernels.sparse_mla import Tiling, kernel_shape_error, sparse_mla, sparse_mla_pallas, sparse_mla_reference
+from pallas_kernels.sparse_mla.dispatch import tiling_for
+
+
+def make_case(N, H, C, R, K, P=300, L=3, seed=0, dtype=np.float32):
+    """Random queries and a pool; each query selects up to K distinct slots in shuffled order, with
+    -1 (not selected) anywhere in its row: a full row, a short row, an empty row, a row selecting the
+    same slot as others."""
+    rng = np.random.default_rng(seed)
+    q_lat = rng.standard_normal((N, H, C)).astype(dtype)
+    q_rope = rng.standard_normal((N, H, R)).astype(dtype)
+    latent = rng.standard_normal((L, P, C)).astype(dtype)
+    k_rope = rng.standard_normal((L, P, R)).astype(dtype)
+    slots = np.full((N, K), -1, np.int32)
+    for n in range(N):
+        count = [K, 1, 0, K // 3][n % 4] if n < 4 else int(rng.integers(0, K + 1))
+        chosen = rng.choice(P, count, replace=False)
+        at = rng.choice(K, count, replace=False)          # selected lanes scattered among the -1s
+        slots[n, at] = chosen
+    return q_lat, q_rope, latent, k_rope, slots
+
+
+def loop_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale):
+    """Per query and head in float64: the selected rows' softmax-weighted latents."""
+    N, H, C = q_lat.shape
+    out = np.zeros((N, H, C))
+    for n in range(N):
+        sel = slots[n][slots[n] >= 0]
+        if len(sel) == 0:
+            continue
+        lat = latent[layer, sel].astype(np.float64)
+        rope = k_rope[layer, sel].astype(np.float64)
+        for h in range(H):
+            s = scale * (lat @ q_lat[n, h].astype(np.float64) + rope @ q_rope[n, h].astype(np.float64))
+            p = np.exp(s - s.max())
+            out[n, h] = p @ lat / p.sum()
+    return out
+
+
+def test_reference_equals_a_float64_loop():
+    q_lat, q_rope, latent, k_rope, slots = make_case(9, 3, 16, 8, 20)
+    got = np.asarray(sparse_mla_reference(*map(jnp.asarray, (q_lat, q_rope, latent, k_rope)), 1, jnp.asarray(slots),
+                                          0.3))
+    want = loop_reference(q_lat, q_rope, latent, k_rope, 1, slots, 0.3)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert np.all(got[2] == 0)                                     # nothing selected: zeros
+
+
+@pytest.mark.parametrize("H,tiling", [
+    (4, Tiling(block_h=16, block_k=16, splits=1)),                  # heads padded to the block
+    (16, Tiling(block_h=16, block_k=16, splits=3)),                 # splits merged by log-sum-exp
+    (20, Tiling(block_h=16, block_k=32, splits=2)),                 # two head blocks, the last padded
+])
+def test_kernel_interpret_equals_reference(H, tiling):
+    q_lat, q_rope, latent, k_rope, slots = make_case(7, H, 32, 16, 70, seed=H)
+    args = (*map(jnp.asarray, (q_lat, q_rope, latent, k_rope)), 2, jnp.asarray(slots), 0.25)
+    want = loop_reference(q_lat, q_rope, latent, k_rope, 2, slots, 0.25)
+    got = np.asarray(sparse_mla_pallas(*args, tiling=tiling, interpret=True))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(sparse_mla_reference(*args)), got, rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_interpret_bf16_is_close():
+    q_lat, q_rope, latent, k_rope, slots = make_case(5, 16, 32, 16, 48, seed=3)
+    args = (*(jnp.asarray(a, jnp.bfloat16) for a in (q_lat, q_rope, latent, k_rope)), 0, jnp.asarray(slots), 0.2)
+    got = np.asarray(sparse_mla_pallas(*args, tiling=Tiling(block_h=16, block_k=16, splits=2), interpret=True),
+                     np.float32)
+    want = loop_reference(*(np.asarray(a, np.float32) for a in args[:4]), 0, slots, 0.2)
+    assert got.dtype == np.float32 and np.max(np.abs(got - want)) < 3e-2 * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("name", ["glm_tiny"])
+def test_model_through_the_kernel_matches_hf(name, monkeypatch):
+    """The absorbed path with the kernel (in interpret mode, standing in for the GPU: the dispatch only
+    takes it there) against HF transformers, prefill and step decode, fp32: the model's slots, head
+    layout and pool reads feed the kernel what the jnp composition reads."""
+    import models.attention as attention
+    from models.model import jit_forward
+    from tests.helpers import hf_model, reference, rel_err
+    from tests.test_hf_parity import TOL, decode_logits
+
+    calls = []
+
+    def kernel(q_lat, q_rope, latent, k_rope, layer, slots, scale, *, policy):
+        calls.append(q_lat.shape)
+        return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
+                                 tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype))
+    monkeypatch.setattr(attention, "kernel_applies", lambda *a: True)
+    monkeypatch.setattr(attention, "sparse_mla", kernel)
+    ref = reference(name)
+    model = hf_model(name)
+    # a policy value of its own: the jitted step is traced afresh under the patch, not taken from the cache
+    policy = KernelPolicy(scores_max_bytes=(4 << 30) - 1)
+    tokens = jnp.asarray(ref["prefill_tokens"], jnp.int32)
+    from models.kv import contiguous_batch, empty_kv_cache
+    B, T = tokens.shape
+    logits, _ = jit_forward(model, attn_path="absorbed", kernels=policy)(
+        contiguous_batch(tokens), empty_kv_cache(model.cfg, 1 + B * T, model.dtype))
+    assert calls, "the kernel was not called"
+    assert rel_err(np.asarray(logits), ref["prefill_logits"]) <= TOL
+    dec = decode_logits(model, ref["decode_tokens"], int(ref["decode_prefill_len"]), "absorbed", kernels=policy)
+    assert rel_err(dec, ref["decode_logits"]) <= TOL
+
+
+def test_dispatch_takes_the_reference_off_the_gpu_and_names_what_does_not_fit():
+    q_lat, q_rope, latent, k_rope, slots = make_case(3, 4, 32, 16, 8)
+    args = (*map(jnp.asarray, (q_lat, q_rope, latent, k_rope)), 0, jnp.asarray(slots), 0.5)
+    np.testing.assert_array_equal(np.asarray(sparse_mla(*args)), np.asarray(sparse_mla_reference(*args)))
+    assert "not a power of two" in kernel_shape_error(jnp.zeros((1, 4, 48), jnp.bfloat16), jnp.zeros((1, 4, 16),
+                                                                                                    jnp.bfloat16))
+    assert "bf16 and fp16" in kernel_shape_error(jnp.zeros((1, 4, 32)), jnp.zeros((1, 4, 16)))
+    assert tiling_for(8192, 64, 2048) == Tiling(block_h=64, block_k=128, num_stages=1)   # prefill
+    assert tiling_for(8, 64, 2048).splits == 32                      # decode: one 64-row block per program
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,H,K,P", [(1, 64, 2048, 4096), (8, 64, 2048, 8192), (300, 64, 2048, 4096),
+                                     (64, 8, 512, 1024), (33, 5, 40, 100), (450, 4, 32, 600)])
+def test_kernel_compiled_equals_reference(N, H, K, P):
+    """GLM-5's widths (latent 512, rope 64), decode to prefill-sized calls, heads split by tensor
+    parallelism (8) and odd (5), bf16; the tiny model's widths (latent 32, rope 16) in bf16 and fp32."""
+    C, R = (32, 16) if H == 4 else (512, 64)                          # H = 4: the tiny model's widths
+    q_lat, q_rope, latent, k_rope, slots = make_case(N, H, C, R, K, P=P, L=2, seed=N)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
+    want = np.asarray(sparse_mla_reference(*args), np.float32)
+    got = np.asarray(sparse_mla(*args, policy=KernelPolicy()), np.float32)
+    assert np.all(np.isfinite(got))
+    err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert err < 2e-2, err
+    off = np.asarray(sparse_mla(*args, policy=KernelPolicy(sparse_mla_kernel=False)), np.float32)
+    np.testing.assert_array_equal(off, want)
+    if C <= 128:   # fp32 (exact dots): the tiny model's widths
+        args32 = tuple(a.astype(jnp.float32) if hasattr(a, "dtype") and a.dtype == jnp.bfloat16 else a for a in args)
+        got32 = np.asarray(sparse_mla_pallas(*args32, tiling=tiling_for(N, H, K, jnp.float32)))
+        np.testing.assert_allclose(got32, np.asarray(sparse_mla_reference(*args32)), rtol=1e-5, atol=1e-6)
