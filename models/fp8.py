@@ -7,6 +7,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.moe.fp8_rows import dequantize_blocks
+
+dequantize = dequantize_blocks   # one implementation: the MoE dispatch dequantizes with it too
+
 BLOCK = 128
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -15,14 +19,6 @@ def scale_shape(shape: tuple) -> tuple:
     """Block scales of a [..., rows, cols] weight."""
     *lead, r, c = shape
     return (*lead, -(-r // BLOCK), -(-c // BLOCK))
-
-
-def dequantize(w, scale_inv, dtype):
-    """w [..., r, c] fp8 and scale_inv [..., ceil(r/128), ceil(c/128)] -> the weight in dtype (the
-    product in fp32, as the checkpoint defines it)."""
-    r, c = w.shape[-2:]
-    full = jnp.repeat(jnp.repeat(scale_inv, BLOCK, axis=-2), BLOCK, axis=-1)[..., :r, :c]
-    return (w.astype(jnp.float32) * full).astype(dtype)
 
 
 def quantize(w):

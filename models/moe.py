@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import Dense, fp8_or_plain_param, stored_weight
+from models.layers import Dense, fp8_or_plain_param
 from models.sharding import NO_AXES, MeshAxes
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.moe import expert_mlp
@@ -58,29 +58,31 @@ def restore_rows(y, dest, kernels: KernelPolicy = DEFAULT_POLICY):
     return gather_rows(y, dest, policy=kernels)
 
 
-def routed_sum(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY, first_expert=0):
+def routed_sum(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY, first_expert=0,
+               scales=None):
     """fp32 [N, D]: the sum over each row's k experts of w * down(silu(gate x) * up x), through the
     grouped matmuls of pallas_kernels.moe (kernels chooses the kernel or XLA's ragged_dot). `gate`,
     `up`, `down` hold experts [first_expert, first_expert + E): slots routed elsewhere (another rank's
-    experts) and rows at or beyond n_valid (compacted dummies) join no expert and add zero."""
+    experts) and rows at or beyond n_valid (compacted dummies) join no expert and add zero. scales: the
+    experts are fp8 blocks with these (gate, up, down) scales (expert_mlp keeps them fp8 or dequantizes)."""
     N, D = x.shape
     E = gate.shape[0]
     k = idx.shape[1]
     flat_e = idx.reshape(-1) - first_expert   # outside [0, E): no expert here
     if n_valid is not None:
         flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)
-    y = expert_mlp(x, flat_e, gate, up, down, k, policy=kernels)
+    y = expert_mlp(x, flat_e, gate, up, down, k, policy=kernels, scales=scales)
     # Each row's k slots weighted and summed in slot order in fp32: no scatter-add (on the GPU that
     # is atomics in arbitrary order, not bit-stable run to run).
     return (y.reshape(N, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1)
 
 
-def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY):
+def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY, scales=None):
     """routed_sum over every expert, in x's dtype."""
-    return routed_sum(x, idx, w, gate, up, down, n_valid, kernels).astype(x.dtype)
+    return routed_sum(x, idx, w, gate, up, down, n_valid, kernels, scales=scales).astype(x.dtype)
 
 
-def expert_parallel_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPolicy, axis: str):
+def expert_parallel_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPolicy, axis: str, scales=None):
     """Inside a shard_map over `axis`, with the routed experts split over it (rank r holds experts
     [r E_r, (r + 1) E_r)) and the rows, their routes and weights the same on every rank: each rank runs
     only its own experts' slots and the ranks' fp32 partial sums are added (one psum of [N, D]). Exact
@@ -88,7 +90,7 @@ def expert_parallel_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPolic
     rank (tensor-parallel attention's output is), the psum moves the same bytes as a dispatch and
     combine all-to-all of a rank's share of the rows at top-8."""
     first = jax.lax.axis_index(axis) * gate.shape[0]
-    return jax.lax.psum(routed_sum(x, idx, w, gate, up, down, n_valid, kernels, first), axis).astype(x.dtype)
+    return jax.lax.psum(routed_sum(x, idx, w, gate, up, down, n_valid, kernels, first, scales), axis).astype(x.dtype)
 
 
 class MoE(nnx.Module):
@@ -118,12 +120,16 @@ class MoE(nnx.Module):
         xc, dest, n_valid = compact_rows(xf, valid, kernels)
         logits = jnp.dot(xc.astype(jnp.float32), self.gate.weight(jnp.float32))
         idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
-        # fp8 experts are dequantized for the layer here (a transient of one layer's experts)
-        experts = (stored_weight(self.experts_gate, self.experts_gate_scale_inv, x.dtype),
-                   stored_weight(self.experts_up, self.experts_up_scale_inv, x.dtype),
-                   stored_weight(self.experts_down, self.experts_down_scale_inv, x.dtype))
-        out = (grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels) if axes.experts is None
-               else expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts))
+        # fp8 experts go to the dispatch with their scales: the fp8 kernel keeps them fp8, any other
+        # path dequantizes one layer's experts (a transient)
+        scale_refs = (self.experts_gate_scale_inv, self.experts_up_scale_inv, self.experts_down_scale_inv)
+        experts = (self.experts_gate[...], self.experts_up[...], self.experts_down[...])
+        if scale_refs[0] is None:
+            experts, scales = tuple(e.astype(x.dtype) for e in experts), None
+        else:
+            scales = tuple(s[...] for s in scale_refs)
+        out = (grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels, scales=scales) if axes.experts is None
+               else expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts, scales=scales))
         if self.shared_experts is not None:
             out = out + self.shared_experts(xc, axes)
         return restore_rows(out, dest, kernels).reshape(shape)

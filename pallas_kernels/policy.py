@@ -32,6 +32,11 @@ class KernelPolicy:
     moe_kernel: bool = True
     """The routed experts' grouped matmuls run the Mosaic GPU kernel (pallas_kernels/moe) where its
     shapes fit; off: XLA's lax.ragged_dot (the reference)."""
+    fp8_moe_kernel: bool = False
+    """fp8 routed experts stay fp8 through the grouped matmul (fp8 x fp8, block scales, fp32 sums;
+    rows quantized per 128 columns) where its shapes fit; off: they are dequantized to the compute
+    dtype first. Off by default until it is compiled and measured on the H200 (checked so far in
+    Mosaic GPU's interpreter only)."""
     sparse_mla_kernel: bool = True
     """Absorbed attention over the selected rows runs the sparse MLA kernel (pallas_kernels/sparse_mla)
     where its shapes fit, reading the rows from the pool in the kernel; with it, long prefill chunks

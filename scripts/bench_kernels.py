@@ -1,6 +1,6 @@
 """Kernel benchmarks on the GPU, side by side with XLA in one run (table + JSON).
 
-    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe,sparse_mla]
+    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe,moe_fp8,sparse_mla]
     JAX_PLATFORMS=cpu python scripts/bench_kernels.py --only moe --moe-small   # CPU smoke test
 
 compaction: rows x 6144 bf16 with ~half the rows valid; bytes = valid rows read and written plus
@@ -30,6 +30,9 @@ moe: the routed experts' grouped matmuls over expert-sorted rows (top-8 routing 
   up to 64 rows of three groups (max abs error over max |reference|). Failures (out of memory,
   a tiling that does not lower, GPU-only kernels on the CPU) are rows with an error string. Timed
   by pipelined_time (back-to-back calls of 0.1-600 ms kernels, one compile each).
+moe_fp8: the routed experts' MLP through the dispatch with bf16 weights, fp8 weights dequantized per
+  call, and fp8 weights through the fp8 kernel (DeepGEMM's block scaling); prefill 8192 tokens x
+  16 / 256 experts, decode 1-64 tokens x 256 experts.
 sparse_mla: GLM-5's absorbed attention over the top-k rows (64 heads, latent 512 + rope 64, k = 2048,
   bf16) read from the pool through their slots: kernel tilings vs the jnp composition (gather +
   einsums) and, at prefill, the expanded path it replaces; prefill TFLOP/s over the selected rows
@@ -693,6 +696,68 @@ def bench_sparse_mla(args, ceil):
     return out
 
 
+def bench_moe_fp8(args, ceil):
+    """The routed experts' MLP through the dispatch with GLM-5's widths (hidden 6144, expert width 2048,
+    top-8, uniform routing): bf16 weights (the bf16 kernel), fp8 weights dequantized per call (what runs
+    when the fp8 kernel does not), fp8 weights through the fp8 kernel; prefill TFLOP/s (6 x slots x
+    D x I) against the bf16 matmul rate, decode GB/s over the touched experts' fp8 bytes against the
+    copy rate. Weights are random e4m3 values with random block scales, made on the device."""
+    import jax
+    import jax.numpy as jnp
+
+    from cpkv_jax.perf import print_table
+    from pallas_kernels.moe import dequantize_blocks, expert_mlp
+    from pallas_kernels.policy import KernelPolicy
+    D, I, k = args.moe_hidden, args.moe_width, args.moe_top_k
+    run = jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")
+    out, rows = [], [["case", "variant", "ms", "TFLOP/s", "GB/s", "share", "err"]]
+    cases = [("prefill", int(t), int(e)) for t in args.moe_tokens.split(",")[:1] for e in (16, 256)]
+    cases += [("decode", int(t), args.moe_decode_experts) for t in args.moe_decode_tokens.split(",") if t]
+    for kind, T, E in cases:
+        keys = jax.random.split(jax.random.key(T * 1000 + E), 8)
+        fp8 = []
+        for i, (K, N) in enumerate(((D, I), (D, I), (I, D))):
+            q = (jax.random.normal(keys[i], (E, K, N), jnp.bfloat16) * 64).astype(jnp.float8_e4m3fn)
+            sc = jax.random.uniform(keys[3 + i], (E, K // 128, N // 128), jnp.float32, 0.5, 1.5) * K ** -0.5 / 64
+            fp8.append((q, sc))
+        scales = tuple(sc for _, sc in fp8)
+        q8 = tuple(q for q, _ in fp8)
+        bf16 = tuple(dequantize_blocks(q, sc, jnp.bfloat16) for q, sc in fp8)
+        x = jax.random.normal(keys[6], (T, D), jnp.bfloat16)
+        fe = jax.random.randint(keys[7], (T * k,), 0, E, jnp.int32)
+        slots = T * k
+        flops = 6.0 * slots * D * I
+        touched = int(jnp.unique(fe).shape[0])
+        nbytes = touched * 3 * D * I                      # fp8 bytes of the touched experts
+        entry = {"case": kind, "tokens": T, "experts": E, "flops": flops, "touched_experts": touched}
+        want = run(x, fe, *bf16, k, policy=KernelPolicy()).astype(jnp.float32)
+        variants = {
+            "bf16_weights": lambda: run(x, fe, *bf16, k, policy=KernelPolicy()),
+            "fp8_dequantized": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_kernel=False), scales=scales),
+            "fp8_kernel": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_kernel=True), scales=scales),
+        }
+        for name, fn in variants.items():
+            def one(fn=fn):
+                sec = _moe_timed(lambda: fn())
+                err = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+                return {"s": sec, "err": err}
+            entry[name] = _try(one)
+        del bf16
+        out.append(entry)
+        for name in variants:
+            v = entry[name]
+            if "s" in v:
+                tf, gb = flops / v["s"] / 1e12, nbytes / v["s"] / 1e9
+                share = (f"{tf * 1e12 / ceil['matmul_flops_per_s']:.0%}" if kind == "prefill"
+                         else f"{gb * 1e9 / ceil['copy_bytes_per_s']:.0%}")
+                rows.append([f"{kind} {T}x{E}", name, f"{v['s'] * 1e3:.3f}", f"{tf:.0f}", f"{gb:.0f}", share,
+                             f"{v['err']:.1e}"])
+            else:
+                rows.append([f"{kind} {T}x{E}", name, v["error"][:80], "", "", "", ""])
+    print_table(rows)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
@@ -754,7 +819,7 @@ def main() -> int:
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
     if args.moe_small:
-        args.moe_tokens, args.moe_experts, args.moe_hidden, args.moe_width = "32,64", "8,16", 128, 64
+        args.moe_tokens, args.moe_experts, args.moe_hidden, args.moe_width = "32,64", "8,16", 128, 128
         args.moe_decode_tokens, args.moe_decode_experts = "1,4", 16
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jax
@@ -775,6 +840,8 @@ def main() -> int:
             save(name, fn(args, ceil))
     if "moe" in args.only.split(","):
         save("moe", bench_moe(args, ceil, save=lambda part: save("moe", part)))
+    if "moe_fp8" in args.only.split(","):
+        save("moe_fp8", bench_moe_fp8(args, ceil))
     if "sparse_mla" in args.only.split(","):
         save("sparse_mla", bench_sparse_mla(args, ceil))
     return 0

@@ -89,6 +89,88 @@ def test_expert_mlp_blocked_interpret_equals_reference():
             assert np.abs(got - ragged).max() <= 2e-2 * scale
 
 
+def fp8_experts(rng, D, I, E):
+    """Random experts as fp8 blocks (models.fp8.quantize), stored [E, K, N] as the model holds them."""
+    from models.fp8 import quantize
+    return [tuple(map(jnp.asarray, quantize(rng.standard_normal((E, K, N)) * K ** -0.5)))
+            for K, N in ((D, I), (D, I), (I, D))]
+
+
+def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference():
+    """The fp8 kernel (interpreter, race detector on) against float64 products of the dequantized
+    operands: row scales per 128 columns, weight scales per 128 x 128 block (distinct per block:
+    K = N = 256), plain and gate/up fused; an unused tile stays unwritten (NaN from the interpreter)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import dequantize_blocks, grouped_matmul, quantize_rows
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    rng = np.random.default_rng(4)
+    E, K, N, bm = 3, 256, 256, 64
+    tile_expert = jnp.asarray([0, 2, -1, 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((bm * 4, K)) * np.repeat(rng.uniform(0.1, 10, (1, 2)), 128, axis=1),
+                    jnp.float32)   # the two column groups at different scales
+    xq, xs = quantize_rows(x)
+    (gq, gs), (uq, us) = [tuple(map(jnp.asarray, w)) for w in fp8_experts(rng, K, N, E)[:2]]
+    k_major = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
+    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
+    gd, ud = (np.asarray(dequantize_blocks(w, sc, jnp.float32), np.float64) for w, sc in ((gq, gs), (uq, us)))
+    t = Tiling(block_m=bm, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    plain = np.asarray(grouped_matmul(xq, k_major(gq), tile_expert, tiling=t, interpret=interp, x_scale=xs,
+                                      w_scale=k_major(gs)), np.float64)
+    fused = np.asarray(grouped_matmul(xq, k_major(gq), tile_expert, up=k_major(uq), tiling=t, interpret=interp,
+                                      x_scale=xs, w_scale=k_major(gs), up_scale=k_major(us)), np.float64)
+    for i, e in enumerate(np.asarray(tile_expert)):
+        rows = slice(i * bm, (i + 1) * bm)
+        if e < 0:
+            assert np.isnan(plain[rows]).all() and np.isnan(fused[rows]).all()
+            continue
+        a = xd[rows] @ gd[e]
+        want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
+        assert np.abs(plain[rows] - a).max() <= 8e-3 * np.abs(a).max()            # bf16 output rounding
+        assert np.abs(fused[rows] - want).max() <= 8e-3 * np.abs(want).max()
+    with pytest.raises(ValueError, match="x_scale must be fp32"):
+        grouped_matmul(xq, k_major(gq), tile_expert, tiling=t, interpret=interp, x_scale=xs[:1], w_scale=k_major(gs))
+
+
+def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
+    """The fp8 path of the dispatch (interpreter) against the same arithmetic in float64 (rows quantized
+    per 128 columns before each matmul, dequantized weights), and within fp8's error of the bf16 path
+    on the dequantized weights (what the dispatch runs when the fp8 kernel does not)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import dequantize_blocks, expert_mlp_blocked_fp8, quantize_rows
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    rng = np.random.default_rng(5)
+    N, k, D, I, E = 40, 2, 128, 128, 4
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(routings(rng, N * k, E).__next__(), jnp.int32)      # random, with dummies
+    t = Tiling(block_m=64, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
+    got = np.asarray(expert_mlp_blocked_fp8(x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=t, down_tiling=t,
+                                            interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
+    g, u, d = (np.asarray(dequantize_blocks(w, sc, jnp.float32), np.float64) for w, sc in ((gq, gs), (uq, us), (dq, ds)))
+    fe_np = np.asarray(fe)
+    want = np.zeros((N * k, D))
+    for s_, e in enumerate(fe_np):
+        if e == E:
+            continue
+        xr = np.asarray(dequantize_rows(*quantize_rows(x[s_ // k][None].astype(jnp.float32))), np.float64)[0]
+        a = xr @ g[e]
+        h = np.asarray(jnp.asarray(a / (1 + np.exp(-a)) * (xr @ u[e]), jnp.bfloat16), np.float32)
+        hr = np.asarray(dequantize_rows(*quantize_rows(jnp.asarray(h)[None])), np.float64)[0]
+        want[s_] = hr @ d[e]
+    assert (got[fe_np == E] == 0).all()
+    scale = np.abs(want).max()
+    # the bulk agrees to bf16 rounding; an intermediate h on an fp8 rounding boundary may round one step
+    # (1/8 relative) the other way in one of the two, which moves its outputs by up to a few %
+    assert np.abs(got - want).mean() <= 2e-3 * scale and np.abs(got - want).max() <= 4e-2 * scale
+    bf16 = np.asarray(expert_mlp(x, fe, gq, uq, dq, k, scales=(gs, us, ds)), np.float64)   # CPU: dequantized
+    np.testing.assert_array_equal(bf16, np.asarray(expert_mlp_ragged(
+        x, fe, *(dequantize_blocks(w, sc, x.dtype) for w, sc in ((gq, gs), (uq, us), (dq, ds))), k), np.float64))
+    assert np.abs(got - bf16).max() <= 0.1 * scale      # fp8 activations: a few % of the largest output
+
+
 def test_expert_mlp_dispatch_takes_ragged_dot_off_the_gpu(monkeypatch):
     """On CPU (and with the policy off) the dispatch runs XLA's ragged_dot path."""
     import pallas_kernels.moe.dispatch as dispatch
@@ -118,6 +200,26 @@ def test_expert_mlp_kernel_compiled_equals_reference():
             got = np.asarray(jax.jit(expert_mlp, static_argnums=5)(x, fe, gate, up, down, k), np.float64)
             assert np.isfinite(got).all()
             assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), (N, k, D, I, E)
+
+
+@pytest.mark.gpu
+def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path():
+    """fp8 experts through the compiled fp8 kernel (policy.fp8_moe_kernel) against the same weights
+    dequantized to bf16 (the bf16 kernel path): prefill and decode row counts, 16 and 256 experts."""
+    from pallas_kernels.moe import fp8_kernel_applies
+    rng = np.random.default_rng(6)
+    on, off = KernelPolicy(fp8_moe_kernel=True), KernelPolicy(fp8_moe_kernel=False)
+    run = jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")
+    for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
+        x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+        (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+        assert fp8_kernel_applies(x, gq, dq, N * k, on) and not fp8_kernel_applies(x, gq, dq, N * k, off)
+        fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
+        got = np.asarray(run(x, fe, gq, uq, dq, k, policy=on, scales=(gs, us, ds)), np.float64)
+        want = np.asarray(run(x, fe, gq, uq, dq, k, policy=off, scales=(gs, us, ds)), np.float64)
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).mean() <= 1e-2 * np.abs(want).max(), (N, k, D, I, E)
+        assert np.abs(got - want).max() <= 0.1 * np.abs(want).max(), (N, k, D, I, E)
 
 
 @pytest.mark.gpu

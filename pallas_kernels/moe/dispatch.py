@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.fp8_rows import dequantize_blocks, quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -62,10 +63,65 @@ def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling)
             or shape_error(h, down, down_t))
 
 
-def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY):
+def fp8_tilings(slots: int, E: int) -> tuple[Tiling, Tiling]:
+    """The fp8 kernel's tilings: one 128-wide scale block per K step; 64 columns per accumulator (the
+    per-step product and the running sum each hold a [block_m, block_n] fp32 tile in registers)."""
+    block_m = 64 if slots < 4 * E else 128
+    return (Tiling(block_m=block_m, block_n=64, block_k=128, stages=3),
+            Tiling(block_m=block_m, block_n=64, block_k=128, stages=4))
+
+
+def fp8_shape_error(x, gate, down, slots: int) -> str | None:
+    """Why the fp8 kernel path cannot take these operands (stored [E, K, N] e4m3 weights; None: it can)."""
+    if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
+        return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
+    up_t, down_t = fp8_tilings(slots, gate.shape[0])
+    P = padded_rows(slots, gate.shape[0], up_t.block_m)
+    E, D, I = gate.shape
+    return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((E, I, D), gate.dtype),
+                        up_t, fp8=True)
+            or shape_error(jax.ShapeDtypeStruct((P, I), jnp.float8_e4m3fn),
+                           jax.ShapeDtypeStruct((E, D, I), down.dtype), down_t, fp8=True))
+
+
+def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
+    """Whether expert_mlp runs fp8 experts through the fp8 kernel (else they are dequantized first)."""
+    return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
+            and fp8_shape_error(x, gate, down, slots) is None)
+
+
+def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
+                           down_tiling: Tiling, policy: KernelPolicy = DEFAULT_POLICY, interpret=False):
+    """expert_mlp_ragged with fp8 weights kept fp8: gate / up / down stored [E, K, N] e4m3 with
+    scales (gate, up, down) [E, K / 128, N / 128] fp32; the rows quantized per row per 128 columns
+    (quantize_rows) before each grouped matmul, fp8 x fp8 products with fp32 sums, bf16 out.
+    The weights are transposed to the kernel's K-major [E, N, K] here (a one-byte transient; the
+    checkpoints store them K-major, as the kernel wants them)."""
+    E = gate.shape[0]
+    slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m)
+    xp = gather_rows(x, jnp.where(row_slot >= 0, row_slot // topk, -1), policy=policy)
+    k_major = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
+    xq, xs = quantize_rows(xp)
+    h = grouped_matmul(xq, k_major(gate), tile_expert, up=k_major(up), tiling=up_tiling, interpret=interpret,
+                       x_scale=xs, w_scale=k_major(scales[0]), up_scale=k_major(scales[1]), out_dtype=x.dtype)
+    hq, hs = quantize_rows(h)
+    y = grouped_matmul(hq, k_major(down), tile_expert, tiling=down_tiling, interpret=interpret, x_scale=hs,
+                       w_scale=k_major(scales[2]), out_dtype=x.dtype)
+    return gather_rows(y, slot_row, policy=policy)
+
+
+def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY, scales=None):
     """The dispatch: the grouped_matmul kernel on GPU with policy.moe_kernel where its shapes fit (K
-    and N multiples of its blocks, bf16), else expert_mlp_ragged."""
+    and N multiples of its blocks, bf16), else expert_mlp_ragged. scales (gate, up, down): the weights
+    are fp8 blocks; the fp8 kernel takes them where fp8_kernel_applies, else they are dequantized to
+    x's dtype first."""
     slots = flat_expert.shape[0]
+    if scales is not None:
+        if fp8_kernel_applies(x, gate, down, slots, policy):
+            up_t, down_t = fp8_tilings(slots, gate.shape[0])
+            return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
+                                          down_tiling=down_t, policy=policy)
+        gate, up, down = (dequantize_blocks(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
     up_t, down_t = blocked_tilings(slots, gate.shape[0])
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,

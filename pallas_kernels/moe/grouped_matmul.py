@@ -10,6 +10,11 @@ for the empty and straddling tiles of a ragged layout: at 256 experts that was h
 docs/perf.md). Each tile is one expert's, so loads and stores are whole TMA tiles. gate_up keeps two
 accumulators fed by one x block per K step and applies SiLU * up in fp32 before the one bf16 store:
 the [rows, 2 * width] intermediate never reaches HBM.
+
+fp8 (DeepSeek/DeepGEMM's block scaling): x is e4m3 with one fp32 scale per row per 128 columns, the
+weights e4m3 stored K-major ([E, N, K], as the checkpoints hold them: 8-bit wgmma takes both operands
+K-major) with one fp32 scale per 128 x 128 block. Each 128-wide K step's product goes to a fresh
+accumulator and is added to the fp32 sum in registers times its row scales and its block's scale.
 """
 
 from __future__ import annotations
@@ -35,11 +40,22 @@ class Tiling:
     """Persistent programs: one per SM of the H100/H200."""
 
 
-def shape_error(x, w, tiling: Tiling) -> str | None:
-    """Why the kernel cannot take these operands (None: it can)."""
+FP8_BLOCK = 128   # the scale block of DeepSeek/GLM fp8 checkpoints (and of the activations' scales)
+
+
+def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
+    """Why the kernel cannot take these operands (None: it can). fp8: w is [E, N, K]."""
     P, K = x.shape
-    _, K2, N = w.shape
-    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or x.dtype != w.dtype:
+    if fp8:
+        _, N, K2 = w.shape
+        if x.dtype != jnp.float8_e4m3fn or w.dtype != jnp.float8_e4m3fn:
+            return f"fp8 operands must be float8_e4m3fn (got {x.dtype}, {w.dtype})"
+        if tiling.block_k != FP8_BLOCK or FP8_BLOCK % tiling.block_n:
+            return f"fp8 needs block_k {FP8_BLOCK} (one scale block per step) and block_n dividing it"
+    else:
+        _, K2, N = w.shape
+    if not fp8 and (jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+                    or x.dtype != w.dtype):
         return f"operands must be bf16 or f16 of one dtype (got {x.dtype}, {w.dtype})"
     if K != K2:
         return f"x has {K} columns, the weights {K2} rows"
@@ -56,8 +72,13 @@ def _silu_mul(gate, up):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
-def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: int, k_steps: int):
-    *w_refs, o_ref = refs
+def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: int, k_steps: int, fp8: bool):
+    if fp8:
+        xs_ref, *refs = refs
+        n_w = (len(refs) - 1) // 2
+        w_refs, ws_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[-1]
+    else:
+        *w_refs, o_ref = refs
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
 
     @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
@@ -80,7 +101,34 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                 )(x_ref, *[w.at[expert] for w in w_refs])
                 return tuple(acc[...] for acc in accs)
 
-            accs = pl.run_scoped(accumulate, *[plgpu.ACC((bm, bn))] * len(w_refs))
+            def accumulate_fp8():
+                def step(idx, x_smem, xs_smem, *rest):
+                    *w_smems, sums = rest
+                    row_scale = plgpu.load(xs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))   # [bm]
+                    row_scale = jax.lax.broadcast_in_dim(row_scale, (bm, bn), [0])
+                    new = []
+                    for total, w_smem, ws_ref in zip(sums, w_smems, ws_refs):
+                        def product(acc_ref, w_smem=w_smem):
+                            plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
+                            return acc_ref[...]
+                        part = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
+                        new.append(total + part * row_scale * ws_ref[expert, (ni * bn) // FP8_BLOCK, idx[0]])
+                    return tuple(new)
+
+                zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+                return plgpu.emit_pipeline(
+                    step, grid=(k_steps,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k)),
+                              plgpu.BlockSpec((1, bm), lambda k: (k, mi))]
+                    + [plgpu.BlockSpec((bn, bk), lambda k: (ni, k))] * len(w_refs),
+                    max_concurrent_steps=tiling.stages,
+                    init_carry=(zeros,) * len(w_refs),
+                )(x_ref, xs_ref, *[w.at[expert] for w in w_refs])
+
+            if fp8:
+                accs = accumulate_fp8()
+            else:
+                accs = pl.run_scoped(accumulate, *[plgpu.ACC((bm, bn))] * len(w_refs))
             out = _silu_mul(*accs) if len(accs) == 2 else accs[0]
 
             @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), o_ref.dtype))
@@ -91,27 +139,42 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), interpret=False):
+def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), interpret=False, x_scale=None,
+                   w_scale=None, up_scale=None, out_dtype=None):
     """x [P, K] in the padded layout (P a multiple of block_m), w [E, K, N], tile_expert [P // block_m]
     int32. Returns [P, N] in x's dtype: x @ w per tile, or silu(x @ w) * (x @ up) with up [E, K, N].
     Rows of unused tiles are left unwritten. interpret: True (or plgpu.InterpretGPUParams) runs Mosaic
-    GPU's interpreter, on any backend."""
-    err = shape_error(x, w, tiling) or (None if up is None or up.shape == w.shape else
-                                        f"up {up.shape} must match gate {w.shape}")
+    GPU's interpreter, on any backend.
+    fp8 (x_scale given): x [P, K] e4m3 with x_scale [K / 128, P] fp32; w (and up) [E, N, K] e4m3 with
+    w_scale (up_scale) [E, N / 128, K / 128] fp32; out_dtype (default bf16)."""
+    fp8 = x_scale is not None
+    err = shape_error(x, w, tiling, fp8) or (None if up is None or up.shape == w.shape else
+                                             f"up {up.shape} must match gate {w.shape}")
+    P, K = x.shape
+    N = w.shape[1] if fp8 else w.shape[2]
+    if err is None and fp8:
+        E = w.shape[0]
+        want = {"x_scale": (K // FP8_BLOCK, P), "w_scale": (E, N // FP8_BLOCK, K // FP8_BLOCK)}
+        got = {"x_scale": x_scale, "w_scale": w_scale}
+        if up is not None:
+            want["up_scale"], got["up_scale"] = want["w_scale"], up_scale
+        err = next((f"{name} must be fp32 {want[name]}, got "
+                    f"{None if a is None else (tuple(a.shape), str(a.dtype))}" for name, a in got.items()
+                    if a is None or tuple(a.shape) != want[name] or a.dtype != jnp.float32), None)
     if err is not None:
         raise ValueError(f"grouped_matmul: {err}")
-    P, K = x.shape
-    N = w.shape[2]
     if tile_expert.shape != (P // tiling.block_m,):
         raise ValueError(f"grouped_matmul: tile_expert {tile_expert.shape} must hold one expert per "
                          f"{tiling.block_m}-row tile of {P} rows")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     weights = (w,) if up is None else (w, up)
+    if fp8:
+        weights = (x_scale,) + weights + ((w_scale,) if up is None else (w_scale, up_scale))
     kernel = plgpu.kernel(
         functools.partial(_kernel, tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tiling.block_n,
-                          k_steps=K // tiling.block_k),
-        out_type=jax.ShapeDtypeStruct((P, N), x.dtype),
+                          k_steps=K // tiling.block_k, fp8=fp8),
+        out_type=jax.ShapeDtypeStruct((P, N), out_dtype or (jnp.bfloat16 if fp8 else x.dtype)),
         grid=(tiling.programs,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
