@@ -69,8 +69,7 @@ class ModelRunner:
         cfg = model.cfg
         q_lat = jax.ShapeDtypeStruct((1, cfg.num_attention_heads, cfg.kv_lora_rank), pool.cache.latent.dtype)
         q_rope = jax.ShapeDtypeStruct((1, cfg.num_attention_heads, cfg.qk_rope_head_dim), pool.cache.latent.dtype)
-        # the kernel runs without CP only (under CP the selected rows are fetched from their owners)
-        self.sparse_kernel = self.cp == 1 and kernel_applies(q_lat, q_rope, kernels)
+        self.sparse_kernel = kernel_applies(q_lat, q_rope, kernels)
         self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output, access)
 
     def place(self, batch: Batch) -> Batch:

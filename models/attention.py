@@ -165,13 +165,20 @@ class MLA(nnx.Module):
             out = jnp.einsum("bhts,bshd->bthd", p, v)
         elif attn_path == "absorbed":
             q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk)
-            if access.axis is None and kernel_applies(q_lat, q_rope, kernels):
-                # the kernel reads the selected rows from the pool itself: no [B, T, K, C] gather in HBM
+            if kernel_applies(q_lat, q_rope, kernels):
                 K = topk.shape[-1]
-                slots = jnp.take_along_axis(batch.slot_table[:, None, :], jnp.maximum(topk, 0), axis=2)
+                if access.axis is None:
+                    # the kernel reads the selected rows from the pool itself: no [B, T, K, C] gather in HBM
+                    lat, rope, layer = cache.latent, cache.k_rope, layer_id
+                    slots = jnp.take_along_axis(batch.slot_table[:, None, :], jnp.maximum(topk, 0), axis=2)
+                else:
+                    # under CP: the rows from their owners (every visible row for a long chunk, else the
+                    # selected ones), once, as a one-layer pool the kernel reads through `slots`
+                    rows, slots = access.rows_for(kv_rows, batch.slot_table, topk, n_local)
+                    lat, rope, layer = rows[None, :, :C], rows[None, :, C:], 0
                 slots = jnp.where(topk >= 0, slots, -1).reshape(B * T, K)
-                o_lat = sparse_mla(q_lat.reshape(B * T, H, C), q_rope.reshape(B * T, H, dr), cache.latent,
-                                   cache.k_rope, layer_id, slots, scale, policy=kernels).reshape(B, T, H, C)
+                o_lat = sparse_mla(q_lat.reshape(B * T, H, C), q_rope.reshape(B * T, H, dr), lat, rope, layer,
+                                   slots, scale, policy=kernels).reshape(B, T, H, C)
             else:
                 kv_sel = access.pick(kv_rows, batch.slot_table, topk, n_local)   # [B, T, K, C + dr]
                 lat_sel, rope_sel = kv_sel[..., :C], kv_sel[..., C:]

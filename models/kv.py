@@ -154,16 +154,24 @@ class KVAccess:
         rows = jnp.where(mine.reshape(mine.shape + (1,) * (rows.ndim - mine.ndim)), rows, 0)
         return jax.lax.psum_scatter(rows, self.axis, scatter_dimension=0, tiled=False)
 
-    def pick(self, rows_at, slot_table, positions, n_local: int):
-        """Rows at `positions` [B, T, K] (per rank; < 0 reads position 0) of each request whose slots
-        are slot_table [B, S]. A fetch moves cp·T·K rows per request, a gather S: long prefill chunks
-        gather (T·K ≫ S), decode and short extends fetch."""
+    def rows_for(self, rows_at, slot_table, positions, n_local: int):
+        """(rows [R, ...], index [B, T, K] into them): the rows at `positions` [B, T, K] (per rank; < 0
+        reads position 0) of each request whose slots are slot_table [B, S], as a compact set of rows and
+        each query's indexes into it. A fetch moves cp·T·K rows per request, a gather S: long prefill
+        chunks gather every visible row (T·K ≫ S), decode and short extends fetch the selected ones."""
         positions = jnp.maximum(positions, 0)
         B, T, K = positions.shape
         if self.axis is not None and T * K > slot_table.shape[1]:
+            S = slot_table.shape[1]
             every = self.gather(rows_at, slot_table, n_local)                  # [B, S, ...]
-            return every[jnp.arange(B)[:, None, None], positions]
-        return self.fetch(rows_at, jnp.take_along_axis(slot_table[:, None, :], positions, axis=2), n_local)
+            return every.reshape(B * S, *every.shape[2:]), positions + (jnp.arange(B) * S)[:, None, None]
+        rows = self.fetch(rows_at, jnp.take_along_axis(slot_table[:, None, :], positions, axis=2), n_local)
+        return rows.reshape(B * T * K, *rows.shape[3:]), jnp.arange(B * T * K, dtype=jnp.int32).reshape(B, T, K)
+
+    def pick(self, rows_at, slot_table, positions, n_local: int):
+        """The rows at `positions` [B, T, K] as [B, T, K, ...] (rows_for, indexed)."""
+        rows, index = self.rows_for(rows_at, slot_table, positions, n_local)
+        return rows[index]
 
 
 SINGLE_DEVICE = KVAccess()

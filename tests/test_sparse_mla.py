@@ -111,6 +111,40 @@ def test_model_through_the_kernel_matches_hf(name, monkeypatch):
     assert rel_err(dec, ref["decode_logits"]) <= TOL
 
 
+def test_cp_engine_through_the_kernel_equals_single_device(tiny, monkeypatch):
+    """Under CP the kernel reads the rows KVAccess.rows_for brought from their owners (every visible row
+    for a prefill chunk, the selected ones for decode) as a one-layer pool: a cp = 2 engine with the
+    kernel (interpret mode) gives the single-device engine's greedy tokens and logits (fp32)."""
+    import cpkv_jax.runner as runner
+    import models.attention as attention
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+    from tests.helpers import rel_err
+
+    calls = []
+
+    def kernel(q_lat, q_rope, latent, k_rope, layer, slots, scale, *, policy):
+        calls.append(latent.shape)
+        return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
+                                 tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype))
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(2, tiny.cfg.vocab_size, n).tolist() for n in (20, 45)]   # 45 > top-k 32
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    want = Engine(tiny, EngineConfig(page_size=16, kv_pages=32)).generate(prompts, params, return_logits=True)
+    monkeypatch.setattr(attention, "kernel_applies", lambda *a: True)
+    monkeypatch.setattr(attention, "sparse_mla", kernel)
+    monkeypatch.setattr(runner, "kernel_applies", lambda *a: True)
+    # a policy value of its own: the CP step is traced afresh under the patch, not taken from the cache
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=32, cp_size=2,
+                                    kernels=KernelPolicy(scores_max_bytes=(4 << 30) - 2)))
+    got = eng.generate(prompts, params, return_logits=True)
+    assert eng.runner.sparse_kernel and calls
+    assert all(shape[0] == 1 for shape in calls)            # the rows brought over, not the stacked pool
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert rel_err(np.stack(g.logits), np.stack(w.logits)) <= 1e-5
+
+
 def test_dispatch_takes_the_reference_off_the_gpu_and_names_what_does_not_fit():
     q_lat, q_rope, latent, k_rope, slots = make_case(3, 4, 32, 16, 8)
     args = (*map(jnp.asarray, (q_lat, q_rope, latent, k_rope)), 0, jnp.asarray(slots), 0.5)
