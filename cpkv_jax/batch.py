@@ -85,6 +85,7 @@ class BatchBuilder:
         self.scheduler = scheduler
         self.max_pages = pages_for(max_context, config.page_size)
         self.sampler_variants: set[tuple] = set()
+        self.trace = None   # cpkv_jax.trace.Tracer: told which request each row of the next forward is
 
     def rows(self, requests: int) -> int:
         return bucket(requests, 1, self.config.max_running)
@@ -121,6 +122,8 @@ class BatchBuilder:
         S = bucket(pages_for(max(ch.start + len(ch.tokens) for ch in chunks), c.page_size), 1, self.max_pages)
         batch, last_lane, last_rank = build_batch(plan, requests, tokens or [ch.tokens for ch in chunks],
                                                   [ch.req.pages for ch in chunks], rows=B, lanes=T, table_pages=S)
+        if self.trace is not None:
+            self.trace.batch_rows(chunks)
         return StepBatch(plan, requests, batch, last_lane, last_rank)
 
     @staticmethod

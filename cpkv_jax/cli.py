@@ -1,4 +1,4 @@
-"""`cpkv-jax` command line: generate | bench | serve | score | convert | plan."""
+"""`cpkv-jax` command line: generate | bench | serve | score | convert | plan | trace."""
 
 from __future__ import annotations
 
@@ -105,14 +105,24 @@ def compile_cache(args) -> None:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
 
 
+def distributed_init(args) -> None:
+    """Join a multi-process run (jax.distributed) when --nnodes > 1 or --dist-init-addr is given: every
+    process then sees every process's devices, runs the same steps (cpkv_jax.distributed) and its CPU
+    collectives go over gloo. 'auto' leaves the coordinator, process count and rank to JAX's cluster
+    auto-detection."""
+    from cpkv_jax.distributed import initialize
+    if (args.nnodes or 1) > 1 or args.dist_init_addr:
+        initialize(args.dist_init_addr, args.nnodes, args.node_rank)
+
+
 def cmd_generate(args) -> int:
     import time
 
-    from cpkv_jax.engine import Engine
+    from cpkv_jax.pd import make_engine
     from cpkv_jax.sampling import SamplingParams
 
     prompts = [value for _, value in args.requests]
-    engine = Engine(args.model, engine_config(args))
+    engine = make_engine(args.model, engine_config(args))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
                             stop=tuple(args.stop), n=args.n, top_logprobs=args.top_logprobs,
@@ -195,8 +205,9 @@ def cmd_bench(args) -> int:
     prompts = lambda: [rng.integers(0, cfg.vocab_size, L).tolist() for _ in range(B)]  # noqa: E731
     engines = [engine]
     if args.speculative:
-        engines.append(Engine(model, dataclasses.replace(config, speculative=args.speculative,
-                                                         num_draft_tokens=args.num_draft_tokens)))
+        engines.append(Engine(model, dataclasses.replace(
+            config, speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
+            trace_out=config.trace_out and config.trace_out + ".spec")))   # its own trace file
 
     def timed(eng, bar):
         """Warm-up run (compiles every bucket the timed runs use), then the best of the timed runs."""
@@ -286,15 +297,26 @@ def cmd_plan(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from cpkv_jax.engine import Engine
+    import jax
+
+    from cpkv_jax.pd import make_engine
     from cpkv_jax.server import serve
     from models.weights import tiny_checkpoint
 
-    engine = Engine(args.model, engine_config(args))
+    engine = make_engine(args.model, engine_config(args))
+    if jax.process_index() != 0:        # a multi-process run: process 0 serves, the others follow its steps
+        from cpkv_jax.distributed import follow
+        follow(engine)
+        return 0
     model_dir = tiny_checkpoint() if args.model == "tiny" else Path(args.model)
     serve(engine, host=args.host, port=args.port, model_name=args.served_model_name or Path(str(args.model)).name,
           model_dir=model_dir if model_dir.is_dir() else None, max_queued=args.max_queued)
     return 0
+
+
+def cmd_trace_diff(args) -> int:
+    from cpkv_jax.trace import diff_files
+    return diff_files(args.run_a, args.run_b, sys.stdout)
 
 
 def engine_options() -> argparse.ArgumentParser:
@@ -349,6 +371,24 @@ def engine_options() -> argparse.ArgumentParser:
     q.add_argument("--kernels", type=kernel_policy, default=DEFAULT_POLICY, metavar="FIELD=VALUE,...",
                    help="kernel choices over the defaults, e.g. moe_kernel=false (the fields of "
                         "pallas_kernels.policy.KernelPolicy)")
+    q.add_argument("--kv-trace", type=int, choices=(0, 1, 2, 3), default=d.kv_trace, metavar="N",
+                   help="KV-integrity trace level: 1 host-tier transfers, 2 + page hashes at backup and reload, "
+                        "3 + per-layer forward hashes (default 0: off, nothing compiled in); needs --trace-out")
+    q.add_argument("--trace-out", default=d.trace_out, metavar="PATH",
+                   help="the trace's JSONL file (compare two with `cpkv-jax trace diff`)")
+    q.add_argument("--pd-prefill-devices", type=int, default=d.pd_prefill_devices, metavar="N",
+                   help="prefill/decode disaggregation: prefill on a cp mesh over the first N devices, decode on "
+                        "--pd-decode-replicas devices after them (default 0: off)")
+    q.add_argument("--pd-decode-replicas", type=int, default=d.pd_decode_replicas, metavar="M",
+                   help="PD decode engines, one device each, each its own pool and prefix cache (default 1)")
+    q.add_argument("--pd-router", choices=("least_loaded", "prefix"), default=d.pd_router,
+                   help="PD: decode replica for a request: least loaded (default) or longest cached prefix first")
+    q.add_argument("--nnodes", type=int, default=None,
+                   help="processes of a multi-process run (jax.distributed); default: one, or what the cluster "
+                        "environment (SLURM, ...) says when --dist-init-addr is 'auto'")
+    q.add_argument("--node-rank", type=int, default=None, help="this process's rank in a multi-process run")
+    q.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="the coordinator (process 0) of a multi-process run, or 'auto' (cluster auto-detection)")
     q.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not keep compiled executables in $CPKV_CACHE_DIR/xla (default: kept, so a second "
                         "start does not compile again)")
@@ -451,6 +491,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--host-memory", type=float, default=0.0, metavar="GIB", help="host KV tier size in GiB")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     m.set_defaults(fn=cmd_plan)
+
+    t = sub.add_parser("trace", help="KV-integrity traces (--kv-trace N --trace-out PATH): compare two runs",
+                       description="Analyze KV-integrity traces written by generate / serve / bench with "
+                                   "--kv-trace N --trace-out PATH.")
+    tsub = t.add_subparsers(dest="trace_verb", required=True)
+    td = tsub.add_parser("diff", help="name the first place two runs of the same workload diverge",
+                         description="Compare two traces of the same workload: prints the first (request, "
+                                     "positions, layer, stage) or host page that differs and, last, the "
+                                     "verdict (top-k differs -> index-K cache; attention output with equal "
+                                     "top-k -> main KV or page mapping; MoE input with equal attention -> "
+                                     "residual / MoE; reload != backup -> host tier). Exit 0 when the runs "
+                                     "agree, 1 when they diverge.")
+    td.add_argument("run_a", help="trace JSONL of the reference run")
+    td.add_argument("run_b", help="trace JSONL of the run to check")
+    td.set_defaults(fn=cmd_trace_diff)
     return p
 
 
@@ -465,12 +520,14 @@ def main(argv=None) -> int:
     from cpkv_jax.engine import EngineInputError
     from cpkv_jax.memory_plan import MeshPlanError
     from cpkv_jax.sampling import SamplingError
+    from cpkv_jax.trace import TraceFormatError
     try:
         if "compile_cache" in vars(args):
             compile_cache(args)
+            distributed_init(args)
         return args.fn(args)
     except (ModelConfigError, CheckpointError, FileNotFoundError, EngineConfigError, EngineInputError,
-            SamplingError, MeshPlanError) as e:
+            SamplingError, MeshPlanError, TraceFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -34,6 +34,15 @@ class EngineConfig:
     hicache_policy: str = "write_through"  # or 'write_through_selective' (back up on the second hit)
     hicache_copy: str = "auto"       # 'side_stream' (GPU: copies at layer boundaries), 'jit', 'auto' (GPU -> side_stream)
     kernels: KernelPolicy = DEFAULT_POLICY  # which Pallas kernels every step runs on GPU (pallas_kernels.policy)
+    kv_trace: int = 0                # KV-integrity trace level (cpkv_jax.trace): 0 off, 1 transfers, 2 + page
+                                     # hashes, 3 + per-layer forward hashes
+    trace_out: str | None = None     # the trace's JSONL file (needed with kv_trace > 0)
+    pd_prefill_devices: int = 0      # prefill/decode disaggregation (cpkv_jax.pd): prefill on a cp mesh over the
+                                     # first N devices; 0 = off (one engine does both)
+    pd_decode_replicas: int = 1      # PD: decode engines, one device each after the prefill devices, each with
+                                     # its own pool and radix cache
+    pd_router: str = "least_loaded"  # PD: the decode replica a request goes to: 'least_loaded' or 'prefix'
+                                     # (the longest cached prefix first)
 
     def validate(self) -> "EngineConfig":
         """Self, or EngineConfigError naming the first bad option or combination."""
@@ -89,6 +98,26 @@ class EngineConfig:
             if self.hicache_copy not in ("auto", "side_stream", "jit"):
                 raise EngineConfigError(f"hicache_copy must be 'auto', 'side_stream' or 'jit', got "
                                         f"{self.hicache_copy!r}")
+        if self.pd_prefill_devices:
+            positive("pd_prefill_devices")
+            positive("pd_decode_replicas")
+            if self.cp_size not in (1, self.pd_prefill_devices):
+                raise EngineConfigError(f"cp_size ({self.cp_size}) must be 1 or pd_prefill_devices "
+                                        f"({self.pd_prefill_devices}): the prefill engine's cp mesh is those devices")
+            if self.ep_size > 1 or self.tp_size > 1:
+                raise EngineConfigError("pd_prefill_devices with ep_size or tp_size > 1 is not supported yet: "
+                                        "the transfer moves pages per CP rank")
+            if self.kv_pages % self.pd_prefill_devices or self.kv_pages // self.pd_prefill_devices < 2:
+                raise EngineConfigError(f"kv_pages ({self.kv_pages}) must be a multiple of pd_prefill_devices "
+                                        f"({self.pd_prefill_devices}) with at least 2 pages per rank")
+        if self.pd_router not in ("least_loaded", "prefix"):
+            raise EngineConfigError(f"pd_router must be 'least_loaded' or 'prefix', got {self.pd_router!r}")
+        if self.kv_trace not in (0, 1, 2, 3) or isinstance(self.kv_trace, bool):
+            raise EngineConfigError(f"kv_trace must be 0 (off), 1, 2 or 3, got {self.kv_trace!r}")
+        if self.kv_trace and not self.trace_out:
+            raise EngineConfigError("kv_trace > 0 needs trace_out: the file the trace's JSONL records go to")
+        if self.trace_out is not None and not self.kv_trace:
+            raise EngineConfigError("trace_out is set but kv_trace is 0 (off): give a trace level 1-3")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise EngineConfigError(f"dtype must be None, 'float32' or 'bfloat16', got {self.dtype!r}")
         return self

@@ -100,13 +100,13 @@ def _generation_eos(spec) -> set[int]:
     return set()
 
 
-def _mesh(cp_size: int, ep_size: int, tp_size: int, model_config):
+def _mesh(cp_size: int, ep_size: int, tp_size: int, model_config, devices=None):
     """The step's mesh: 'cp' over cp_size devices (the pool's pages split); with ep_size or tp_size > 1
     also 'ep' (the routed experts split; attention and the pool replicated over it) and 'tp' (heads,
-    MLP intermediate and vocabulary split; the latent pool replicated over it). None for one device.
-    `model_config()` gives the model's config (read only when there is a mesh), whose counts each
-    axis must divide."""
-    if cp_size == ep_size == tp_size == 1:
+    MLP intermediate and vocabulary split; the latent pool replicated over it). None for one device,
+    unless `devices` names them (a PD engine's own devices: cpkv_jax.pd). `model_config()` gives the
+    model's config (read only when there is a mesh), whose counts each axis must divide."""
+    if cp_size == ep_size == tp_size == 1 and devices is None:
         return None
     from jax.sharding import Mesh
     from cpkv_jax.memory_plan import split_error
@@ -114,12 +114,13 @@ def _mesh(cp_size: int, ep_size: int, tp_size: int, model_config):
     if error:
         raise EngineConfigError(error)
     n = cp_size * ep_size * tp_size
-    if n > len(jax.devices()):
+    devices = jax.devices() if devices is None else list(devices)
+    if n > len(devices):
         raise EngineConfigError(f"cp_size {cp_size} x ep_size {ep_size} x tp_size {tp_size} needs {n} devices, "
-                                f"{len(jax.devices())} visible")
+                                f"{len(devices)} visible")
     if ep_size == tp_size == 1:
-        return Mesh(np.array(jax.devices()[:cp_size]), (RULES.kv_slots,))
-    return Mesh(np.array(jax.devices()[:n]).reshape(cp_size, ep_size, tp_size), (RULES.kv_slots, RULES.experts, RULES.heads))
+        return Mesh(np.array(devices[:cp_size]), (RULES.kv_slots,))
+    return Mesh(np.array(devices[:n]).reshape(cp_size, ep_size, tp_size), (RULES.kv_slots, RULES.experts, RULES.heads))
 
 
 def _side_stream_copier(config: EngineConfig):
@@ -135,13 +136,17 @@ def _side_stream_copier(config: EngineConfig):
 
 class Engine:
     def __init__(self, model: str | Path | DsaModel = "tiny", config: EngineConfig | None = None, *,
-                 tokenizer=None):
+                 tokenizer=None, devices=None):
+        """`devices`: the devices this engine's mesh is made of (default: the first of jax.devices());
+        a PD engine (cpkv_jax.pd) gets its own."""
         from models.weights import load_model, model_config
 
         self.config = config = (config or EngineConfig()).validate()
+        if config.pd_prefill_devices:
+            raise EngineConfigError("pd_prefill_devices needs the disaggregated engine: cpkv_jax.pd.make_engine")
         # the mesh first, so a checkpoint is restored straight into its shards
         self.mesh = _mesh(config.cp_size, config.ep_size, config.tp_size,
-                          lambda: model.cfg if isinstance(model, DsaModel) else model_config(model))
+                          lambda: model.cfg if isinstance(model, DsaModel) else model_config(model), devices)
         self.model = model if isinstance(model, DsaModel) else load_model(model, dtype=config.dtype, mesh=self.mesh)
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
@@ -174,6 +179,11 @@ class Engine:
         self.spec_decoder = (SpecDecoder(self.runner, self.batch_builder, self.scheduler,
                                          num_draft_tokens=config.num_draft_tokens, attn_path=config.attn_path)
                              if speculative else None)
+        # the KV-integrity trace (cpkv_jax.trace), wired into the batch builder, runner and host tier
+        self.tracer = None
+        if config.kv_trace:
+            from cpkv_jax.trace import Tracer
+            self.tracer = Tracer.attach(self)
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
         # the events of requests an open stream() yields, whichever caller's step sampled them
@@ -286,11 +296,15 @@ class Engine:
         if decode:
             events += self._run(decode, prefill=False) if self.spec_decoder is None else self._spec_round(decode)
         self.metrics["steps"] += 1
+        self._file(events)
+        return events
+
+    def _file(self, events: list[TokenEvent]) -> None:
+        """Put each event in the inbox of the stream that owns its request, if one does."""
         for ev in events:
             inbox = self._inboxes.get(ev.rid)
             if inbox is not None:
                 inbox.append(ev)
-        return events
 
     def max_compilations(self) -> int:
         """Upper bound on compiled step and sampler variants (cpkv_jax.batch.BatchBuilder.max_compilations)."""

@@ -37,8 +37,9 @@ def choose_attn_path(rows: int, tokens_per_request: int, width: int, heads: int,
 # kernel policy are static, so runners over the same model graph, pool shape and policy share compiled
 # executables.
 _step = jax.jit(run_model, static_argnums=(0,),
-                static_argnames=("attn_path", "output", "access", "kernels", "mesh", "boundary"), donate_argnums=(3,))
-_draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_path", "access", "kernels", "mesh"),
+                static_argnames=("attn_path", "output", "access", "kernels", "mesh", "boundary", "tap"),
+                donate_argnums=(3,))
+_draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_path", "access", "kernels", "mesh", "tap"),
                       donate_argnums=(5,))
 
 
@@ -71,6 +72,7 @@ class ModelRunner:
         q_rope = jax.ShapeDtypeStruct((1, cfg.num_attention_heads, cfg.qk_rope_head_dim), pool.cache.latent.dtype)
         self.sparse_kernel = kernel_applies(q_lat, q_rope, kernels)
         self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output, access)
+        self.trace = None   # cpkv_jax.trace.Tracer when the engine traces (EngineConfig.kv_trace)
 
     def place(self, batch: Batch) -> Batch:
         """Put a CP batch on the mesh: token rows split over the axis, the slot table replicated."""
@@ -102,6 +104,7 @@ class ModelRunner:
     def lower(self, batch: Batch, last_index, *, attn_path: str, all_logits: bool = False, last_rank=None,
               page_aligned: bool = True):
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
+        kw.update(self._trace_kw("target"))
         return _step.lower(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
                            output="logits" if all_logits else "last_logits", **kw)
 
@@ -122,8 +125,11 @@ class ModelRunner:
                 kw["boundary"] = LayerHook(kw["access"].axis)
         self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output, kw["access"],
                            "boundary" in kw))
+        kw.update(self._trace_kw("target"))
         out, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
                                      output=output, **kw)
+        if self.trace is not None:
+            self.trace.forward_done("target", out)
         return out
 
     def draft_forward(self, hidden, next_tokens, batch: Batch, last_index, *, attn_path: str | None = None,
@@ -137,9 +143,20 @@ class ModelRunner:
             if hidden.ndim == 2:
                 hidden = jax.device_put(hidden, self._replicated)
         self.variants.add(("draft", batch.tokens.shape, batch.slot_table.shape, hidden.ndim, attn_path, kw["access"]))
+        kw.update(self._trace_kw("draft"))
         out, self.pool.draft = _draft_step(self.graphdef, self.state, hidden, jnp.asarray(next_tokens), batch,
                                            self.pool.draft, attn_path=attn_path, **kw)
+        if self.trace is not None:
+            self.trace.forward_done("draft", out)
         return out
+
+    def _trace_kw(self, model: str) -> dict:
+        """The KV-integrity trace's per-layer probe for a step of `model` ('target' / 'draft'), when the
+        engine traces at level 3; nothing otherwise (the step compiles without it)."""
+        if self.trace is None:
+            return {}
+        tap = self.trace.tap(model, () if self.mesh is None else tuple(self.mesh.axis_names))
+        return {} if tap is None else {"tap": tap}
 
     @property
     def compilations(self) -> int:

@@ -51,6 +51,7 @@ class Request:
     t_first_token: float | None = None
     t_finish: float | None = None
     logits: list[np.ndarray] | None = None  # fp32 [vocab] per sampled token, when asked for (return_logits)
+    decode_elsewhere: bool = False      # PD prefill side: pages reserved for the prompt only (cpkv_jax.pd)
 
     @property
     def seq_len(self) -> int:
@@ -58,7 +59,10 @@ class Request:
 
     @property
     def kv_capacity(self) -> int:
-        """KV positions the request can ever write: the last sampled token's KV is never needed."""
+        """KV positions the request can ever write: the last sampled token's KV is never needed (on a PD
+        prefill engine only the prompt's: the decode replica writes the rest)."""
+        if self.decode_elsewhere:
+            return len(self.prompt)
         return len(self.prompt) + self.params.max_new_tokens - 1
 
     @property
@@ -140,7 +144,7 @@ class Scheduler:
         if len(host):  # host-only prefix: device pages now (on the host pages' ranks), loaded before the first step
             loaded = np.array([int(self.allocator.alloc(1, int(r))[0]) for r in self.hicache.host_rank(host)],
                               np.int32)
-            self.hicache.load(host, loaded)
+            self.hicache.load(host, loaded, rid=req.rid)
             self.radix.restore_device(m.host_nodes, loaded)
             prefix = np.concatenate([prefix, loaded])
             need -= len(host)
@@ -152,6 +156,32 @@ class Scheduler:
         if self.hicache is not None:
             self.hicache.on_admit(req, m)
         return True
+
+    def admit_prefilled(self, req: Request) -> bool:
+        """Admit a request whose prompt KV another engine computed (a PD decode replica): the same prefix
+        match, lock and whole-life reservation as admission, or False (nothing held) when the pool or
+        the running set is full: it waits. The caller allocates the prompt's pages past the matched
+        prefix, writes them and calls `start_decoding`, or `release`s it."""
+        if len(self.running) >= self.max_running or not self._reserve(req):
+            return False
+        req.t_admitted = time.perf_counter()
+        return True
+
+    def start_decoding(self, req: Request) -> None:
+        """The transferred prompt's KV is in the pool: publish its full pages and run the request."""
+        req.computed = len(req.prompt)
+        self.prefill_done(req)
+        self.backup_prompt(req)
+        self.running.append(req)
+
+    def hand_over(self, req: Request) -> Request:
+        """Take a request whose prompt is computed out of the running set (PD: it decodes on another
+        engine). The returned copy holds its pages, lock and reservation until it is `release`d after
+        the transfer; the request itself holds nothing here any more."""
+        self.running.remove(req)
+        held = dataclasses.replace(req)
+        req.pages, req.node, req.host_res, req.shared_pages, req.reserved = req.pages[:0], None, None, 0, 0
+        return held
 
     def _can_load(self, host_pages) -> bool:
         """Every host page's rank has a free device page for it (loads stay on their rank)."""
@@ -299,7 +329,12 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
             return
-        if self.radix is not None and req.finish_reason != "abort":
+        self.release(req, publish=req.finish_reason != "abort")
+
+    def release(self, req: Request, publish: bool = True) -> None:
+        """Give back what a request holds (not running or waiting any more): with `publish` its computed
+        full pages go to the prefix cache, the rest back to the allocator; its lock is dropped."""
+        if self.radix is not None and publish:
             self._publish(req, req.tokens()[:req.computed])
         if self.hicache is not None:
             self.hicache.on_finish(req)

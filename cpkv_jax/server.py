@@ -43,8 +43,11 @@ class EngineLoop:
     the request's TokenEvents, then ('done', GenerationOutput), arrive on the asyncio queue given."""
 
     def __init__(self, engine: Engine, metrics: "ServerMetrics | None" = None):
+        import jax
         self.engine = engine
         self.metrics = metrics
+        # a multi-process run: the other processes apply the same commands (cpkv_jax.distributed.follow)
+        self.replicated = jax.process_count() > 1
         self.commands: queue.Queue = queue.Queue()
         self.subscribers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.aborted = 0
@@ -94,16 +97,24 @@ class EngineLoop:
                 if self.metrics is not None:      # its pages are back without a step
                     self.metrics.observe_engine(self.engine)
 
+    def _drain(self) -> list:
+        cmds = []
+        try:
+            cmds.append(self.commands.get(timeout=0.0 if self.engine.has_unfinished() else 0.02))
+            while True:
+                cmds.append(self.commands.get_nowait())
+        except queue.Empty:
+            return cmds
+
     def _run(self) -> None:
+        from cpkv_jax.distributed import broadcast_object, portable
         eng = self.engine
         while not self._stop.is_set():
-            try:
-                cmd = self.commands.get(timeout=0.0 if eng.has_unfinished() else 0.02)
+            cmds = self._drain()
+            if self.replicated:
+                broadcast_object([portable(c) for c in cmds])
+            for cmd in cmds:
                 self._command(cmd)
-                while True:
-                    self._command(self.commands.get_nowait())
-            except queue.Empty:
-                pass
             if not eng.has_unfinished():
                 continue
             events = eng.step()
@@ -114,6 +125,8 @@ class EngineLoop:
                     self.subscribers.pop(ev.rid)
             if self.metrics is not None:
                 self.metrics.observe_engine(eng)
+        if self.replicated:
+            broadcast_object([("stop",)])
 
 
 # ---- metrics -------------------------------------------------------------------------------------
@@ -365,7 +378,7 @@ def create_app(engine: Engine, *, model_name: str = "cpkv", model_dir: str | Pat
                      "finish_reason": _openai_reason(reason)}
             else:
                 c = {"index": i, "text": delta, "finish_reason": _openai_reason(reason)}
-            if want_logprobs and ev is not None:
+            if want_logprobs and ev is not None and ev.token_id >= 0:   # -1: ended without a token (PD abort)
                 alternatives = [ev.top_logprobs] if params.top_logprobs else None
                 c["logprobs"] = (chat_logprobs if kind == "chat" else completion_logprobs)(
                     [ev.token_id], [ev.logprob], alternatives)

@@ -75,14 +75,20 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, topk, batch: Batch, cache: KVCache, layer_id, full_id, *, attn_path: str,
                  access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY,
-                 axes: MeshAxes = NO_AXES):
-        a, topk, cache = self.self_attn(self.input_layernorm(x), topk, batch, cache, layer_id, full_id,
+                 axes: MeshAxes = NO_AXES, tap=None):
+        """`tap`, if given (static), sees the layer's intermediate values once its MLP ran (the KV-integrity
+        trace's per-layer probe, cpkv_jax.trace.LayerTap); it returns nothing and changes nothing."""
+        attn_in = self.input_layernorm(x)
+        a, topk, cache = self.self_attn(attn_in, topk, batch, cache, layer_id, full_id,
                                         attn_path=attn_path, access=access, kernels=kernels, axes=axes)
         x = x + a
         h = self.post_attention_layernorm(x)
-        x = x + (self.mlp(h, batch.valid, kernels=kernels, axes=axes) if isinstance(self.mlp, MoE)
-                 else self.mlp(h, axes))
-        return x, topk, cache
+        m = (self.mlp(h, batch.valid, kernels=kernels, axes=axes) if isinstance(self.mlp, MoE)
+             else self.mlp(h, axes))
+        if tap is not None:
+            tap(layer_id, full_id if self.self_attn.indexer is not None else None, batch, cache, access,
+                attn_in=attn_in, topk=topk, attn_out=a, mlp_in=h, mlp_out=m)
+        return x + m, topk, cache
 
 
 class LayerStack(nnx.Module):
@@ -95,7 +101,7 @@ class LayerStack(nnx.Module):
 
     def __call__(self, x, topk, batch, cache, full_index: tuple[int, ...], *, attn_path: str,
                  access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None,
-                 axes: MeshAxes = NO_AXES):
+                 axes: MeshAxes = NO_AXES, tap=None):
         graphdefs, states = zip(*(nnx.split(layer) for layer in self.unit))
         layer_ids = jnp.asarray(self.group.layer_ids, jnp.int32)
         full_ids = jnp.asarray([[full_index[i] for i in row] for row in self.group.layer_ids], jnp.int32)
@@ -108,7 +114,7 @@ class LayerStack(nnx.Module):
                     cache, x = boundary(cache, x)
                 x, topk, cache = nnx.merge(gd, st[j])(x, topk, batch, cache, lid[j], fid[j],
                                                        attn_path=attn_path, access=access, kernels=kernels,
-                                                       axes=axes)
+                                                       axes=axes, tap=tap)
             return (x, topk, cache), None
 
         (x, topk, cache), _ = jax.lax.scan(body, (x, topk, cache), (states, layer_ids, full_ids))
@@ -167,26 +173,27 @@ class DsaModel(nnx.Module):
     # ---- forward ---------------------------------------------------------------------------------
     def __call__(self, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
                  access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None,
-                 axes: MeshAxes = NO_AXES):
+                 axes: MeshAxes = NO_AXES, tap=None):
         """Target forward. Returns (final-normed hidden [B, T, D], updated cache). Under CP (inside the
         shard_map, `access.axis` set) the batch holds this rank's tokens and the cache its shard.
         `boundary(cache, x) -> (cache, x)`, if given, runs before every layer and after the last (the
         host tier's copy hook: it sees the pool between layers and must return both unchanged).
         `kernels`: which kernels the layers run (static, like `access`); `axes`: the mesh axes the
-        parameters are split over, inside a shard_map over them (models.sharding.MeshAxes)."""
+        parameters are split over, inside a shard_map over them (models.sharding.MeshAxes); `tap`: the
+        per-layer probe of the KV-integrity trace (DecoderLayer), None when tracing is off."""
         x = self.embed(batch.tokens, axes)
         B, T = batch.tokens.shape
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         for stack in self.groups:
             x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path, access=access,
-                                   kernels=kernels, boundary=boundary, axes=axes)
+                                   kernels=kernels, boundary=boundary, axes=axes, tap=tap)
         if boundary is not None:
             cache, x = boundary(cache, x)
         return self.norm(x), cache
 
     def mtp_hidden(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
                    access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY,
-                   axes: MeshAxes = NO_AXES):
+                   axes: MeshAxes = NO_AXES, tap=None):
         """MTP layer over target hidden states [B, T, D] (final-normed) and the token that follows each
         position [B, T]; positions/slots come from `batch`; `cache` is the draft's one-layer cache (same
         slots as the target's). Returns (the layer's output hidden before shared_head.norm, cache)."""
@@ -199,7 +206,7 @@ class DsaModel(nnx.Module):
         topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
         zero = jnp.int32(0)
         x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path, access=access, kernels=kernels,
-                              axes=axes)
+                              axes=axes, tap=tap)
         return x, cache
 
     def mtp_logits(self, x, axes: MeshAxes = NO_AXES):
@@ -256,7 +263,7 @@ def _specs(access: KVAccess, cache: KVCache, state, mesh):
 
 def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
               last_index=None, access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, mesh=None,
-              last_rank=None, boundary=None):
+              last_rank=None, boundary=None, tap=None):
     """The pure function every jitted step wraps: merge the params, run the target forward at the
     model's matmul precision, and return (out, cache). output:
       "logits" [B, T, V] / "hidden" [B, T, D]          every position
@@ -264,7 +271,7 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
       "last_logits_hidden", "logits_hidden"            (those logits, this rank's hidden rows) — the
                                                        hidden feeds the draft model without leaving the rank.
     `boundary`: the layer hook (DsaModel.__call__), static; `kernels`: which kernels the layers run,
-    static.
+    static; `tap`: the trace's per-layer probe (DecoderLayer), static, None when tracing is off.
 
     With a mesh the forward runs under shard_map over it, the parameters placed by the sharding table
     (routed experts split over 'ep', each rank running its own: models.moe.expert_parallel_mlp). With
@@ -281,7 +288,7 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
         m = nnx.merge(graphdef, state)
         with jax.default_matmul_precision(matmul_precision(m.dtype)):
             h, cache = m(batch, cache, attn_path=attn_path, access=access, kernels=kernels, boundary=boundary,
-                         axes=axes)
+                         axes=axes, tap=tap)
             if output.startswith("last"):
                 out = m.logits(pick_last(h, last_index, last_rank, access), axes)
             else:
@@ -299,7 +306,7 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
 
 def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str,
               last_index, access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, mesh=None,
-              last_rank=None):
+              last_rank=None, tap=None):
     """The draft (MTP) step: hidden is either the target's hidden rows [B(·cp), T, D] of the same
     lanes (draft extend: under CP each rank's local slice, never gathered) or one row per request
     [B, D] (chain steps, broadcast to the lanes). Returns ((draft logits [B, V], the MTP output hidden
@@ -312,7 +319,7 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
             if hidden.ndim == 2:
                 hidden = jnp.broadcast_to(hidden[:, None, :], next_tokens.shape + hidden.shape[-1:])
             x, cache = m.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path, access=access,
-                                    kernels=kernels, axes=axes)
+                                    kernels=kernels, axes=axes, tap=tap)
             x_last = pick_last(x, last_index, last_rank, access)
             return (m.mtp_logits(x_last, axes), x_last), cache
 
@@ -328,7 +335,7 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
 # One jitted step for every model object of a graph: the graph definition is a static argument, the
 # params are traced, so models and engines of the same shapes share compilations.
 run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "kernels",
-                                                                         "mesh", "boundary"))
+                                                                         "mesh", "boundary", "tap"))
 
 
 def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True,

@@ -83,7 +83,7 @@ def test_cli_errors_exit_2_with_message(tmp_path, args, message):
 
 
 def test_every_verb_has_help():
-    for verb in ("generate", "bench", "serve", "score", "convert"):
+    for verb in ("generate", "bench", "serve", "score", "convert", "trace"):
         r = run_cli(verb, "--help")
         assert r.returncode == 0 and "usage: cpkv-jax" in r.stdout
 
@@ -164,6 +164,9 @@ ENGINE_FLAGS = {
     "hicache_policy": (["--hicache-policy", "write_through_selective"], "write_through_selective"),
     "hicache_copy": (["--hicache-copy", "jit"], "jit"),
     "kernels": (["--kernels", "moe_kernel=false"], "moe_kernel=false"),
+    "pd_prefill_devices": (["--pd-prefill-devices", "2"], 2), "pd_decode_replicas": (["--pd-decode-replicas", "3"], 3),
+    "pd_router": (["--pd-router", "prefix"], "prefix"),
+    "kv_trace": (["--kv-trace", "2"], 2), "trace_out": (["--trace-out", "run.jsonl"], "run.jsonl"),
 }
 VERB_ARGS = {"generate": ["--tokens", "1,2"], "bench": [], "serve": []}
 

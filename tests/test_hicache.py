@@ -60,8 +60,8 @@ def record_round_trips(eng):
             at_backup[int(hp)] = dev
         commit(res)
 
-    def wrapped_load(host_pages, dev_pages):
-        load(host_pages, dev_pages)
+    def wrapped_load(host_pages, dev_pages, rid=None):
+        load(host_pages, dev_pages, rid)
         loaded.extend(zip(np.asarray(host_pages).tolist(), np.asarray(dev_pages).tolist()))
         checked["loads"] += 1
 

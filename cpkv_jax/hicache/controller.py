@@ -48,6 +48,7 @@ class HiCache:
         # copier: side_stream.SideStreamCopier (installed by the engine) or None (jitted copies)
         self.copies: CopyPath = (SideStreamCopies(pool, self.host, self.stats, copier) if copier is not None
                                  else JitCopies(pool, self.host, self.stats))
+        self.tracer = None   # cpkv_jax.trace.Tracer: told of every backup and load (EngineConfig.kv_trace)
 
     # ---- scheduler hooks -------------------------------------------------------------------------
     def on_admit(self, req, match) -> None:
@@ -73,12 +74,14 @@ class HiCache:
         return self.host.host_rank(host_pages)
 
     # ---- load ------------------------------------------------------------------------------------
-    def load(self, host_pages: np.ndarray, dev_pages: np.ndarray) -> None:
+    def load(self, host_pages: np.ndarray, dev_pages: np.ndarray, rid: int | None = None) -> None:
         """Host pages back into freshly allocated device pages, every layer of target and draft, before
-        any step reads them."""
+        any step reads them (for request `rid`)."""
         if len(host_pages) == 0:
             return
         self.copies.load(host_pages, dev_pages)
+        if self.tracer is not None:
+            self.tracer.on_load(self, host_pages, dev_pages, rid)
         self.stats["loads"] += 1
         self.stats["load_pages"] += len(host_pages)
 
@@ -143,6 +146,8 @@ class HiCache:
             return False
         self.stats["backups"] += 1
         self.stats["backup_pages"] += len(res.host_pages)
+        if self.tracer is not None:
+            self.tracer.on_backup(self, res, "jit" if isinstance(self.copies, JitCopies) else "side_stream")
         if outcome == ACKED:
             self.commit(res)
         elif outcome == IN_FLIGHT:
