@@ -742,7 +742,6 @@ def bench_moe_fp8(args, ceil):
                 err = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
                 return {"s": sec, "err": err}
             entry[name] = _try(one)
-        del bf16
         out.append(entry)
         for name in variants:
             v = entry[name]

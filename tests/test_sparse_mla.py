@@ -1,7 +1,6 @@
 """The sparse MLA kernel equals its reference, and the reference equals a float64 loop written another
 way: interpret mode on CPU (semantics), compiled on the GPU (marked gpu)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
