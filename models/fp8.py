@@ -7,12 +7,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.moe.fp8_rows import dequantize_blocks
+from pallas_kernels.moe.fp8_rows import FP8_MAX, GROUP as BLOCK, dequantize_blocks
 
 dequantize = dequantize_blocks   # one implementation: the MoE dispatch dequantizes with it too
-
-BLOCK = 128
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def scale_shape(shape: tuple) -> tuple:

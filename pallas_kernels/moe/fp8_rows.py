@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-FP8_MAX = 448.0
-GROUP = 128
+from pallas_kernels.indexer.quant import FP8_MAX
+
+GROUP = 128   # the scale block of DeepSeek/GLM fp8 checkpoints, and of the activations' scales
 
 
 def quantize_rows(x):

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe.fp8_rows import GROUP as FP8_BLOCK
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
@@ -38,9 +40,6 @@ class Tiling:
     """Column blocks walked together before moving to the next row tiles (L2 reuse of the x tiles)."""
     programs: int = 132
     """Persistent programs: one per SM of the H100/H200."""
-
-
-FP8_BLOCK = 128   # the scale block of DeepSeek/GLM fp8 checkpoints (and of the activations' scales)
 
 
 def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
