@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 from cpkv_jax.config import EngineConfig
@@ -135,13 +134,14 @@ class BatchBuilder:
 
     def sampling(self, sampler: str, reqs: list[Request], rows: int, top_n: int = 0):
         """Per-row (temperature, top_p, top_k, seed) for `sampler` over `rows` rows (padding rows: the
-        defaults); each (sampler, rows, top_n) is one compiled sampler variant."""
+        defaults), host arrays the jitted sampler takes as they are; each (sampler, rows, top_n) is one
+        compiled sampler variant."""
         self.sampler_variants.add((sampler, rows, top_n))
         params = [r.params for r in reqs] + [SamplingParams()] * (rows - len(reqs))
-        return (jnp.asarray([p.temperature for p in params], jnp.float32),
-                jnp.asarray([p.top_p for p in params], jnp.float32),
-                jnp.asarray([p.top_k for p in params], jnp.int32),
-                jnp.asarray([p.seed for p in params], jnp.uint32))
+        return (np.asarray([p.temperature for p in params], np.float32),
+                np.asarray([p.top_p for p in params], np.float32),
+                np.asarray([p.top_k for p in params], np.int32),
+                np.asarray([p.seed for p in params], np.uint32))
 
     def max_compilations(self, *, speculative: bool, hooked: bool) -> int:
         """Upper bound on compiled step variants: prefill B x T x S buckets twice (last-token logits, or

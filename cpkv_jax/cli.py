@@ -339,6 +339,8 @@ def engine_options() -> argparse.ArgumentParser:
                    help="prefill tokens per step, chunked prefill (default %(default)s)")
     q.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=d.prefix_cache,
                    help="radix prefix cache over finished and prefilled requests")
+    q.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
+                   help="plan and dispatch each step before taking the previous step's tokens (default on)")
     q.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="compute dtype (default: checkpoint's)")
     q.add_argument("--index-dtype", choices=("fp8", "same", "bfloat16", "float32"), default=d.index_dtype,
                    help="indexer key cache: fp8 e4m3 + per-token scale, or unquantized ('same': the compute "

@@ -33,6 +33,8 @@ class EngineConfig:
     hicache_pages: int = 0           # host KV tier size in pages (pinned host memory); 0 = off
     hicache_policy: str = "write_through"  # or 'write_through_selective' (back up on the second hit)
     hicache_copy: str = "auto"       # 'side_stream' (GPU: copies at layer boundaries), 'jit', 'auto' (GPU -> side_stream)
+    overlap: bool = True             # the host plans and dispatches step n+1 before taking step n's tokens
+                                     # (sampled tokens stay on the device; off with speculative decoding)
     kernels: KernelPolicy = DEFAULT_POLICY  # which Pallas kernels every step runs on GPU (pallas_kernels.policy)
     kv_trace: int = 0                # KV-integrity trace level (cpkv_jax.trace): 0 off, 1 transfers, 2 + page
                                      # hashes, 3 + per-layer forward hashes
@@ -52,8 +54,9 @@ class EngineConfig:
                 raise EngineConfigError(f"{name} must be an integer >= {minimum}, got {v!r}")
         if not isinstance(self.kernels, KernelPolicy):
             raise EngineConfigError(f"kernels must be a pallas_kernels.policy.KernelPolicy, got {self.kernels!r}")
-        if not isinstance(self.prefix_cache, bool):
-            raise EngineConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        for name in ("prefix_cache", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.hicache_pages != 0:
             positive("hicache_pages", 2)
         positive("page_size")
@@ -69,9 +72,6 @@ class EngineConfig:
         positive("cp_size")
         positive("ep_size")
         positive("tp_size")
-        if self.hicache_pages and (self.ep_size > 1 or self.tp_size > 1):
-            raise EngineConfigError("hicache_pages with ep_size or tp_size > 1 is not supported yet: the host "
-                                    "tier's copies are planned per CP rank, not per device of an ep/tp mesh")
         from cpkv_jax.cp import MODES, SHORT_POLICIES
         if self.cp_mode not in MODES:
             raise EngineConfigError(f"cp_mode must be one of {MODES}, got {self.cp_mode!r}")

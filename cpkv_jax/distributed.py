@@ -4,7 +4,9 @@ Every process runs the same program: the same engine (its mesh over every proces
 host-side scheduling and the same jitted steps; JAX's collectives (NCCL on GPU, gloo on CPU) carry the
 data between them. The scheduler is deterministic, so processes that see the same requests make the
 same decisions; the only input that must travel is the requests themselves, which process 0 receives
-(`cpkv-jax serve`) and broadcasts with `multihost_utils.broadcast_one_to_all` before each step.
+(`cpkv-jax serve`) and broadcasts with `multihost_utils.broadcast_one_to_all` before each step. With
+PD (cpkv_jax.pd) a decode replica runs only on the process owning its device, which broadcasts what
+its steps decide and sample (`broadcast_object(..., source=owner)`).
 """
 
 from __future__ import annotations
@@ -25,14 +27,21 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         jax.distributed.initialize(coordinator, num_processes, process_id)
 
 
-def broadcast_object(obj):
-    """Process 0's `obj` on every process (any picklable value): its length, then its bytes."""
+def broadcast_object(obj, source: int = 0):
+    """Process `source`'s `obj` on every process (any picklable value; the others pass anything): its
+    length, then its bytes, padded to a power of two so that the broadcasts compile a bounded number of
+    programs. Every process must call it, in the same order, with the same `source`."""
     from jax.experimental import multihost_utils
-    data = np.frombuffer(pickle.dumps(obj), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
-    n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int64)))
-    if jax.process_index() != 0:
-        data = np.zeros(n, np.uint8)
-    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(data)).tobytes())
+    if jax.process_count() == 1:
+        return obj
+    me = jax.process_index() == source
+    data = np.frombuffer(pickle.dumps(obj), np.uint8) if me else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int64), is_source=me))
+    padded = np.zeros(1 << max(6, (n - 1).bit_length()), np.uint8)
+    if me:
+        padded[:n] = data
+    out = multihost_utils.broadcast_one_to_all(padded, is_source=me)
+    return pickle.loads(np.asarray(out)[:n].tobytes())
 
 
 def portable(cmd) -> tuple:

@@ -28,7 +28,7 @@ from cpkv_jax.config import EngineConfig, EngineConfigError
 from cpkv_jax.kv_pool import KVPool, PageAllocator, pages_for
 from cpkv_jax.radix_cache import RadixCache
 from cpkv_jax.runner import ModelRunner
-from cpkv_jax.sampling import SamplingError, SamplingParams, position_logprobs, sample_tokens
+from cpkv_jax.sampling import SamplingError, SamplingParams, position_logprobs
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, TokenEvent
 from cpkv_jax.spec import SpecDecoder
 from cpkv_jax.stop import StopMatcher
@@ -41,6 +41,19 @@ class EngineInputError(ValueError):
 
 
 TopLogprobs = list[tuple[int, float]]   # a token's most likely alternatives: (token id, log-probability), best first
+
+
+@dataclasses.dataclass
+class Launch:
+    """A target step dispatched to the device whose sampled tokens the host has not taken yet."""
+    chunks: list[Chunk]
+    prefill: bool
+    emits: list[bool]                # chunk i samples a token (not a middle prefill chunk)
+    tokens: jax.Array                # [rows] sampled ids, on the device
+    logprobs: jax.Array
+    top: list                        # top-N alternatives (ids, log-probabilities) when asked for
+    logits: jax.Array | np.ndarray | None   # [rows, V] for requests that capture their logits
+    draft: tuple | None = None       # speculative decoding: (the step's batch, its hidden rows) for the draft extend
 
 
 @dataclasses.dataclass
@@ -134,6 +147,9 @@ def _side_stream_copier(config: EngineConfig):
     return copier
 
 
+LAUNCHES_PER_STEP = 3   # target steps one engine step may launch: prefill, prefill with prompt logprobs, decode
+
+
 class Engine:
     def __init__(self, model: str | Path | DsaModel = "tiny", config: EngineConfig | None = None, *,
                  tokenizer=None, devices=None):
@@ -184,6 +200,13 @@ class Engine:
         if config.kv_trace:
             from cpkv_jax.trace import Tracer
             self.tracer = Tracer.attach(self)
+        # the overlapped loop: a step's sampled tokens are taken by the host during the next step
+        self.overlap = config.overlap and self.spec_decoder is None
+        self._in_flight: list[Launch] = []
+        self._taken_early: list[TokenEvent] = []     # taken by an abort between steps: the next step returns them
+        # the device buffer of sampled tokens: per step parity, one region of max_running rows per launch
+        # (prefill, prefill with prompt logprobs, decode); a step reads the previous step's regions only
+        self.runner.hold_tokens(2 * LAUNCHES_PER_STEP * config.max_running)
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
         # the events of requests an open stream() yields, whichever caller's step sampled them
@@ -263,9 +286,18 @@ class Engine:
         return rid
 
     def abort(self, rid: int) -> None:
-        """Stop a request now; its pages are released (nothing of it enters the prefix cache)."""
+        """Stop a request now; its pages are released (nothing of it enters the prefix cache). A token
+        it sampled in the step in flight is taken first, so it keeps every token sampled before the
+        abort (those events come with the next step's)."""
         req = self._requests.get(rid)
-        if req is not None and req.finish_reason is None:
+        if req is not None:
+            self.abort_request(req)
+
+    def abort_request(self, req: Request) -> None:
+        """Abort one of this engine's requests (`abort`, or a PD engine's for a request it runs here)."""
+        if req.pending:
+            self._taken_early += self._take_in_flight()
+        if req.finish_reason is None:
             self.scheduler.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
@@ -282,22 +314,41 @@ class Engine:
     # ---- stepping --------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """Admit what fits, run one prefill batch (chunks within the token budget) and one decode batch;
-        returns the tokens sampled in this step (streams' tokens also wait in their own inboxes)."""
+        returns the tokens sampled in this step (streams' tokens also wait in their own inboxes). With
+        the overlapped loop (EngineConfig.overlap) this step's batches are dispatched first and the
+        previous step's tokens are taken while they run: the events returned are the previous step's,
+        and a decode lane whose token the host has not seen reads it on the device."""
         if self.hicache is not None:
             self.hicache.poll()
         self.scheduler.admit()
         decode = self.scheduler.plan_decode()   # planned first: requests finishing prefill now decode next step
         prefill = self.scheduler.plan_prefill()
-        events = []
+        events, self._taken_early = self._taken_early, []
+        launched = []
+        region = (self.metrics["steps"] % 2) * LAUNCHES_PER_STEP
+
+        def run(chunks, prefill):
+            launch = self._launch(chunks, prefill, region + len(launched))
+            launched.append(launch)
+            return [] if self.overlap else self._take(launched[-1])
+
         for every_position in (False, True):     # prompt logprobs: a forward with every position's logits
             chunks = [ch for ch in prefill if ch.req.params.prompt_logprobs == every_position]
             if chunks:
-                events += self._run(chunks, prefill=True)
-        if decode:
-            events += self._run(decode, prefill=False) if self.spec_decoder is None else self._spec_round(decode)
+                events += run(chunks, prefill=True)
+        if decode and self.spec_decoder is not None:
+            events += self._spec_round(decode)
+        elif decode:
+            events += run(decode, prefill=False)
+        events += self._take_in_flight()
+        self._in_flight = launched if self.overlap else []
         self.metrics["steps"] += 1
         self._file(events)
         return events
+
+    def _take_in_flight(self) -> list[TokenEvent]:
+        in_flight, self._in_flight = self._in_flight, []
+        return [ev for launch in in_flight for ev in self._take(launch)]
 
     def _file(self, events: list[TokenEvent]) -> None:
         """Put each event in the inbox of the stream that owns its request, if one does."""
@@ -315,12 +366,11 @@ class Engine:
         """Distinct compiled variants this engine has used (step shapes + sampler batch sizes)."""
         return self.runner.compilations + len(self.batch_builder.sampler_variants)
 
-    def _run(self, chunks: list[Chunk], prefill: bool) -> list[TokenEvent]:
-        """One target step over the chunks: build the padded batch, run it, sample each request's next
-        token and hand the results to the scheduler (with speculative decoding the draft extend runs
-        over the same lanes before the scheduler releases anything). A prefill step of requests that want
-        prompt logprobs has the forward return every position's logits and takes its sampled tokens'
-        logits from them."""
+    def _launch(self, chunks: list[Chunk], prefill: bool, region: int) -> Launch:
+        """Dispatch one target step over the chunks: build the padded batch, run it and sample each
+        request's next token, keeping the tokens on the device (in region `region` of the buffer the
+        next step reads them from) for `_take`. A prefill step of requests that want prompt logprobs has the forward return
+        every position's logits, records them and takes its sampled tokens' logits from them."""
         t0 = time.perf_counter()
         step = self.batch_builder.build(chunks, prefill)
         if self.hicache is not None:
@@ -343,18 +393,41 @@ class Engine:
         for i, ch in enumerate(chunks):
             ch.req.computed = ch.start + len(ch.tokens)
             position[i] = ch.req.computed  # position of the token being sampled
-        toks, lps, *top = sample_tokens(logits, *self.batch_builder.sampling("sample", reqs, step.rows, top_n),
-                                        jnp.asarray(position), top_n=top_n)
-        toks, lps = np.asarray(toks), np.asarray(lps)
-        host_logits = np.asarray(logits) if any(r.logits is not None for r in reqs) else None
+        first = region * self.config.max_running
+        toks, lps, *top = self.runner.sample(first, logits, *self.batch_builder.sampling("sample", reqs, step.rows, top_n),
+                                             position, top_n=top_n)
         # a middle chunk emits nothing: its logits are not a prediction anyone asked for
-        emitted = [[] if r.prefilling else [toks[i]] for i, r in enumerate(reqs)]
-        draft = None if self.spec_decoder is None else (
-            lambda taken: self.spec_decoder.extend(chunks, step.plan, step.requests, hidden))
-        events = self.scheduler.complete_step(chunks, emitted, lps[:, None], host_logits,
-                                              top=[np.asarray(x) for x in top] if top_n else None,
-                                              before_release=draft)
+        emits = [not r.prefilling for r in reqs]
+        for i, r in enumerate(reqs):
+            if emits[i]:
+                r.pending, r.token_slot = r.pending + 1, first + i
+            if prefill and emits[i]:
+                self.scheduler.prefill_done(r)   # now, as the loop without overlap does before admitting more
+        keep_logits = logits if any(r.logits is not None for r in reqs) else None
         self.metrics["prefill_s" if prefill else "decode_s"] += time.perf_counter() - t0
+        return Launch(chunks, prefill, emits, toks, lps, top if top_n else [], keep_logits,
+                      None if self.spec_decoder is None else (step, hidden))
+
+    def _take(self, launch: Launch) -> list[TokenEvent]:
+        """Bring a launched step's tokens to the host (the one device-to-host read of a step) and hand
+        them to the scheduler; a request that finished or was aborted since the launch drops its token
+        (its KV write landed in pages it held then). With speculative decoding the draft extend runs
+        over the same lanes before the scheduler releases anything."""
+        t0 = time.perf_counter()
+        toks, lps = np.asarray(launch.tokens), np.asarray(launch.logprobs)
+        host_logits = None if launch.logits is None else np.asarray(launch.logits)
+        emitted = []
+        for i, ch in enumerate(launch.chunks):
+            ch.req.pending -= launch.emits[i]
+            emitted.append([toks[i]] if launch.emits[i] and ch.req.finish_reason is None else [])
+        draft = None
+        if launch.draft is not None:
+            step, hidden = launch.draft
+            draft = lambda taken: self.spec_decoder.extend(launch.chunks, step.plan, step.requests, hidden)
+        events = self.scheduler.complete_step(launch.chunks, emitted, lps[:, None], host_logits,
+                                              top=[np.asarray(x) for x in launch.top] if launch.top else None,
+                                              before_release=draft)
+        self.metrics["prefill_s" if launch.prefill else "decode_s"] += time.perf_counter() - t0
         return events
 
     def _prompt_logprobs(self, chunks: list[Chunk], step, logits, top_n: int):

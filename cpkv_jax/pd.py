@@ -17,6 +17,15 @@ transfer that fails part way leaves the decode pool and tree untouched (its rese
 and the prefill side frees the request's pages either way. A decode replica without room makes the
 request wait (FIFO), its prefill pages held. The model never sees any of this.
 
+Several processes (jax.distributed; cpkv_jax.distributed): the prefill mesh spans every process (each
+runs the prefill steps, whose sampled tokens every process sees), each decode replica runs on the
+process owning its device and is a `RemoteReplica` on the others. What only the owner knows travels
+from it with `broadcast_object`: its routing view, its admission answer (and how many prompt pages its
+cache already holds), the outcome of each transfer to it, and the tokens its steps sample; so every
+process makes the same decisions. A source rank's rows cross to a decode device of another process as
+a two-device `lax.ppermute` (a shard_map over a (source, destination) mesh that both processes run;
+cross-process `device_put` is refused), within one process with `device_put`.
+
     engine = make_engine("tiny", EngineConfig(pd_prefill_devices=2, pd_decode_replicas=2, kv_pages=64))
     outs = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8))
 """
@@ -34,7 +43,7 @@ import numpy as np
 
 from cpkv_jax.config import EngineConfig, EngineConfigError
 from cpkv_jax.engine import Engine, EngineInputError, _generation_eos, _load_tokenizer
-from cpkv_jax.kv_pool import page_slots, pages_for
+from cpkv_jax.kv_pool import PageAllocator, page_slots, pages_for
 from cpkv_jax.scheduler import Request, TokenEvent
 from models.kv import KVCache
 from models.model import DsaModel
@@ -155,12 +164,43 @@ def move_unit(rows, device):
     return jax.device_put(rows, device)
 
 
+def _ppermute_pair(tree):
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, "pd", [(0, 1)]), tree)
+
+
+_PAIR = jax.sharding.PartitionSpec("pd")
+_pair_jit = {}
+
+
+def move_across(rows, like, src_device, device):
+    """One unit onto a decode device of another process: a jitted two-device ppermute over the mesh
+    (source, destination), which both processes run. `rows` (source process: the rows on `src_device`;
+    destination: None) and `like` (their shapes and dtypes, known to both) are KVCache trees. Returns
+    the rows on `device` in the destination process, None in the source process."""
+    from jax.sharding import Mesh, NamedSharding
+    mesh = Mesh(np.array([src_device, device]), ("pd",))
+    sharding = NamedSharding(mesh, _PAIR)
+    here = src_device if rows is not None else device
+    local = rows if rows is not None else jax.tree.map(
+        lambda x: jax.device_put(jax.numpy.zeros(x.shape, x.dtype), device), like)
+    both = jax.tree.map(lambda x: jax.make_array_from_single_device_arrays((2,) + x.shape, sharding,
+                                                                           [jax.device_put(x[None], here)]), local)
+    key = (src_device, device)
+    if key not in _pair_jit:
+        _pair_jit[key] = jax.jit(jax.shard_map(_ppermute_pair, mesh=mesh, in_specs=_PAIR, out_specs=_PAIR))
+    out = _pair_jit[key](both)
+    if rows is not None:
+        return None
+    return jax.tree.map(lambda x: x.addressable_shards[0].data[0], out)
+
+
 @dataclasses.dataclass
 class Staged:
     """A transfer received on the decode side and not yet committed: nothing of it is in the pool."""
     meta: TransferMeta
     slots: np.ndarray        # destination token slots, in the rows' order
-    rows: tuple              # (target KVCache of rows, draft KVCache of rows | None) on the decode device
+    rows: tuple | None       # (target KVCache of rows, draft KVCache of rows | None) on the decode device
+                             # (None in a process other than the decode replica's owner)
     bytes: dict
 
 
@@ -181,7 +221,9 @@ def send_pages(src: Engine, pages: np.ndarray, logical_pages, dst: Engine, dst_p
     mesh = src.mesh
     caches = (src.pool.cache, src.pool.draft)
     gathered = _gather_jit(mesh, caches, jax.device_put(local, RULES.sharding(mesh, "kv_slots")))
-    device = dst.mesh.devices.flat[0]
+    device = replica_device(dst)
+    me = jax.process_index()
+    receiving = device.process_index == me
     order, parts, sent = [], [], collections.Counter()
     for r, ix in enumerate(per_rank):
         if not len(ix):
@@ -193,17 +235,29 @@ def send_pages(src: Engine, pages: np.ndarray, logical_pages, dst: Engine, dst_p
             if cache is None:
                 unit_rows.append(None)
                 continue
-            moved = move_unit(jax.tree.map(lambda x: _shard_on(x, rank_device)[:, :n], cache), device)
+            like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype), cache)
+            if rank_device.process_index == device.process_index:      # within one process: device_put
+                moved = (move_unit(jax.tree.map(lambda x: _shard_on(x, rank_device)[:, :n], cache), device)
+                         if receiving else None)
+            elif receiving or rank_device.process_index == me:           # across two: a ppermute both run
+                mine = None if receiving else jax.tree.map(lambda x: _shard_on(x, rank_device), cache)
+                moved = move_across(mine, like, rank_device, device)     # the whole bucket: bounded compiles
+                moved = None if moved is None else jax.tree.map(lambda x: x[:, :n], moved)
+            else:
+                moved = None                                              # a third process: nothing to do
             for name in ("latent", "k_rope", "index_k", "index_scale"):
-                arr = getattr(moved, name)
+                arr = getattr(like, name)
                 if arr is not None:
-                    sent[prefix + name] += arr.nbytes
+                    sent[prefix + name] += n * int(np.prod(arr.shape[2:], dtype=np.int64)) * arr.shape[0] \
+                        * np.dtype(arr.dtype).itemsize
             unit_rows.append(moved)
         parts.append(unit_rows)
         order.append(ix)
-    rows = tuple(None if parts[0][i] is None else jax.tree.map(lambda *xs: jax.numpy.concatenate(xs, axis=1),
-                                                                   *[p[i] for p in parts]) for i in range(2))
-    slots = page_slots(np.asarray(dst_pages)[np.concatenate(order)], ps)
+    rows = None
+    if receiving:
+        rows = tuple(None if parts[0][i] is None else jax.tree.map(
+            lambda *xs: jax.numpy.concatenate(xs, axis=1), *[p[i] for p in parts]) for i in range(2))
+    slots = page_slots(np.asarray(dst_pages)[np.concatenate(order)], ps) if receiving else None
     meta = TransferMeta(ps, tuple(int(p) for p in logical_pages), pool_layout(src.cfg, src.pool))
     return Staged(meta, slots, rows, dict(sent))
 
@@ -213,6 +267,67 @@ def _shard_on(x, device):
         if s.device == device:
             return s.data
     raise PDTransferError(f"no shard of the prefill pool on {device} in this process")
+
+
+def replica_device(eng) -> "jax.Device":
+    """The one device of a decode replica (an Engine or a RemoteReplica)."""
+    return eng.device if isinstance(eng, RemoteReplica) else eng.mesh.devices.flat[0]
+
+
+def _owner(eng) -> int:
+    return replica_device(eng).process_index
+
+
+class RemoteReplica:
+    """A decode replica whose device belongs to another process: this process runs nothing of it. Its
+    owner tells every process what it decides and samples (PDEngine); here it keeps the requests
+    decoding there (so every process knows when it has work, and applies their tokens) and the stats
+    its owner last reported."""
+
+    radix = None
+    hicache = None
+
+    def __init__(self, config: EngineConfig, cfg, device):
+        self.config, self.cfg, self.device = config, cfg, device
+        self.allocator = PageAllocator(config.kv_pages, 1)      # its capacity (nothing is allocated here)
+        self.max_context = min(cfg.max_position_embeddings, self.allocator.capacity * config.page_size)
+        self.requests: dict[int, Request] = {}
+        self.reported = {"compilations": 0, "max_compilations": 0, "stats": None}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def compilations(self) -> int:
+        return self.reported["compilations"]
+
+    def max_compilations(self) -> int:
+        return self.reported["max_compilations"]
+
+    def stats(self) -> dict:
+        if self.reported["stats"] is not None:
+            return self.reported["stats"]
+        return {"waiting": 0, "running": len(self.requests), "free_pages": self.allocator.capacity,
+                "total_pages": self.allocator.capacity, "reserved_pages": 0, "request_pages": 0}
+
+    def apply(self, ev: TokenEvent) -> None:
+        """A token the owner's step sampled, onto this process's copy of the request."""
+        req = self.requests.get(ev.rid)
+        if req is None:
+            return
+        req.output.append(ev.token_id)
+        req.logprobs.append(ev.logprob)
+        if req.params.top_logprobs:
+            req.top_logprobs.append(ev.top_logprobs)
+        if req.text is not None:
+            req.text.append(ev.token_id)
+            req.text.emit(final=ev.finish_reason is not None)
+        if ev.finish_reason is not None:
+            _end(req, ev.finish_reason)
+            del self.requests[ev.rid]
+
+
+def _report(eng: Engine) -> dict:
+    return {"compilations": eng.compilations(), "max_compilations": eng.max_compilations(), "stats": eng.stats()}
 
 
 def commit(dst: Engine, staged: Staged, logical_pages) -> None:
@@ -234,9 +349,11 @@ def pd_devices(config: EngineConfig, devices=None) -> tuple[list, list]:
     if n + m > len(devices):
         raise EngineConfigError(f"pd_prefill_devices {n} + pd_decode_replicas {m} needs {n + m} devices, "
                                 f"{len(devices)} visible")
-    if any(d.process_index != jax.process_index() for d in devices[:n + m]):
-        raise EngineConfigError("PD over devices of several processes is not supported yet: the transfer is a "
-                                "device_put within one process")
+    processes = {d.process_index for d in devices[:n]}
+    if jax.process_count() > 1 and len(processes) < jax.process_count():
+        raise EngineConfigError(f"PD over {jax.process_count()} processes: the prefill devices (the first {n}) must "
+                                f"include devices of every process (they have those of {sorted(processes)}); raise "
+                                f"pd_prefill_devices")
     return devices[:n], [[d] for d in devices[n:n + m]]
 
 
@@ -263,11 +380,20 @@ class PDEngine(Engine):
         base = dataclasses.replace(config, pd_prefill_devices=0, pd_decode_replicas=1)
         tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
         eos_from_checkpoint = _generation_eos(model)
-        model = model if isinstance(model, DsaModel) else load_model(model, dtype=config.dtype)
-        self.prefill = Engine(model, dataclasses.replace(base, cp_size=config.pd_prefill_devices),
-                              tokenizer=tokenizer, devices=prefill_devices)
-        self.decoders = [Engine(model, dataclasses.replace(base, cp_size=1), tokenizer=tokenizer, devices=d)
+        prefill_config = dataclasses.replace(base, cp_size=config.pd_prefill_devices)
+        if jax.process_count() > 1 and not isinstance(model, DsaModel):
+            # a checkpoint restores onto a mesh spanning the processes (the prefill engine's); the decode
+            # replicas take this process's copy of its (replicated) parameters
+            self.prefill = Engine(model, prefill_config, tokenizer=tokenizer, devices=prefill_devices)
+            model = _local_copy(self.prefill.model)
+        else:
+            model = model if isinstance(model, DsaModel) else load_model(model, dtype=config.dtype)
+            self.prefill = Engine(model, prefill_config, tokenizer=tokenizer, devices=prefill_devices)
+        decode_config = dataclasses.replace(base, cp_size=1)
+        self.decoders = [Engine(model, decode_config, tokenizer=tokenizer, devices=d)
+                         if d[0].process_index == jax.process_index() else RemoteReplica(decode_config, model.cfg, d[0])
                          for d in decode_devices]
+        self.multi = jax.process_count() > 1     # replicas' decisions and tokens come from their owners
         self.model, self.cfg = model, model.cfg
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(self.cfg.eos_token_id) | eos_from_checkpoint
@@ -310,8 +436,12 @@ class PDEngine(Engine):
                 _end(req, "abort")
                 return
         for eng in [self.prefill] + self.decoders:
-            if req in eng.scheduler.running or req in eng.scheduler.waiting:
-                eng.scheduler.finish(req, "abort")
+            if isinstance(eng, RemoteReplica):       # its owner (applying the same abort) releases it
+                if eng.requests.pop(rid, None) is not None:
+                    _end(req, "abort")
+                    return
+            elif req in eng.scheduler.running or req in eng.scheduler.waiting:
+                eng.abort_request(req)
                 return
 
     def has_unfinished(self) -> bool:
@@ -327,8 +457,19 @@ class PDEngine(Engine):
                 req.decode_elsewhere = False
                 self.handovers.append(_Handover(req, self.prefill.scheduler.hand_over(req)))
         events += self._transfer_waiting()
-        for eng in self.decoders:
-            events += eng.step() if eng.has_unfinished() else self._poll_host_tier(eng)
+        stepped = {}
+        for i, eng in enumerate(self.decoders):
+            if not isinstance(eng, RemoteReplica):
+                stepped[i] = eng.step() if eng.has_unfinished() else self._poll_host_tier(eng)
+        if self.multi:     # every replica's tokens (and stats) from its owner, applied where it is remote
+            reports = self._from_owners({i: (ev, _report(self.decoders[i])) for i, ev in stepped.items()})
+            for i, eng in enumerate(self.decoders):
+                if isinstance(eng, RemoteReplica):
+                    stepped[i], eng.reported = reports[i]
+                    for ev in stepped[i]:
+                        eng.apply(ev)
+        for i in range(len(self.decoders)):
+            events += stepped[i]
         self.metrics["steps"] += 1
         self._file(events)
         return events
@@ -350,65 +491,107 @@ class PDEngine(Engine):
 
     def route(self, req: Request) -> list[Engine]:
         """Decode replicas in the order to try: least loaded first (running requests, then free pages);
-        with pd_router='prefix' the longest prefix already cached on a replica first."""
-        def load(eng):
+        with pd_router='prefix' the longest prefix already cached on a replica first. Over several
+        processes each replica's view comes from its owner."""
+        def view(eng):
             s = eng.scheduler
-            return (len(s.running), -(s.allocator.num_free - s.reserved_pages))
+            load = (len(s.running), -(s.allocator.num_free - s.reserved_pages))
+            if self.config.pd_router != "prefix":
+                return load
+            cached = 0 if eng.radix is None else len(eng.radix.match(req.prompt[:-1]).device_pages)
+            return (-cached,) + load
+        views = {i: view(e) for i, e in enumerate(self.decoders) if not isinstance(e, RemoteReplica)}
+        if self.multi:
+            views = self._from_owners(views)
+        return [self.decoders[i] for i in sorted(range(len(self.decoders)), key=lambda i: views[i])]
 
-        def cached(eng):
-            if eng.radix is None:
-                return 0
-            return len(eng.radix.match(req.prompt[:-1]).device_pages)
-        if self.config.pd_router == "prefix":
-            return sorted(self.decoders, key=lambda e: (-cached(e), load(e)))
-        return sorted(self.decoders, key=load)
+    def _from_owners(self, local: dict) -> dict:
+        """{replica index: value} of every replica, each value from the process owning the replica
+        (`local`: this process's own replicas'); every process calls it at the same point."""
+        from cpkv_jax.distributed import broadcast_object
+        out = {}
+        for p in sorted({_owner(e) for e in self.decoders}):
+            out.update(broadcast_object(local if p == jax.process_index() else None, source=p))
+        return out
+
+    def _from_owner(self, eng, value):
+        """`value` as the process owning replica `eng` has it (every process calls it)."""
+        if not self.multi:
+            return value
+        from cpkv_jax.distributed import broadcast_object
+        return broadcast_object(value, source=_owner(eng))
 
     def _transfer_waiting(self) -> list[TokenEvent]:
         events = []
         while self.handovers:
             h = self.handovers[0]
-            target = next((eng for eng in self.route(h.req) if self._admit(eng, h.req)), None)
+            target = first = None
+            for eng in self.route(h.req):
+                first = self._admit(eng, h.req)
+                if first is not None:
+                    target = eng
+                    break
             if target is None:
                 self.metrics["pd_waits"] += 1
                 break
             self.handovers.popleft()
-            events += self.transfer(h, target)
+            events += self.transfer(h, target, first)
         return events
 
-    @staticmethod
-    def _admit(eng: Engine, req: Request) -> bool:
-        cached = req.cached_tokens
-        ok = eng.scheduler.admit_prefilled(req)
-        req.cached_tokens = cached          # what the prompt's prefill took from the prefill engine's cache
-        return ok
+    def _admit(self, eng, req: Request) -> int | None:
+        """Admission on replica `eng` (decided by its owner): None (it waits), or how many of the
+        prompt's pages the replica's cache already holds."""
+        first = None
+        if not isinstance(eng, RemoteReplica):
+            cached = req.cached_tokens
+            if eng.scheduler.admit_prefilled(req):
+                first = len(req.pages)
+            req.cached_tokens = cached      # what the prompt's prefill took from the prefill engine's cache
+        return self._from_owner(eng, first)
 
-    def transfer(self, h: _Handover, dst: Engine) -> list[TokenEvent]:
-        """Move a handed-over request's prompt pages (those `dst` does not already cache) and start it
-        decoding there. On any failure nothing is visible on the decode side (its pages go back), the
-        prefill side frees its pages, the request ends with 'abort'; a metadata mismatch also raises."""
+    def transfer(self, h: _Handover, dst: Engine, first: int | None = None) -> list[TokenEvent]:
+        """Move a handed-over request's prompt pages (those `dst` does not already cache: the first
+        `first`, default those the request holds there) and start it decoding there. On any failure
+        nothing is visible on the decode side (its pages go back), the prefill side frees its pages,
+        the request ends with 'abort'; a metadata mismatch also raises. Over several processes the
+        replica's owner writes the pages and tells every process the outcome."""
         req, held, ps = h.req, h.held, self.config.page_size
-        first, n_prompt = len(req.pages), pages_for(len(req.prompt), ps)
+        local = not isinstance(dst, RemoteReplica)
+        first = len(req.pages) if first is None else first
+        n_prompt = pages_for(len(req.prompt), ps)
         logical = range(first, n_prompt)
-        dst.scheduler.allocate(req, [0] * len(logical))
-        staged = None
+        if local:
+            dst.scheduler.allocate(req, [0] * len(logical))
+        staged = failure = None
         try:
             if len(logical):
                 staged = send_pages(self.prefill, held.pages[first:n_prompt], logical, dst,
-                                    req.pages[first:n_prompt])
-                commit(dst, staged, logical)
+                                    req.pages[first:n_prompt] if local else None)
+                if local:
+                    commit(dst, staged, logical)
             if req.draft_q:
-                req.draft_q = [move_unit(q, dst.mesh.devices.flat[0]) for q in req.draft_q]
+                req.draft_q = [_onto(q, replica_device(dst)) for q in req.draft_q] if local else []
         except Exception as e:
+            if not (local or isinstance(e, PDTransferError)):
+                raise                      # a process that only sends: the owner's outcome can't follow
+            failure = e
+        outcome = self._from_owner(dst, None if failure is None else (isinstance(failure, PDTransferError),
+                                                                     str(failure)))
+        if outcome is not None:
             self.metrics["pd_aborted_transfers"] += 1
             _end(req, "abort")
             _end(held, "abort")
-            dst.scheduler.release(req, publish=False)
+            if local:
+                dst.scheduler.release(req, publish=False)
             self.prefill.scheduler.release(held, publish=False)
-            if isinstance(e, PDTransferError):
-                raise
+            if outcome[0]:
+                raise failure if failure is not None else PDTransferError(outcome[1])
             return [TokenEvent(req.rid, -1, float("nan"), "abort")]   # no token: the stream ends
         self.prefill.scheduler.release(held)
-        dst.scheduler.start_decoding(req)
+        if local:
+            dst.scheduler.start_decoding(req)
+        else:
+            dst.requests[req.rid] = req
         self.metrics["pd_transfers"] += 1
         self.metrics["pd_pages"] += len(logical)
         if staged is not None:
@@ -430,6 +613,31 @@ class PDEngine(Engine):
         s.update(self.metrics, pd_bytes=dict(self.metrics["pd_bytes"]), prefill=parts[0], decode=parts[1:])
         s["compilations"] = self.compilations()
         return s
+
+
+def _onto(q, device):
+    """A pending draft distribution (computed on the prefill mesh, replicated) onto the decode device:
+    this process's copy of it (device_put within the process)."""
+    if q.is_fully_addressable:
+        return move_unit(q, device)
+    if not q.is_fully_replicated:
+        raise PDTransferError(f"a draft distribution sharded as {q.sharding} can't move across processes")
+    return move_unit(q.addressable_data(0), device)
+
+
+def _local_copy(model: DsaModel) -> DsaModel:
+    """The model with each parameter as this process's copy (parameters replicated over a mesh that
+    spans processes), for engines on this process's devices."""
+    from flax import nnx
+
+    def local(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        if not x.is_fully_replicated:
+            raise EngineConfigError(f"a parameter sharded as {x.sharding} can't be copied to a decode replica")
+        return x.addressable_data(0)
+    graph, state = nnx.split(model)
+    return nnx.merge(graph, jax.tree.map(local, state))
 
 
 def _end(req: Request, reason: str) -> None:

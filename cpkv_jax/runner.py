@@ -3,12 +3,16 @@ never copied) and, by default, only each request's last-token hidden turned into
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from cpkv_jax.kv_pool import KVPool
+from cpkv_jax.sampling import sample_tokens
 from models.kv import Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
 from models.sharding import RULES, place_state
@@ -33,13 +37,68 @@ def choose_attn_path(rows: int, tokens_per_request: int, width: int, heads: int,
     return "expanded"
 
 
+class StaticGraph:
+    """The model's graph definition and its state's tree structure as one static argument of the jitted
+    steps, hashed once: jit hashes its static arguments on every call, and hashing a graph definition
+    walks the whole model (with the state's own flattening, milliseconds of host time per step).
+    Equal graphs compare equal, so runners of one model share their executables; `of` hands every
+    runner of one graph the same object, so the lookups of each step compare by identity."""
+
+    _interned: dict[int, list["StaticGraph"]] = {}
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+        self._hash = hash((graphdef, treedef))
+
+    @classmethod
+    def of(cls, graphdef, treedef) -> "StaticGraph":
+        new = cls(graphdef, treedef)
+        same = cls._interned.setdefault(new._hash, [])
+        for g in same:
+            if g == new:
+                return g
+        same.append(new)
+        return new
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, StaticGraph) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef and self.treedef == other.treedef)
+
+
+def run_filled(graph: StaticGraph, leaves, batch: Batch, cache, last_tokens, **kw):
+    """run_model with the batch's negative tokens read from the device: token -1 - i is `last_tokens[i]`,
+    a token sampled by an earlier step and not yet seen by the host (the overlapped decode loop), so a
+    decode step is dispatched before the previous step's tokens reach the host. The parameters come as
+    the flat list of their leaves."""
+    held = jnp.maximum(-1 - batch.tokens, 0)
+    tokens = jnp.where(batch.tokens < 0, last_tokens[held], batch.tokens)
+    return run_model(graph.graphdef, jax.tree.unflatten(graph.treedef, leaves),
+                     dataclasses.replace(batch, tokens=tokens), cache, **kw)
+
+
+def run_draft_leaves(graph: StaticGraph, leaves, *args, **kw):
+    """run_draft with the parameters as the flat list of their leaves."""
+    return run_draft(graph.graphdef, jax.tree.unflatten(graph.treedef, leaves), *args, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("top_n",))
+def sample_and_keep(last_tokens, first, logits, temperature, top_p, top_k, seed, position, *, top_n: int = 0):
+    """cpkv_jax.sampling.sample_tokens, its tokens [B] also stored at last_tokens[first:first + B] (the
+    buffer later steps read them from, run_filled); one executable per sampler variant."""
+    out = sample_tokens(logits, temperature, top_p, top_k, seed, position, top_n=top_n)
+    return jax.lax.dynamic_update_slice(last_tokens, out[0], (first,)), out
+
+
 # The step every runner dispatches: the pool (argument 3) is donated; the graph definition and the
 # kernel policy are static, so runners over the same model graph, pool shape and policy share compiled
 # executables.
-_step = jax.jit(run_model, static_argnums=(0,),
+_step = jax.jit(run_filled, static_argnums=(0,),
                 static_argnames=("attn_path", "output", "access", "kernels", "mesh", "boundary", "tap"),
                 donate_argnums=(3,))
-_draft_step = jax.jit(run_draft, static_argnums=(0,), static_argnames=("attn_path", "access", "kernels", "mesh", "tap"),
+_draft_step = jax.jit(run_draft_leaves, static_argnums=(0,), static_argnames=("attn_path", "access", "kernels", "mesh", "tap"),
                       donate_argnums=(5,))
 
 
@@ -67,12 +126,27 @@ class ModelRunner:
             self.state = place_state(self.state, mesh)
             self._rows = RULES.sharding(mesh, "batch_rows")
             self._replicated = RULES.sharding(mesh)
+        self.leaves, treedef = jax.tree.flatten(self.state)
+        self.graph = StaticGraph.of(self.graphdef, treedef)
         cfg = model.cfg
         q_lat = jax.ShapeDtypeStruct((1, cfg.num_attention_heads, cfg.kv_lora_rank), pool.cache.latent.dtype)
         q_rope = jax.ShapeDtypeStruct((1, cfg.num_attention_heads, cfg.qk_rope_head_dim), pool.cache.latent.dtype)
         self.sparse_kernel = kernel_applies(q_lat, q_rope, kernels)
         self.variants: set[tuple] = set()  # (tokens shape, slot table shape, attn path, output, access)
+        self.hold_tokens(1)
         self.trace = None   # cpkv_jax.trace.Tracer when the engine traces (EngineConfig.kv_trace)
+
+    def hold_tokens(self, slots: int) -> None:
+        """Make the device buffer of sampled tokens that later steps read (run_filled): `slots` entries."""
+        pool_device = next(iter(jax.tree.leaves(self.pool.cache)[0].devices()))
+        where = self._replicated if self.mesh is not None else pool_device
+        self.last_tokens = jax.device_put(np.zeros((slots,), np.int32), where)   # committed, as the kept ones are
+
+    def sample(self, first: int, logits, *params, top_n: int = 0):
+        """Sample a step's tokens (cpkv_jax.sampling.sample_tokens over `params`) and keep them on the
+        device at rows first, first + 1, ... of the buffer the next steps read."""
+        self.last_tokens, out = sample_and_keep(self.last_tokens, np.int32(first), logits, *params, top_n=top_n)
+        return out
 
     def place(self, batch: Batch) -> Batch:
         """Put a CP batch on the mesh: token rows split over the axis, the slot table replicated."""
@@ -88,7 +162,7 @@ class ModelRunner:
             last_index = np.full((B,), T - 1, np.int32)
         access = (KVAccess(self.axis, page_aligned) if self.cp > 1
                   else KVAccess(contiguous_blocks=self.pool.page_size % 64 == 0))
-        kw = dict(last_index=jnp.asarray(last_index, jnp.int32), access=access, kernels=self.kernels, mesh=self.mesh)
+        kw = dict(last_index=np.asarray(last_index, np.int32), access=access, kernels=self.kernels, mesh=self.mesh)
         if self.mesh is not None:
             kw["last_rank"] = jax.device_put(np.asarray(last_rank, np.int32), self._replicated)
             kw["last_index"] = jax.device_put(np.asarray(last_index, np.int32), self._replicated)
@@ -105,7 +179,7 @@ class ModelRunner:
               page_aligned: bool = True):
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
         kw.update(self._trace_kw("target"))
-        return _step.lower(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
+        return _step.lower(self.graph, self.leaves, batch, self.pool.cache, self.last_tokens, attn_path=attn_path,
                            output="logits" if all_logits else "last_logits", **kw)
 
     def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, output: str = "last_logits",
@@ -122,12 +196,12 @@ class ModelRunner:
                 from cpkv_jax.hicache.side_stream import LayerHook
                 for c in copies:
                     self.copier.push(c)
-                kw["boundary"] = LayerHook(kw["access"].axis)
+                kw["boundary"] = LayerHook(() if self.mesh is None else tuple(self.mesh.axis_names))
         self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output, kw["access"],
                            "boundary" in kw))
         kw.update(self._trace_kw("target"))
-        out, self.pool.cache = _step(self.graphdef, self.state, batch, self.pool.cache, attn_path=attn_path,
-                                     output=output, **kw)
+        out, self.pool.cache = _step(self.graph, self.leaves, batch, self.pool.cache, self.last_tokens,
+                                     attn_path=attn_path, output=output, **kw)
         if self.trace is not None:
             self.trace.forward_done("target", out)
         return out
@@ -144,7 +218,7 @@ class ModelRunner:
                 hidden = jax.device_put(hidden, self._replicated)
         self.variants.add(("draft", batch.tokens.shape, batch.slot_table.shape, hidden.ndim, attn_path, kw["access"]))
         kw.update(self._trace_kw("draft"))
-        out, self.pool.draft = _draft_step(self.graphdef, self.state, hidden, jnp.asarray(next_tokens), batch,
+        out, self.pool.draft = _draft_step(self.graph, self.leaves, hidden, jnp.asarray(next_tokens), batch,
                                            self.pool.draft, attn_path=attn_path, **kw)
         if self.trace is not None:
             self.trace.forward_done("draft", out)

@@ -52,6 +52,8 @@ class Request:
     t_finish: float | None = None
     logits: list[np.ndarray] | None = None  # fp32 [vocab] per sampled token, when asked for (return_logits)
     decode_elsewhere: bool = False      # PD prefill side: pages reserved for the prompt only (cpkv_jax.pd)
+    pending: int = 0                    # tokens sampled on the device whose values the host has not taken yet
+    token_slot: int = -1                # where the pending token is in the engine's device buffer of sampled tokens
 
     @property
     def seq_len(self) -> int:
@@ -239,9 +241,14 @@ class Scheduler:
         return chunks
 
     def plan_decode(self) -> list[Chunk]:
-        """One lane per request that has sampled at least one token and is not finished."""
-        return [Chunk(r, r.seq_len - 1, [r.output[-1]]) for r in self.running
-                if r.output and r.finish_reason is None]
+        """One lane per request that has sampled at least one token, is not finished and decodes here.
+        A token still on the device (`pending`) is the lane's token as -1 - its buffer slot (the step
+        reads it there: cpkv_jax.runner.run_filled); a request whose pending token is its last one
+        (max_new_tokens) gets no lane."""
+        return [Chunk(r, r.seq_len + r.pending - 1, [-1 - r.token_slot if r.pending else r.output[-1]])
+                for r in self.running
+                if (r.output or r.pending) and r.finish_reason is None and not r.decode_elsewhere
+                and len(r.output) + r.pending < r.params.max_new_tokens]
 
     # ---- results ---------------------------------------------------------------------------------
     def complete_step(self, chunks: list[Chunk], tokens: list, logprobs: list, logits: np.ndarray | None = None, *,

@@ -203,6 +203,13 @@ class Tracer:
     def attach(cls, engine) -> "Tracer":
         """A tracer at the engine's configured level, wired into its batch builder, runner and host tier."""
         c = engine.config
+        if c.kv_trace >= 3:
+            try:
+                jax.devices("cpu")
+            except RuntimeError:
+                from cpkv_jax.config import EngineConfigError
+                raise EngineConfigError("kv_trace=3 sends per-layer hashes to the host through jax.debug.callback, "
+                                        "which needs JAX's CPU platform: run with JAX_PLATFORMS=cuda,cpu (or unset)")
         tracer = cls(c.kv_trace, c.trace_out, num_layers=engine.cfg.num_hidden_layers,
                      full_layers=engine.cfg.full_layers, page_size=c.page_size)
         engine.batch_builder.trace = tracer

@@ -12,7 +12,7 @@ from models.layers import Dense, fp8_or_plain_param
 from models.sharding import NO_AXES, MeshAxes
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.moe import expert_mlp
-from pallas_kernels.row_gather import compaction_plan, gather_rows
+from pallas_kernels.row_gather import compaction_plan, expert_order, gather_rows
 
 
 class MLP(nnx.Module):
@@ -93,6 +93,64 @@ def expert_parallel_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPolic
     return jax.lax.psum(routed_sum(x, idx, w, gate, up, down, n_valid, kernels, first, scales), axis).astype(x.dtype)
 
 
+def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """lax.ragged_all_to_all's result where it does not run (XLA:CPU): each rank's chunk for every
+    peer padded to the operand's length and exchanged by one dense all_to_all, then written at the
+    offsets its sender chose. Exact (rows are moved, not added); pads R x the operand's rows."""
+    R, M = send_sizes.shape[0], operand.shape[0]
+    i = jnp.arange(M)
+    tail = (1,) * (operand.ndim - 1)
+    chunks = jnp.take(operand, jnp.minimum(input_offsets[:, None] + i, M - 1), axis=0)
+    chunks = jnp.where((i < send_sizes[:, None]).reshape(R, M, *tail), chunks, jnp.zeros((), operand.dtype))
+    got = jax.lax.all_to_all(chunks, axis_name, 0, 0)          # got[s]: the chunk rank s sent here
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0)    # at[s]: where rank s put it here
+    dst = jnp.where(i < recv_sizes[:, None], at[:, None] + i, output.shape[0]).reshape(-1)
+    return output.at[dst].set(got.reshape(R * M, *operand.shape[1:]), mode="drop", unique_indices=True)
+
+
+def dispatch_plan(idx, n_valid, experts_per_rank: int, ranks: int):
+    """The send side of an expert-parallel dispatch: (order, sizes): the routed slots (row-major over
+    [rows, k]) grouped by the rank holding their expert, and how many go to each rank. Slots of rows at
+    or beyond n_valid (compacted dummies) go last and count for no rank: they are never sent."""
+    n, k = idx.shape
+    live = jnp.repeat(jnp.arange(n) < n_valid, k)
+    return expert_order(jnp.where(live, idx.reshape(-1) // experts_per_rank, ranks), ranks)
+
+
+def dispatched_expert_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPolicy, axis: str, scales=None,
+                          exchange=None):
+    """Inside a shard_map over `axis`, with the routed experts split over it and each rank holding its
+    own rows (data-parallel attention): every routed slot's row goes to the rank of its expert, the
+    rank runs the rows it received through its experts (one grouped matmul), and the results go back
+    to the slots they came from, which are weighted and summed in slot order in fp32 as routed_sum
+    does. Exactly the routed slots move, both ways (no capacity: a receive buffer holds R x the
+    rank's slots, the most it can get); dummy rows are never sent. exchange: lax.ragged_all_to_all's
+    signature; default: it, on every backend but CPU, where it does not run (dense_ragged_all_to_all)."""
+    n, D = x.shape
+    k = idx.shape[1]
+    S, El = n * k, gate.shape[0]
+    R = jax.lax.axis_size(axis)
+    if exchange is None:
+        exchange = jax.lax.ragged_all_to_all if jax.default_backend() != "cpu" else dense_ragged_all_to_all
+    order, sizes = dispatch_plan(idx, n_valid, El, R)
+    every = jax.lax.all_gather(sizes, axis)                     # every[s, j]: slots rank s sends to rank j
+    me = jax.lax.axis_index(axis)
+    send_at = jnp.cumsum(sizes) - sizes                          # my chunks in my send buffer
+    land_at = (jnp.cumsum(every, axis=0) - every)[me]            # my chunk for rank j at land_at[j] on j
+    recv = every[:, me]                                          # what each rank sends me
+    recv_at = (jnp.cumsum(every, axis=0) - every)[:, me]         # ... and where it lands here
+    home_at = (jnp.cumsum(every, axis=1) - every)[:, me]         # ... and where it sat in its sender's buffer
+    rows = exchange(gather_rows(x, order // k, policy=kernels), jnp.zeros((R * S, D), x.dtype), send_at, sizes,
+                    land_at, recv, axis_name=axis)
+    ids = exchange((idx.reshape(-1) % El)[order], jnp.full((R * S,), El, jnp.int32), send_at, sizes, land_at, recv,
+                   axis_name=axis)                               # never-written rows keep El: no expert
+    y = expert_mlp(rows, ids, gate, up, down, 1, policy=kernels, scales=scales)
+    back = exchange(y, jnp.zeros((S, D), y.dtype), recv_at, recv, home_at, sizes, axis_name=axis)
+    unsort = jnp.zeros_like(order).at[order].set(jnp.arange(S, dtype=jnp.int32), unique_indices=True)
+    y = gather_rows(back, unsort, policy=kernels)
+    return (y.reshape(n, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1).astype(x.dtype)
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, stack=()):
         self.cfg = cfg
@@ -112,8 +170,9 @@ class MoE(nnx.Module):
         """x [..., D]; valid [...] marks real tokens (padding lanes are False). Valid rows are compacted
         before the router and experts and restored after, so padding never takes part in routing.
         kernels: whether the row gathers run the Pallas kernel (static). axes: inside a shard_map, the
-        mesh axes the parameters are split over (routed experts: expert_parallel_mlp; the shared
-        experts' intermediate: tensor-parallel)."""
+        mesh axes the parameters are split over (routed experts: expert_parallel_mlp over rows every
+        rank holds, or with ep_dispatch 'all_to_all' dispatched_expert_mlp over each rank's own rows;
+        the shared experts' intermediate: tensor-parallel)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         valid = jnp.ones(xf.shape[0], bool) if valid is None else valid.reshape(-1)
@@ -128,8 +187,12 @@ class MoE(nnx.Module):
             experts, scales = tuple(e.astype(x.dtype) for e in experts), None
         else:
             scales = tuple(s[...] for s in scale_refs)
-        out = (grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels, scales=scales) if axes.experts is None
-               else expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts, scales=scales))
+        if axes.experts is None:
+            out = grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels, scales=scales)
+        elif axes.ep_dispatch == "psum":
+            out = expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts, scales=scales)
+        else:
+            out = dispatched_expert_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts, scales=scales)
         if self.shared_experts is not None:
             out = out + self.shared_experts(xc, axes)
         return restore_rows(out, dest, kernels).reshape(shape)

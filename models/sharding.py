@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down",
                  "experts_gate_scale_inv", "experts_up_scale_inv", "experts_down_scale_inv")
+EP_DISPATCH = ("psum", "all_to_all")
 KV_LEAF_AXES = ("layers", "kv_slots")   # every KV pool leaf (device and host) is [layers, slots, ...]
 
 
@@ -95,10 +96,18 @@ class MeshAxes:
     """The mesh axes a forward runs split over inside its shard_map (None: not split); static, like
     KVAccess. experts: the routed experts (models.moe.expert_parallel_mlp); tp: attention heads, the
     indexer's heads, the MLP intermediate and the vocabulary (the table's heads / index_heads / mlp /
-    vocab axes, which must be one axis). The collectives of tensor parallelism live here."""
+    vocab axes, which must be one axis). The collectives of tensor parallelism live here.
+    ep_dispatch: how the routed experts meet their rows: 'psum' (every rank holds every row, as after
+    tensor-parallel attention: each adds its experts' share, one psum) or 'all_to_all' (each rank
+    holds its own rows, as after data-parallel attention: rows go to their experts' ranks and back)."""
 
     experts: str | None = None
     tp: str | None = None
+    ep_dispatch: str = "psum"
+
+    def __post_init__(self):
+        if self.ep_dispatch not in EP_DISPATCH:
+            raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {self.ep_dispatch!r}")
 
     @classmethod
     def of(cls, mesh: Mesh | None, rules: ShardingRules = RULES) -> "MeshAxes":

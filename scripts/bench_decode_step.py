@@ -1,5 +1,7 @@
-"""Where a decode step's time goes: the whole engine step vs the jitted model step alone vs the
-sampler, on the same shapes, in one run (table + JSON).
+"""Where a decode step's time goes: the whole engine step (with and without the overlapped loop) vs
+the jitted model step alone vs the sampler, on the same shapes, in one run (table + JSON); with
+--profile N, the model step's N costliest device ops (run with XLA_FLAGS=--xla_gpu_enable_command_buffer=
+to see ops rather than command buffers).
 
     python scripts/bench_decode_step.py --model tiny --batch 8 --context 512
     python scripts/bench_decode_step.py --model random:glm-5 --num-layers 4 --num-experts 16 --batch 8 --context 2048
@@ -22,6 +24,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile", type=int, default=0, help="list the model step's N costliest device ops")
     p.add_argument("--json", default="bench_decode_step.json")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,20 +41,26 @@ def main() -> int:
                                            num_experts=args.num_experts, dtype=args.dtype))
     B, L, n = args.batch, args.context, args.steps
     pages = B * pages_for(L + 3 * n + 4, args.page_size) + 2
-    eng = Engine(model, EngineConfig(page_size=args.page_size, kv_pages=pages, max_running=B,
-                                     max_prefill_tokens=min(B * L, 8192), prefix_cache=False))
-    rng = np.random.default_rng(0)
-    for _ in range(B):
-        eng.add_request(rng.integers(0, model.cfg.vocab_size, L).tolist(),
-                        SamplingParams(max_new_tokens=3 * n + 3, ignore_eos=True))
-    while any(r.prefilling or not r.output for r in eng.scheduler.running + list(eng.scheduler.waiting)):
-        eng.step()
-    for _ in range(3):
-        eng.step()  # compile the decode variants
-    t = time.perf_counter()
-    for _ in range(n):
-        eng.step()
-    step_s = (time.perf_counter() - t) / n
+    step_ms = {}
+    for overlap in (False, True):
+        eng = Engine(model, EngineConfig(page_size=args.page_size, kv_pages=pages, max_running=B, overlap=overlap,
+                                         max_prefill_tokens=min(B * L, 8192), prefix_cache=False))
+        rng = np.random.default_rng(0)
+        for _ in range(B):
+            eng.add_request(rng.integers(0, model.cfg.vocab_size, L).tolist(),
+                            SamplingParams(max_new_tokens=3 * n + 3, ignore_eos=True))
+        while any(r.prefilling or not r.output for r in eng.scheduler.running + list(eng.scheduler.waiting)):
+            eng.step()
+        for _ in range(3):
+            eng.step()  # compile the decode variants
+        t = time.perf_counter()
+        for _ in range(n):
+            eng.step()
+        jax.block_until_ready(eng.runner.last_tokens)
+        step_ms["engine_step_ms" if overlap else "engine_step_no_overlap_ms"] = 1e3 * (time.perf_counter() - t) / n
+        eng._take_in_flight()
+        if not overlap:
+            del eng
 
     chunks = eng.scheduler.plan_decode()
     step = eng.batch_builder.build(chunks, False)
@@ -72,11 +81,29 @@ def main() -> int:
         out = sample_tokens(logits, *args_s, pos)
     jax.block_until_ready(out)
     sample_s = (time.perf_counter() - t) / n
-    res = {"model": args.model, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind),
-           "engine_step_ms": 1e3 * step_s, "model_step_ms": 1e3 * forward_s, "sampler_ms": 1e3 * sample_s,
-           "host_and_sync_ms": 1e3 * (step_s - forward_s - sample_s)}
-    for k in ("engine_step_ms", "model_step_ms", "sampler_ms", "host_and_sync_ms"):
-        print(f"{k:>18}  {res[k]:8.3f}")
+    res = {"model": args.model, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind), **step_ms,
+           "model_step_ms": 1e3 * forward_s, "sampler_ms": 1e3 * sample_s}
+    for overlap in ("", "_no_overlap"):
+        res[f"host_and_sync{overlap}_ms"] = res[f"engine_step{overlap}_ms"] - res["model_step_ms"] - res["sampler_ms"]
+    for k in ("engine_step_no_overlap_ms", "engine_step_ms", "model_step_ms", "sampler_ms",
+              "host_and_sync_no_overlap_ms", "host_and_sync_ms"):
+        print(f"{k:>27}  {res[k]:8.3f}")
+    if args.profile:
+        import tempfile
+        from profile_prefill import device_op_times
+        trace_dir = tempfile.mkdtemp(prefix="cpkv-decode-profile-")
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(n):
+                logits = runner.forward(batch, lane, attn_path="absorbed", last_rank=rank)
+            jax.block_until_ready(logits)
+        ops, span, _ = device_op_times(trace_dir)
+        total = sum(t for t, _ in ops.values())
+        top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.profile]
+        print(f"model step device ops: {total / n / 1e3:.3f} ms per step over a {span / n / 1e3:.3f} ms span")
+        for name, (t_us, count) in top:
+            print(f"{name[:100]:<100}  {t_us / n:9.1f} us  {100 * t_us / max(total, 1e-9):5.1f}%  x{count / n:g}")
+        res["profile"] = {"device_ms_per_step": total / n / 1e3, "span_ms_per_step": span / n / 1e3,
+                          "top": [{"op": k, "us_per_step": t_us / n, "count_per_step": c / n} for k, (t_us, c) in top]}
     Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
 

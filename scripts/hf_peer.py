@@ -25,6 +25,9 @@ def main():
     p.add_argument("--num-experts", type=int, default=16)
     p.add_argument("--prompt-lens", default="8192")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--decode", default="", help="batch x context pairs ('1x8192,8x2048'): time greedy decode "
+                                               "steps after a cached prefill")
+    p.add_argument("--decode-steps", type=int, default=16)
     args = p.parse_args()
     raw = json.loads((CONFIGS / f"{args.model}.json").read_text())
     raw.update(num_hidden_layers=args.num_layers, first_k_dense_replace=min(args.num_layers - 1, 1),
@@ -53,6 +56,24 @@ def main():
         s = min(times[1:])
         out["prefill"][str(L)] = {"seconds": s, "tokens_per_s": L / s, "warmup_s": times[0]}
         print(f"hf prefill L={L}: {s * 1e3:.1f} ms, {L / s:.0f} tok/s", flush=True)
+    out["decode"] = {}
+    for pair in filter(None, args.decode.split(",")):
+        B, L = (int(x) for x in pair.split("x"))
+        ids = torch.randint(0, cfg.vocab_size, (B, L), device="cuda")
+        with torch.inference_mode():
+            res = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            cache, tok = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+            steps = []
+            for _ in range(args.decode_steps + 2):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                res = model(input_ids=tok, past_key_values=cache, use_cache=True)
+                cache, tok = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                steps.append(time.perf_counter() - t)
+        ms = 1e3 * sorted(steps[2:])[len(steps[2:]) // 2]
+        out["decode"][pair] = {"ms_per_step": ms, "tokens_per_s": B * 1e3 / ms}
+        print(f"hf decode {pair}: {ms:.2f} ms/step (median of {args.decode_steps})", flush=True)
     print(json.dumps(out))
 
 

@@ -153,7 +153,8 @@ def test_generate_with_host_cache_matches_plain(capsys):
 ENGINE_FLAGS = {
     "page_size": (["--page-size", "32"], 32), "kv_pages": (["--kv-pages", "96"], 96),
     "max_running": (["--max-running", "4"], 4), "max_prefill_tokens": (["--max-prefill-tokens", "256"], 256),
-    "prefix_cache": (["--no-prefix-cache"], False), "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+    "prefix_cache": (["--no-prefix-cache"], False), "overlap": (["--no-overlap"], False),
+    "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "index_dtype": (["--index-dtype", "same"], "same"), "attn_path": (["--attn-path", "absorbed"], "absorbed"),
     "min_prefill_lanes": (["--min-prefill-lanes", "8"], 8), "cp_size": (["--cp", "2"], 2),
     "ep_size": (["--ep", "2"], 2), "tp_size": (["--tp", "2"], 2),

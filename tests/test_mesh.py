@@ -14,10 +14,11 @@ from models.sharding import MeshAxes, param_sharding
 from tests.helpers import rel_err
 
 
-def _expert_parallel(moe, mesh, n_args: int):
+def _expert_parallel(moe, mesh, n_args: int, ep_dispatch: str = "psum"):
     """(place, step): `place(pure params)` puts them on the mesh by the sharding table (the routed
     experts split over 'ep', the rest replicated); `step(params, *args)` runs the layer under a jitted
-    shard_map over 'ep' with the experts split."""
+    shard_map over 'ep' with the experts split. The rows are replicated ('psum') or split over 'ep'
+    ('all_to_all': each rank its own rows, as data-parallel attention leaves them)."""
     graphdef, state = nnx.split(moe)
     specs = jax.tree_util.tree_map_with_path(
         lambda p, a: param_sharding(tuple(getattr(k, "key", k) for k in p), a.ndim, mesh).spec,
@@ -26,11 +27,12 @@ def _expert_parallel(moe, mesh, n_args: int):
     def local(pure_state, *args):
         st = nnx.state(nnx.merge(graphdef, state))
         nnx.replace_by_pure_dict(st, pure_state)
-        return nnx.merge(graphdef, st)(*args, axes=MeshAxes(experts="ep"))
+        return nnx.merge(graphdef, st)(*args, axes=MeshAxes(experts="ep", ep_dispatch=ep_dispatch))
 
     def place(pure):
         return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), pure, specs)
-    return place, jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,) + (P(),) * n_args, out_specs=P(),
+    rows = P() if ep_dispatch == "psum" else P("ep")
+    return place, jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,) + (rows,) * n_args, out_specs=rows,
                                         check_vma=False))
 
 
@@ -55,6 +57,76 @@ def test_expert_parallel_moe_equals_one_device(ep):
     print(f"ep={ep}: rel err {err:.2e}")
     assert err <= 1e-6
     assert np.array_equal(np.asarray(got)[~np.asarray(valid)], np.zeros_like(np.asarray(got)[~np.asarray(valid)]))
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_dispatched_expert_parallel_moe_equals_one_device(ep):
+    """Data-parallel rows (each rank its own, some rows padding), experts split ep ways: rows sent to
+    their experts' ranks and back (the exact all-to-all on CPU) equal the single-device layer over all
+    the rows (fp32); padding rows stay zero."""
+    cfg = ModelConfig.named("tiny", n_routed_experts=16, num_experts_per_tok=4)
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(ep)
+    x = jnp.asarray(rng.standard_normal((ep, 2, 19, cfg.hidden_size)), jnp.float32)
+    valid = jnp.asarray(rng.random((ep, 2, 19)) < 0.8)
+    want = moe(x, valid)
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+    place, step = _expert_parallel(moe, mesh, 2, "all_to_all")
+    rows = NamedSharding(mesh, P("ep"))
+    got = step(place(nnx.to_pure_dict(nnx.state(moe))), jax.device_put(x, rows), jax.device_put(valid, rows))
+    err = rel_err(got, want)
+    print(f"ep={ep}: rel err {err:.2e}")
+    assert err <= 1e-6
+    assert not np.asarray(got)[~np.asarray(valid)].any()
+
+
+def _dispatch_under_shard_map(mesh, exchange, n: int, k: int, D: int, El: int):
+    """dispatched_expert_mlp alone under a jitted shard_map over 'ep' (Auto axes: ragged_all_to_all
+    is only lowered, never run, on CPU). Args: x, idx, w, gate, up, down, n_valid per rank."""
+    from models.moe import dispatched_expert_mlp
+    from pallas_kernels.policy import DEFAULT_POLICY
+
+    def local(x, idx, w, gate, up, down, n_valid):
+        return dispatched_expert_mlp(x, idx, w, gate, up, down, n_valid[0], DEFAULT_POLICY, "ep", exchange=exchange)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("ep"),) * 7, out_specs=P("ep"), check_vma=False))
+
+
+def test_the_dispatch_sends_exactly_the_routed_slots_of_real_rows():
+    """What each rank sends each other rank (the send sizes the exchange is given) is exactly the
+    number of its real rows' routed slots whose expert that rank holds, counted here from the routes:
+    no capacity padding, and rows at or beyond n_valid (padding) are never sent; the result is
+    still each row's weighted expert sum."""
+    from models.moe import dense_ragged_all_to_all
+    ep, n, k, D, I, El = 4, 12, 3, 16, 8, 2
+    rng = np.random.default_rng(3)
+    sent = {}
+
+    def recording(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+        if operand.ndim == 2 and operand.shape[0] == n * k:     # the rows' dispatch (not the ids, not the return)
+            me = jax.lax.axis_index(axis_name)
+            jax.debug.callback(lambda r, s: sent.__setitem__(int(r), np.asarray(s)), me, send_sizes)
+        return dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                       axis_name=axis_name)
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    step = _dispatch_under_shard_map(mesh, recording, n, k, D, El)
+    x = rng.standard_normal((ep * n, D)).astype(np.float32)
+    idx = np.stack([rng.permutation(ep * El)[:k] for _ in range(ep * n)]).astype(np.int32)
+    w = rng.random((ep * n, k)).astype(np.float32)
+    gate, up = (rng.standard_normal((ep * El, D, I)).astype(np.float32) for _ in range(2))
+    down = rng.standard_normal((ep * El, I, D)).astype(np.float32)
+    n_valid = np.array([n, 7, 0, 11], np.int32)
+    got = np.asarray(step(x, idx, w, gate, up, down, n_valid))
+    jax.effects_barrier()
+    for r in range(ep):
+        routes = idx[r * n:r * n + n_valid[r]]
+        assert sent[r].tolist() == np.bincount(routes.reshape(-1) // El, minlength=ep).tolist(), (r, sent[r])
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    want = np.zeros_like(x)
+    for row in range(ep * n):
+        if row % n < n_valid[row // n]:
+            for e, we in zip(idx[row], w[row]):
+                want[row] += we * ((silu(x[row] @ gate[e]) * (x[row] @ up[e])) @ down[e])
+    assert rel_err(got, want) <= 1e-5
 
 
 def test_a_wrong_expert_split_is_caught():
@@ -109,12 +181,57 @@ def test_engine_on_a_cp_ep_tp_mesh_equals_one_device(mesh_kw):
     assert eng.stats()["request_pages"] == 0
 
 
+def _scramble_every_replica(pool, rng):
+    """Different noise in every device's shard of every pool leaf (the replicas of a CP rank's pages
+    over 'ep'/'tp' included): a page some device did not load back is read as noise."""
+    def noise(x):
+        shards = [jax.device_put(jnp.asarray(rng.standard_normal(s.data.shape), x.dtype), s.device)
+                  for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+    pool.cache = jax.tree.map(noise, pool.cache)
+
+
+@pytest.fixture(scope="module")
+def hicache_reference(tiny):
+    """(prompts with shared prefixes, sampling params, their outputs on one device without a host tier)."""
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+    from tests.helpers import shared_prefix_prompts
+    prompts = shared_prefix_prompts(np.random.default_rng(7), tiny.cfg.vocab_size, 2, 2)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    return prompts, params, Engine(tiny, EngineConfig(page_size=16, kv_pages=64)).generate(prompts, params,
+                                                                                         return_logits=True)
+
+
+@pytest.mark.parametrize("copy, mesh_kw", [("side_stream", dict(cp_size=2, ep_size=2)),
+                                           ("jit", dict(ep_size=2, tp_size=2))])
+def test_hicache_on_an_ep_tp_mesh_reloads_every_replica(tiny, hicache_reference, copy, mesh_kw):
+    """HiCache on a mesh whose pool is replicated over 'ep'/'tp': prompts backed up to host, evicted
+    from the device, every device's pool overwritten with its own noise, then the prompts again
+    (their prefixes loaded back from host, by each device into its own replica): greedy tokens equal
+    and logits within 1e-5 of one device without a host tier, through the layer-hook copies (CP x EP)
+    and the jitted ones (EP x TP)."""
+    from cpkv_jax.engine import Engine, EngineConfig
+    prompts, params, want = hicache_reference
+    rng = np.random.default_rng(8)
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, hicache_pages=64, hicache_copy=copy, **mesh_kw))
+    eng.generate(prompts, params)
+    eng.radix.evict(10 ** 9, eng.allocator.free, eng.scheduler._free_host)
+    assert eng.stats()["radix"]["pages"] == 0
+    _scramble_every_replica(eng.pool, rng)
+    got = eng.generate(prompts, params, return_logits=True)
+    assert eng.hicache.stats["load_pages"] >= 4 and all(o.cached_tokens >= 16 for o in got), eng.hicache.stats
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert rel_err(np.stack(g.logits), np.stack(w.logits)) <= 1e-5
+    assert not (eng.runner.copier and eng.runner.copier.errors) and eng.hicache.stats["failed_backups"] == 0
+
+
 @pytest.mark.parametrize("mesh_kw, message", [
     (dict(ep_size=3), "ep_size 3 does not divide n_routed_experts=8"),
     (dict(tp_size=3), "tp_size 3 does not divide num_attention_heads=4"),
     (dict(tp_size=8), "tp_size 8 does not divide num_attention_heads=4"),
     (dict(cp_size=2, ep_size=4, tp_size=2), "needs 16 devices, 8 visible"),
-    (dict(tp_size=2, hicache_pages=16), "hicache_pages with ep_size or tp_size > 1 is not supported yet"),
 ])
 def test_a_mesh_that_does_not_divide_the_model_is_refused_naming_the_count(tiny, mesh_kw, message):
     from cpkv_jax.engine import Engine, EngineConfig, EngineConfigError
@@ -135,3 +252,29 @@ def test_expert_parallel_moves_one_fp32_row_block_and_never_the_experts():
     collectives = re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)\(", hlo)
     assert [c for _, c in collectives] == ["all-reduce"], collectives
     assert collectives[0][0].startswith(f"f32[50,{cfg.hidden_size}]"), collectives
+
+
+def test_the_ragged_dispatch_moves_rows_only_by_ragged_all_to_all():
+    """The GPU path's compiled program (lowered here: XLA:CPU does not run ragged-all-to-all): the rows
+    go out and come back by ragged-all-to-alls of the routed slots' [n k, D] rows, whose send sizes are
+    the dispatch plan's per-rank counts (the return's receive sizes are the same counts); besides them
+    only the [ep, ep] count matrix is gathered. Nothing of [n, D] is all-reduced or gathered and no
+    expert weight moves."""
+    import re
+    ep, n, k, D, I, El = 4, 24, 4, 64, 32, 4
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    step = _dispatch_under_shard_map(mesh, jax.lax.ragged_all_to_all, n, k, D, El)
+    args = (jnp.zeros((ep * n, D)), jnp.zeros((ep * n, k), jnp.int32), jnp.zeros((ep * n, k)),
+            jnp.zeros((ep * El, D, I)), jnp.zeros((ep * El, D, I)), jnp.zeros((ep * El, I, D)),
+            jnp.zeros((ep,), jnp.int32))
+    hlo = step.lower(*args).compiler_ir("hlo").as_hlo_text()
+    ops = re.findall(r"= (\S+) (ragged-all-to-all|all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)"
+                     r"\(([^)]*)\)", hlo)
+    kinds = sorted((shape.split("{")[0], kind) for shape, kind, _ in ops)
+    want = [("s32[4,4]", "all-gather"), (f"f32[{ep * n * k},{D}]", "ragged-all-to-all"),
+            (f"s32[{ep * n * k}]", "ragged-all-to-all"), (f"f32[{n * k},{D}]", "ragged-all-to-all")]
+    assert kinds == sorted(want), ops
+    ragged = {shape.split("{")[0]: args.split(", ") for shape, kind, args in ops if kind == "ragged-all-to-all"}
+    out, back = ragged[f"f32[{ep * n * k},{D}]"], ragged[f"f32[{n * k},{D}]"]
+    assert out[3] == ragged[f"s32[{ep * n * k}]"][3] == back[5]      # send sizes out = receive sizes back
+    assert out[5] == back[3]                                          # what arrives is what is returned

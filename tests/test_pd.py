@@ -6,7 +6,8 @@ colocated engine is the reference), the moved bytes equal the layout's formula a
 the prefill pages bit for bit; the router spreads requests and follows cached prefixes; faults: a
 metadata mismatch commits nothing, a transfer failing part way leaves nothing on the decode side and
 frees the prefill pages, a full decode replica makes requests wait without losing any; and a
-two-process server whose CP mesh spans both processes."""
+two-process PD server whose CP prefill mesh spans both processes and whose decode replica is on one of
+them."""
 
 import dataclasses
 
@@ -258,9 +259,13 @@ def test_pd_on_gpus_equals_colocated(tiny):
 
 @pytest.mark.slow
 def test_two_process_server_with_cp_prefill_over_both(tiny):
-    """`cpkv-jax serve --cp 4` as two processes of 2 CPU devices each (jax.distributed on localhost, gloo
-    collectives): the engine's mesh spans both processes, process 0 answers HTTP and broadcasts each
-    request, process 1 runs the same steps; the completion's text is the one-device engine's."""
+    """`cpkv-jax serve --pd-prefill-devices 3 --pd-decode-replicas 1` as two processes of 2 CPU devices
+    each (jax.distributed on localhost, gloo collectives): the prefill engine's cp mesh is process 0's
+    two devices and process 1's first, the decode replica process 1's second, so a request's pages move
+    to it from ranks 0 and 1 across processes (two-device ppermute) and from rank 2 within process 1
+    (device_put). Process 0 answers HTTP and broadcasts each request; process 1 owns the replica and
+    broadcasts its admissions, transfer outcomes and sampled tokens. Two requests, the second sharing
+    3 pages the replica caches (only the rest moves): each completion's text is the one-device engine's."""
     import json
     import os
     import socket
@@ -277,12 +282,16 @@ def test_two_process_server_with_cp_prefill_over_both(tiny):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    prompt = np.random.default_rng(12).integers(2, tiny.cfg.vocab_size, 70).tolist()
-    want = Engine(tiny, EngineConfig(page_size=16, kv_pages=24)).generate([prompt], PARAMS)[0].token_ids
+    rng = np.random.default_rng(12)
+    first = rng.integers(2, tiny.cfg.vocab_size, 70).tolist()
+    prompts = [first, first[:48] + rng.integers(2, tiny.cfg.vocab_size, 9).tolist()]
+    colocated = Engine(tiny, EngineConfig(page_size=16, kv_pages=24))
+    want = [colocated.generate([p], PARAMS)[0].token_ids for p in prompts]
     coordinator, http = free_port(), free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir)
-    args = ["serve", "--model", "tiny", "--cp", "4", "--page-size", "16", "--kv-pages", "24", "--max-running", "4",
+    args = ["serve", "--model", "tiny", "--pd-prefill-devices", "3", "--pd-decode-replicas", "1", "--page-size", "16",
+            "--kv-pages", "24", "--max-running", "4",
             "--max-prefill-tokens", "128", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{coordinator}",
             "--port", str(http)]
     procs = [subprocess.Popen([sys.executable, "-m", "cpkv_jax.cli", *args, "--node-rank", str(rank)], env=env,
@@ -298,13 +307,15 @@ def test_two_process_server_with_cp_prefill_over_both(tiny):
                 break
             except OSError:
                 time.sleep(0.5)
-        body = json.dumps({"prompt": prompt, "max_tokens": PARAMS.max_new_tokens, "temperature": 0,
-                           "ignore_eos": True}).encode()
-        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-        text = json.loads(urllib.request.urlopen(req, timeout=200).read())["choices"][0]["text"]
+        texts = []
+        for prompt in prompts:
+            body = json.dumps({"prompt": prompt, "max_tokens": PARAMS.max_new_tokens, "temperature": 0,
+                               "ignore_eos": True}).encode()
+            req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+            texts.append(json.loads(urllib.request.urlopen(req, timeout=200).read())["choices"][0]["text"])
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
     tokenizer = Tokenizer.from_file(str(tiny_checkpoint() / "tokenizer.json"))
-    assert text == tokenizer.decode(want, skip_special_tokens=True) and text
+    assert texts == [tokenizer.decode(w, skip_special_tokens=True) for w in want] and all(texts)

@@ -7,7 +7,11 @@ one-layer pool in speculative mode) has a host twin in `pinned_host` memory with
 both sides, so every transfer is a list of block copies, never a gather or scatter on host memory.
 Host pages come from their own page allocator (page 0 unused, like the device dummy). Under CP the
 host pool is sharded like the device pool: host page h lives on rank h // pages_per_rank, and a
-device page is only ever copied to or from a host page of its own rank.
+device page is only ever copied to or from a host page of its own rank. On a mesh with 'ep'/'tp'
+axes the table replicates the pool's slots over them, so every device of a CP rank holds the same
+pages, and the host twin is replicated the same way: each device backs up its own replica into its
+own host twin and loads from it (no copy crosses devices or waits on another device's stream; the
+host bytes grow by ep x tp).
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ class HostPool:
         self.page_size = pool.page_size
         self.mesh = mesh
         self.ranks = 1 if mesh is None else mesh.shape[RULES.kv_slots]
+        # every device holding a pool shard, in the mesh's order (the layer hook's device index), and
+        # the CP rank whose pages it holds
         self.devices = list(jax.devices()[:1]) if mesh is None else list(mesh.devices.flat)
+        self.device_ranks = ([0] if mesh is None else
+                             np.indices(mesh.devices.shape)[mesh.axis_names.index(RULES.kv_slots)].reshape(-1).tolist())
         self.allocator = PageAllocator(num_pages, self.ranks)
         self.device_pages_per_rank = pool.num_pages // self.ranks
 

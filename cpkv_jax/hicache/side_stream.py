@@ -67,11 +67,12 @@ class HostRuntime:
     path = "memmove (CPU backend)"
     asynchronous = False             # a copy is complete when issued: the source may move afterwards
 
-    def device_key(self, device, rank: int) -> int:
-        return rank
+    def device_key(self, device, index: int) -> int:
+        return index
 
     def call_device(self, buffers, n_leaves: int) -> int:
-        """The rank operand the hook passes after the pool and the hidden state (host memory here)."""
+        """The device-index operand the hook passes after the pool and the hidden state (host memory
+        here): the device's position in the mesh."""
         return ctypes.c_int32.from_address(buffers[n_leaves + 1]).value
 
     def new_stream(self, device: int) -> int:
@@ -106,7 +107,7 @@ class CudaRuntime:
         self.lib.cudaGetErrorString.restype = ctypes.c_char_p
         self.path = path
 
-    def device_key(self, device, rank: int) -> int:
+    def device_key(self, device, index: int) -> int:
         return device.local_hardware_id
 
     def call_device(self, buffers, n_leaves: int) -> int:
@@ -166,7 +167,7 @@ class StepCopies:
     start) and backups (device->host, started at the layer's end). Filled in by the callback: the
     pool addresses it saw and the event acknowledging each layer's backups."""
     boundaries: int                  # hooks per forward: layers + 1
-    device: int                      # the runtime's device key (CUDA ordinal; CP rank on CPU)
+    device: int                      # the runtime's device key (CUDA ordinal; position in the mesh on CPU)
     loads: dict[int, list[Copy]] = dataclasses.field(default_factory=dict)
     backups: dict[int, list[Copy]] = dataclasses.field(default_factory=dict)
     fail_at_layer: int | None = None
@@ -347,13 +348,15 @@ class LayerHook:
     pool leaves and the hidden state pass through the custom call unchanged (aliased). The pool tells
     the copier where it is; taking the hidden state orders the call after every read of the pool by
     the layer before (they all feed it), so XLA can alias the pool in place instead of copying it
-    around the call. `axis`: the CP mesh axis inside a shard_map (the rank is passed along)."""
-    axis: str | None = None
+    around the call. `axes`: inside a shard_map, the mesh's axes in order; the device's position in
+    the mesh is passed along (every device of the mesh runs the hook, the replicas of a CP rank's
+    pool over 'ep'/'tp' included, and each consumes its own copies)."""
+    axes: tuple[str, ...] = ()
 
     def __call__(self, cache, x):
         leaves, tree = jax.tree.flatten(cache)
-        rank = jnp.int32(0) if self.axis is None else jax.lax.axis_index(self.axis).astype(jnp.int32)
-        args = leaves + [x, rank]
+        index = jnp.int32(0) if not self.axes else jax.lax.axis_index(self.axes).astype(jnp.int32)
+        args = leaves + [x, index]
         out = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args],
                                has_side_effect=True, input_output_aliases={i: i for i in range(len(args))},
                                custom_call_api_version=3, legacy_backend_config=str(len(leaves)))(*args)

@@ -31,50 +31,51 @@ class SideStreamCopies:
         self._staged_loads: list[tuple[np.ndarray, np.ndarray]] = []
         self._staged_backups: list[tuple[Reservation, np.ndarray, np.ndarray]] = []  # (res, host, device)
         self._load_steps: list[StepCopies] = []   # forwards carrying loads, until they ran
-        self._host_base: dict[tuple, int] = {}      # (draft, leaf, rank) -> host pool shard address
+        self._host_base: dict[tuple, int] = {}      # (draft, leaf, device index) -> host pool shard address
 
     # ---- addresses and blocks --------------------------------------------------------------------
-    def address(self, leaf, rank: int) -> int:
-        """Buffer address of rank `rank`'s shard of a pool leaf (device or pinned host)."""
+    def address(self, leaf, i: int) -> int:
+        """Buffer address of device `i`'s (host.devices) shard of a pool leaf (device or pinned host)."""
         for shard in leaf.addressable_shards:
-            if shard.device == self.host.devices[rank]:
+            if shard.device == self.host.devices[i]:
                 return shard.data.unsafe_buffer_pointer()
-        raise AssertionError(f"no shard of the pool on rank {rank}")
+        raise AssertionError(f"no shard of the pool on device {self.host.devices[i]}")
 
-    def _device_addresses(self, rank: int) -> tuple:
-        """The target pool's leaf addresses on a rank (what the layer hook sees)."""
-        return tuple(self.address(x, rank) for x in jax.tree.leaves(self.pool.cache))
+    def _device_addresses(self, i: int) -> tuple:
+        """The target pool's leaf addresses on device i (what the layer hook sees)."""
+        return tuple(self.address(x, i) for x in jax.tree.leaves(self.pool.cache))
 
     def device_ids(self) -> list[int]:
-        """The copier's key of each rank's device."""
-        return [self.copier.rt.device_key(d, r) for r, d in enumerate(self.host.devices)]
+        """The copier's key of each device holding a pool shard."""
+        return [self.copier.rt.device_key(d, i) for i, d in enumerate(self.host.devices)]
 
     def runs(self, host_pages, dev_pages) -> list[np.ndarray]:
         """Per rank, its pages as copy runs (side_stream.page_runs) of rank-local pages."""
         return [page_runs(d, h) for h, d in self.host.rank_pairs(host_pages, dev_pages)]
 
     def blocks(self, unit, runs: list[np.ndarray]) -> list[list[Copy]]:
-        """Per rank, one unit's copies as blocks (leaf index, device byte offset in the leaf's shard,
-        host address, bytes), one per leaf and run of pages."""
+        """Per device, one unit's copies as blocks (leaf index, device byte offset in the leaf's shard,
+        host address, bytes), one per leaf and run of its rank's pages: every replica of a rank's
+        shard (the devices of its 'ep'/'tp' group) copies between itself and its own host twin."""
         layer, draft = unit
         names, ids = self.host.layer_leaves(layer, draft)
         host_tree, dev_tree = (self.host.draft, self.pool.draft) if draft else (self.host.cache, self.pool.cache)
         present = [k for k in LEAVES if getattr(dev_tree, k) is not None]
         ranks = self.host.ranks
         out = []
-        for r, rank_runs in enumerate(runs):
+        for i, r in enumerate(self.host.device_ranks):
             blocks = []
             for name, lid in zip(names, ids):
                 row = self.host.row_bytes(name)
                 page = row * self.host.page_size
                 dev_base = lid * row * (getattr(dev_tree, name).shape[1] // ranks)
-                key = (draft, name, r)
+                key = (draft, name, i)
                 if key not in self._host_base:     # the host pool never moves on this path
-                    self._host_base[key] = self.address(getattr(host_tree, name), r)
+                    self._host_base[key] = self.address(getattr(host_tree, name), i)
                 host_base = self._host_base[key] + lid * row * (getattr(host_tree, name).shape[1] // ranks)
                 leaf = present.index(name)
                 blocks += [Copy(leaf, dev_base + int(d) * page, host_base + int(h) * page, int(n) * page)
-                           for d, h, n in rank_runs]
+                           for d, h, n in runs[r]]
             out.append(blocks)
         return out
 
@@ -123,29 +124,29 @@ class SideStreamCopies:
         return steps
 
     def _plan_layers(self, steps: list[StepCopies], host, dev, to_host: bool) -> None:
-        """Add every target layer's blocks of these pages to each rank's backups (or loads)."""
+        """Add every target layer's blocks of these pages to each device's backups (or loads)."""
         runs = self.runs(host, dev)
         for layer in range(self.host.num_layers):
-            for r, blocks in enumerate(self.blocks((layer, False), runs)):
+            for i, blocks in enumerate(self.blocks((layer, False), runs)):
                 if blocks:
-                    (steps[r].backups if to_host else steps[r].loads).setdefault(layer, []).extend(blocks)
+                    (steps[i].backups if to_host else steps[i].loads).setdefault(layer, []).extend(blocks)
             self.host.add_bytes(self.stats["d2h_bytes" if to_host else "h2d_bytes"],
                                 self.host.layer_leaves(layer, False)[0], len(host))
 
     # ---- after the step --------------------------------------------------------------------------
     def _copy_after_step(self, units, host_pages, dev_pages) -> list[int]:
-        """Device->host copies of pages the pool already holds, on each rank's side stream once the
+        """Device->host copies of pages the pool already holds, on each device's side stream once the
         host has seen the last step end; returns their events."""
         jax.block_until_ready((self.pool.cache, self.pool.draft))
-        per_rank: list[list] = [[] for _ in range(self.host.ranks)]
+        per_device: list[list] = [[] for _ in self.host.devices]
         runs = self.runs(host_pages, dev_pages)
         for unit in units:
             tree = self.pool.draft if unit[1] else self.pool.cache
             leaves = jax.tree.leaves(tree)
-            for r, blocks in enumerate(self.blocks(unit, runs)):
-                per_rank[r] += [(b.host, self.address(leaves[b.leaf], r) + b.offset, b.nbytes, D2H) for b in blocks]
+            for i, blocks in enumerate(self.blocks(unit, runs)):
+                per_device[i] += [(b.host, self.address(leaves[b.leaf], i) + b.offset, b.nbytes, D2H) for b in blocks]
             self.host.add_bytes(self.stats["d2h_bytes"], self.host.layer_leaves(*unit)[0], len(host_pages))
-        return [self.copier.copy_now(dev, copies) for dev, copies in zip(self.device_ids(), per_rank) if copies]
+        return [self.copier.copy_now(dev, copies) for dev, copies in zip(self.device_ids(), per_device) if copies]
 
     def backup(self, res: Reservation, dev_pages) -> str:
         """Issue the reservation's remaining copies after the step — pages no forward copied (they
@@ -176,7 +177,7 @@ class SideStreamCopies:
         never started, or read a pool buffer that has since moved (it may have been reused)."""
         rt = self.copier.rt
         for steps in res.steps:
-            for r, step in enumerate(steps):
+            for i, step in enumerate(steps):
                 if step.failed:
                     return None
                 if step.calls < step.boundaries:
@@ -185,7 +186,7 @@ class SideStreamCopies:
                     done = step.layer_done(layer, rt)
                     if not done:
                         return done
-                if rt.asynchronous and step.pool_addresses != {self._device_addresses(r)}:
+                if rt.asynchronous and step.pool_addresses != {self._device_addresses(i)}:
                     return None     # the source moved under an asynchronous copy
         return all(rt.done(ev) for _, ev in res.events)
 
