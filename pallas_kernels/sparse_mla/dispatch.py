@@ -18,7 +18,8 @@ def kernel_shape_error(q_lat, q_rope) -> str | None:
         if d < 16 or d & (d - 1):
             return f"{name} {d} is not a power of two >= 16"
     if q_lat.dtype not in (jnp.bfloat16, jnp.float16):
-        # fp32 runs in interpret mode (tests); compiled, it has not yet been checked on the GPU
+        # fp32: compiled on the H200 it equals the reference at the tiny model's widths (latent <= 128,
+        # tests/test_sparse_mla.py); left off until the GPU HF-parity suite has run through it
         return f"queries are {q_lat.dtype}, the dispatch takes the kernel for bf16 and fp16"
     return None
 
