@@ -193,7 +193,8 @@ class Engine:
         self.max_context = min(self.cfg.max_position_embeddings, self.allocator.capacity * ps)
         self.batch_builder = BatchBuilder(config, self.scheduler, self.max_context)
         self.spec_decoder = (SpecDecoder(self.runner, self.batch_builder, self.scheduler,
-                                         num_draft_tokens=config.num_draft_tokens, attn_path=config.attn_path)
+                                         num_draft_tokens=config.num_draft_tokens, attn_path=config.attn_path,
+                                         token_rows=2 * LAUNCHES_PER_STEP * config.max_running)
                              if speculative else None)
         # the KV-integrity trace (cpkv_jax.trace), wired into the batch builder, runner and host tier
         self.tracer = None
@@ -205,8 +206,9 @@ class Engine:
         self._in_flight: list[Launch] = []
         self._taken_early: list[TokenEvent] = []     # taken by an abort between steps: the next step returns them
         # the device buffer of sampled tokens: per step parity, one region of max_running rows per launch
-        # (prefill, prefill with prompt logprobs, decode); a step reads the previous step's regions only
-        self.runner.hold_tokens(2 * LAUNCHES_PER_STEP * config.max_running)
+        # (prefill, prefill with prompt logprobs, decode), a step reading the previous step's regions
+        # only; then one region for the draft chain's proposals (cpkv_jax.spec)
+        self.runner.hold_tokens((2 * LAUNCHES_PER_STEP + 1) * config.max_running)
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
         # the events of requests an open stream() yields, whichever caller's step sampled them

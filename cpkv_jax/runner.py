@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from cpkv_jax.kv_pool import KVPool
-from cpkv_jax.sampling import sample_tokens
+from cpkv_jax.sampling import propose_tokens, sample_tokens
 from models.kv import Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
 from models.sharding import RULES, place_state
@@ -73,15 +73,21 @@ def run_filled(graph: StaticGraph, leaves, batch: Batch, cache, last_tokens, **k
     a token sampled by an earlier step and not yet seen by the host (the overlapped decode loop), so a
     decode step is dispatched before the previous step's tokens reach the host. The parameters come as
     the flat list of their leaves."""
-    held = jnp.maximum(-1 - batch.tokens, 0)
-    tokens = jnp.where(batch.tokens < 0, last_tokens[held], batch.tokens)
     return run_model(graph.graphdef, jax.tree.unflatten(graph.treedef, leaves),
-                     dataclasses.replace(batch, tokens=tokens), cache, **kw)
+                     dataclasses.replace(batch, tokens=fill_tokens(batch.tokens, last_tokens)), cache, **kw)
 
 
-def run_draft_leaves(graph: StaticGraph, leaves, *args, **kw):
-    """run_draft with the parameters as the flat list of their leaves."""
-    return run_draft(graph.graphdef, jax.tree.unflatten(graph.treedef, leaves), *args, **kw)
+def fill_tokens(tokens, last_tokens):
+    """Token ids with each -1 - i replaced by last_tokens[i]."""
+    return jnp.where(tokens < 0, last_tokens[jnp.maximum(-1 - tokens, 0)], tokens)
+
+
+def run_draft_leaves(graph: StaticGraph, leaves, hidden, next_tokens, batch: Batch, cache, last_tokens, **kw):
+    """run_draft with the parameters as the flat list of their leaves and, as run_filled, negative
+    tokens read from the device (the draft chain's proposals)."""
+    return run_draft(graph.graphdef, jax.tree.unflatten(graph.treedef, leaves), hidden,
+                     fill_tokens(next_tokens, last_tokens),
+                     dataclasses.replace(batch, tokens=fill_tokens(batch.tokens, last_tokens)), cache, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("top_n",))
@@ -90,6 +96,14 @@ def sample_and_keep(last_tokens, first, logits, temperature, top_p, top_k, seed,
     buffer later steps read them from, run_filled); one executable per sampler variant."""
     out = sample_tokens(logits, temperature, top_p, top_k, seed, position, top_n=top_n)
     return jax.lax.dynamic_update_slice(last_tokens, out[0], (first,)), out
+
+
+@jax.jit
+def propose_and_keep(last_tokens, first, draft_logits, temperature, top_p, top_k, seed, position):
+    """cpkv_jax.sampling.propose_tokens, its proposals also stored at last_tokens[first:first + B], where
+    the draft chain's next step reads them."""
+    drafts, q = propose_tokens(draft_logits, temperature, top_p, top_k, seed, position)
+    return jax.lax.dynamic_update_slice(last_tokens, drafts, (first,)), (drafts, q)
 
 
 # The step every runner dispatches: the pool (argument 3) is donated; the graph definition and the
@@ -146,6 +160,12 @@ class ModelRunner:
         """Sample a step's tokens (cpkv_jax.sampling.sample_tokens over `params`) and keep them on the
         device at rows first, first + 1, ... of the buffer the next steps read."""
         self.last_tokens, out = sample_and_keep(self.last_tokens, np.int32(first), logits, *params, top_n=top_n)
+        return out
+
+    def propose(self, first: int, draft_logits, *params):
+        """Draft proposals and their distributions (cpkv_jax.sampling.propose_tokens over `params`), the
+        proposals kept on the device at rows first, first + 1, ... of the token buffer."""
+        self.last_tokens, out = propose_and_keep(self.last_tokens, np.int32(first), draft_logits, *params)
         return out
 
     def place(self, batch: Batch) -> Batch:
@@ -219,7 +239,7 @@ class ModelRunner:
         self.variants.add(("draft", batch.tokens.shape, batch.slot_table.shape, hidden.ndim, attn_path, kw["access"]))
         kw.update(self._trace_kw("draft"))
         out, self.pool.draft = _draft_step(self.graph, self.leaves, hidden, jnp.asarray(next_tokens), batch,
-                                           self.pool.draft, attn_path=attn_path, **kw)
+                                           self.pool.draft, self.last_tokens, attn_path=attn_path, **kw)
         if self.trace is not None:
             self.trace.forward_done("draft", out)
         return out

@@ -12,7 +12,7 @@ import numpy as np
 from cpkv_jax.batch import BatchBuilder, bucket
 from cpkv_jax.cp import CPPlan, CPRequest
 from cpkv_jax.runner import ModelRunner
-from cpkv_jax.sampling import propose_tokens, verify_tokens
+from cpkv_jax.sampling import verify_tokens
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, TokenEvent
 
 
@@ -21,12 +21,14 @@ class SpecDecoder:
     verify round that replaces a plain decode step."""
 
     def __init__(self, runner: ModelRunner, batch_builder: BatchBuilder, scheduler: Scheduler, *,
-                 num_draft_tokens: int, attn_path: str | None):
+                 num_draft_tokens: int, attn_path: str | None, token_rows: int):
+        """`token_rows`: where the draft chain keeps its proposals in the runner's token buffer."""
         self.runner = runner
         self.batch_builder = batch_builder
         self.scheduler = scheduler
         self.num_draft_tokens = num_draft_tokens
         self.attn_path = attn_path
+        self.token_rows = token_rows
 
     def extend(self, chunks: list[Chunk], plan: CPPlan, requests: list[CPRequest], hidden) -> None:
         """MTP over the lanes of a target step (hidden rows stay where they were computed; the MTP input
@@ -43,31 +45,36 @@ class SpecDecoder:
 
     def _propose(self, chunks, live, dlogits, x_last):
         """Draw the first draft from the extend's logits, then chain: each MTP step takes its own last
-        hidden and the token it just proposed, one position further."""
-        n = self.num_draft_tokens
+        hidden and the token it just proposed, one position further, read on the device (the chain's
+        proposals reach the host once, at its end)."""
+        n, first = self.num_draft_tokens, self.token_rows
         reqs = [chunks[i].req for i in live]
         for r in reqs:
-            r.drafts, r.draft_q = [], []
+            r.draft_q = []
         idx = jnp.asarray(live)
         dlogits, x_last = dlogits[idx], x_last[idx]
+        proposals = []
         for k in range(n):
             B = self.batch_builder.rows(len(reqs))
             pad = B - len(reqs)
             pos = np.array([r.seq_len + k for r in reqs] + [0] * pad, np.int32)  # position of the drafted token
             dl = jnp.pad(dlogits, ((0, pad), (0, 0)))
-            d, q = propose_tokens(dl, *self.batch_builder.sampling("propose", reqs, B), jnp.asarray(pos))
-            d = np.asarray(d)[:len(reqs)]
+            d, q = self.runner.propose(first, dl, *self.batch_builder.sampling("propose", reqs, B), pos)
+            proposals.append(d[:len(reqs)])
             for i, r in enumerate(reqs):
-                r.drafts.append(int(d[i]))
                 r.draft_q.append(q[i])
             if k == n - 1:
                 break
-            step = self.batch_builder.build([Chunk(r, r.seq_len - 1 + k, [r.drafts[-1]]) for r in reqs], False)
+            step = self.batch_builder.build([Chunk(r, r.seq_len - 1 + k, [-1 - (first + i)])
+                                             for i, r in enumerate(reqs)], False)
             xs = jnp.pad(x_last, ((0, step.rows - len(reqs)), (0, 0)))
             dlogits, x_last = self.runner.draft_forward(xs, step.batch.tokens, step.batch, step.last_lane,
                                                         attn_path="absorbed", last_rank=step.last_rank,
                                                         page_aligned=step.plan.page_aligned)
             dlogits, x_last = dlogits[:len(reqs)], x_last[:len(reqs)]
+        drafts = np.asarray(jnp.stack(proposals, axis=1))
+        for i, r in enumerate(reqs):
+            r.drafts = drafts[i].tolist()
 
     def round(self, reqs: list[Request]) -> list[TokenEvent]:
         """Verify every request's drafts in one target step, accept (greedy match or rejection

@@ -119,6 +119,7 @@ def test_level_0_compiles_the_step_of_an_engine_without_a_trace(model, tmp_path)
         kw.update(eng.runner._trace_kw("draft"))
         hidden = jnp.zeros((1, 32, model.cfg.hidden_size), model.dtype)
         draft = _draft_step.lower(eng.runner.graph, eng.runner.leaves, hidden, b.tokens, b, eng.pool.draft,
+                                  eng.runner.last_tokens,
                                   attn_path="absorbed", **kw).as_text()
         return target, draft
 
