@@ -332,7 +332,7 @@ class Engine:
         def run(chunks, prefill):
             launch = self._launch(chunks, prefill, region + len(launched))
             launched.append(launch)
-            return [] if self.overlap else self._take(launched[-1])
+            return [] if self.overlap else self._take(launch)
 
         for every_position in (False, True):     # prompt logprobs: a forward with every position's logits
             chunks = [ch for ch in prefill if ch.req.params.prompt_logprobs == every_position]
@@ -371,8 +371,9 @@ class Engine:
     def _launch(self, chunks: list[Chunk], prefill: bool, region: int) -> Launch:
         """Dispatch one target step over the chunks: build the padded batch, run it and sample each
         request's next token, keeping the tokens on the device (in region `region` of the buffer the
-        next step reads them from) for `_take`. A prefill step of requests that want prompt logprobs has the forward return
-        every position's logits, records them and takes its sampled tokens' logits from them."""
+        next step reads them from) for `_take`. A prefill step of requests that want prompt logprobs has
+        the forward return every position's logits, records them and takes its sampled tokens' logits
+        from them."""
         t0 = time.perf_counter()
         step = self.batch_builder.build(chunks, prefill)
         if self.hicache is not None:
@@ -396,8 +397,8 @@ class Engine:
             ch.req.computed = ch.start + len(ch.tokens)
             position[i] = ch.req.computed  # position of the token being sampled
         first = region * self.config.max_running
-        toks, lps, *top = self.runner.sample(first, logits, *self.batch_builder.sampling("sample", reqs, step.rows, top_n),
-                                             position, top_n=top_n)
+        params = self.batch_builder.sampling("sample", reqs, step.rows, top_n)
+        toks, lps, *top = self.runner.sample(first, logits, *params, position, top_n=top_n)
         # a middle chunk emits nothing: its logits are not a prediction anyone asked for
         emits = [not r.prefilling for r in reqs]
         for i, r in enumerate(reqs):

@@ -68,6 +68,11 @@ class StaticGraph:
                                  and self.graphdef == other.graphdef and self.treedef == other.treedef)
 
 
+def fill_tokens(tokens, last_tokens):
+    """Token ids with each -1 - i replaced by last_tokens[i]."""
+    return jnp.where(tokens < 0, last_tokens[jnp.maximum(-1 - tokens, 0)], tokens)
+
+
 def run_filled(graph: StaticGraph, leaves, batch: Batch, cache, last_tokens, **kw):
     """run_model with the batch's negative tokens read from the device: token -1 - i is `last_tokens[i]`,
     a token sampled by an earlier step and not yet seen by the host (the overlapped decode loop), so a
@@ -75,11 +80,6 @@ def run_filled(graph: StaticGraph, leaves, batch: Batch, cache, last_tokens, **k
     the flat list of their leaves."""
     return run_model(graph.graphdef, jax.tree.unflatten(graph.treedef, leaves),
                      dataclasses.replace(batch, tokens=fill_tokens(batch.tokens, last_tokens)), cache, **kw)
-
-
-def fill_tokens(tokens, last_tokens):
-    """Token ids with each -1 - i replaced by last_tokens[i]."""
-    return jnp.where(tokens < 0, last_tokens[jnp.maximum(-1 - tokens, 0)], tokens)
 
 
 def run_draft_leaves(graph: StaticGraph, leaves, hidden, next_tokens, batch: Batch, cache, last_tokens, **kw):
@@ -112,8 +112,8 @@ def propose_and_keep(last_tokens, first, draft_logits, temperature, top_p, top_k
 _step = jax.jit(run_filled, static_argnums=(0,),
                 static_argnames=("attn_path", "output", "access", "kernels", "mesh", "boundary", "tap"),
                 donate_argnums=(3,))
-_draft_step = jax.jit(run_draft_leaves, static_argnums=(0,), static_argnames=("attn_path", "access", "kernels", "mesh", "tap"),
-                      donate_argnums=(5,))
+_draft_step = jax.jit(run_draft_leaves, static_argnums=(0,),
+                      static_argnames=("attn_path", "access", "kernels", "mesh", "tap"), donate_argnums=(5,))
 
 
 class ModelRunner:
@@ -152,8 +152,8 @@ class ModelRunner:
 
     def hold_tokens(self, slots: int) -> None:
         """Make the device buffer of sampled tokens that later steps read (run_filled): `slots` entries."""
-        pool_device = next(iter(jax.tree.leaves(self.pool.cache)[0].devices()))
-        where = self._replicated if self.mesh is not None else pool_device
+        where = (self._replicated if self.mesh is not None
+                 else next(iter(jax.tree.leaves(self.pool.cache)[0].devices())))
         self.last_tokens = jax.device_put(np.zeros((slots,), np.int32), where)   # committed, as the kept ones are
 
     def sample(self, first: int, logits, *params, top_n: int = 0):

@@ -59,8 +59,6 @@ def main() -> int:
         jax.block_until_ready(eng.runner.last_tokens)
         step_ms["engine_step_ms" if overlap else "engine_step_no_overlap_ms"] = 1e3 * (time.perf_counter() - t) / n
         eng._take_in_flight()
-        if not overlap:
-            del eng
 
     chunks = eng.scheduler.plan_decode()
     step = eng.batch_builder.build(chunks, False)
