@@ -12,7 +12,7 @@ import numpy as np
 from cpkv_jax.config import EngineConfig
 from cpkv_jax.cp import CPPlan, CPRequest, plan as cp_plan
 from cpkv_jax.kv_pool import page_slots, pages_for
-from cpkv_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from cpkv_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, is_stochastic
 from cpkv_jax.scheduler import Chunk, Request, Scheduler
 from models.kv import Batch
 
@@ -135,26 +135,33 @@ class BatchBuilder:
     def sampling(self, sampler: str, reqs: list[Request], rows: int, top_n: int = 0):
         """Per-row (temperature, top_p, top_k, seed) for `sampler` over `rows` rows (padding rows: the
         defaults), host arrays the jitted sampler takes as they are; each (sampler, rows, top_n) is one
-        compiled sampler variant."""
-        self.sampler_variants.add((sampler, rows, top_n))
+        compiled sampler variant, twice for "sample" (with and without a row that samples:
+        sampling.sample_tokens' `stochastic`)."""
         params = [r.params for r in reqs] + [SamplingParams()] * (rows - len(reqs))
-        return (np.asarray([p.temperature for p in params], np.float32),
+        temperature = np.asarray([p.temperature for p in params], np.float32)
+        stochastic = (is_stochastic(temperature),) if sampler == "sample" else ()
+        self.sampler_variants.add((sampler, rows, top_n) + stochastic)
+        return (temperature,
                 np.asarray([p.top_p for p in params], np.float32),
                 np.asarray([p.top_k for p in params], np.int32),
                 np.asarray([p.seed for p in params], np.uint32))
 
     def max_compilations(self, *, speculative: bool, hooked: bool) -> int:
-        """Upper bound on compiled step variants: prefill B x T x S buckets twice (last-token logits, or
-        every position's for prompt logprobs) and decode B x S (with speculative decoding also the draft
-        extend of each, and the chain step), twice that under CP (a plan is page-aligned or not), twice
-        again with the host tier's layer hook (`hooked`: a step that copies and one that does not), plus
-        the samplers: one variant per B bucket, sampler and top-N width, and the prompt log-probability
-        gather per prefill B x T bucket and width."""
+        """Upper bound on compiled step variants: prefill B x T x S buckets (last-token logits, sampled in
+        the step greedy or not or handed to the sampler, or every position's for prompt logprobs) and
+        decode B x S (the same three last-token ways; with speculative decoding the verify step, the
+        draft extend of each and the chain step), twice that under CP (a plan is page-aligned or not),
+        twice again with the host tier's layer hook (`hooked`: a step that copies and one that does
+        not), plus the samplers: one variant per B bucket, sampler and top-N width (two for the token
+        sampler, with and without stochastic rows), and the prompt log-probability gather per prefill
+        B x T bucket and width."""
         c = self.config
         nB = len(bucket_set(1, c.max_running))
         nT = len(bucket_set(min(c.min_prefill_lanes, c.max_prefill_tokens), c.max_prefill_tokens))
         nS = len(bucket_set(1, self.max_pages))
         nK = 1 + len(bucket_set(1, MAX_TOP_LOGPROBS))
-        steps = (3 * nB * nT * nS + 3 * nB * nS) if speculative else (2 * nB * nT * nS + nB * nS)
-        samplers = nB * nK * (3 if speculative else 1) + nB * nT * nK
+        # without speculative decoding a last-token step either samples in its own executable (greedy or
+        # not: two variants) or, with top-N alternatives, hands its logits to the sampler (a third)
+        steps = (3 * nB * nT * nS + 3 * nB * nS) if speculative else (4 * nB * nT * nS + 3 * nB * nS)
+        samplers = nB * nK * (4 if speculative else 2) + nB * nT * nK
         return steps * (2 if c.cp_size > 1 else 1) * (2 if hooked else 1) + samplers

@@ -356,6 +356,13 @@ def engine_options() -> argparse.ArgumentParser:
                    help="expert-parallel ranks: each holds 1/N of the routed experts (default 1)")
     q.add_argument("--tp", dest="tp_size", type=int, default=d.tp_size, metavar="N",
                    help="tensor-parallel ranks: heads, MLP intermediate and vocabulary split N ways (default 1)")
+    q.add_argument("--ep-dispatch", choices=("auto", "psum", "all_to_all"), default=d.ep_dispatch,
+                   help="how rows meet their experts over --ep: every rank runs its experts over every row and "
+                        "the partials are psummed, or each rank dispatches its 1/ep of the rows to the experts' "
+                        "ranks (all-to-all) and gathers them back (default auto: the fewer bytes)")
+    q.add_argument("--two-batch-overlap", action=argparse.BooleanOptionalAction, default=d.two_batch_overlap,
+                   help="split each forward into two micro-batches whose collectives overlap the other's "
+                        "compute, IndexCache top-k carried per micro-batch (default off)")
     q.add_argument("--cp-short-policy", choices=SHORT_POLICIES, default=d.cp_short_policy,
                    help="CP split of requests with fewer than 2*cp new pages: whole pages per rank ('owner', "
                         "default) or token-balanced segments")

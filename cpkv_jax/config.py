@@ -27,6 +27,15 @@ class EngineConfig:
     cp_mode: str = "zigzag"          # 'zigzag' (page-aligned) or 'round_robin'
     ep_size: int = 1                 # expert-parallel ranks (mesh axis 'ep', beside 'cp'): each holds 1/ep of the routed experts
     tp_size: int = 1                 # tensor-parallel ranks (mesh axis 'tp'): heads, MLP intermediate and vocabulary split
+    ep_dispatch: str = "auto"        # how rows meet their experts over 'ep' (models.moe.choose_ep_dispatch): 'psum'
+                                     # (each rank its experts over every row, fp32 partials all-reduced),
+                                     # 'all_to_all' (each rank dispatches its 1/ep of the rows to the experts'
+                                     # ranks and all-gathers the combined rows back), 'auto': both are exact
+                                     # (capacity-free), so the one sending fewer bytes per rank for the model's
+                                     # top-k and dtype (bf16, top-8: all_to_all from ep 8, psum below)
+    two_batch_overlap: bool = False  # each forward's rows as two micro-batches (models.model.MicroBatches): one's
+                                     # MoE dispatch/combine overlaps the other's attention; IndexCache top-k
+                                     # carried per micro-batch
     cp_short_policy: str = "owner"   # requests with < 2*cp new pages: 'owner' (page-aligned) or 'token_balanced'
     speculative: str | None = None   # 'nextn': EAGLE/NextN speculative decoding with the checkpoint's MTP layer
     num_draft_tokens: int = 2        # draft tokens proposed per decode round (chain)
@@ -72,6 +81,15 @@ class EngineConfig:
         positive("cp_size")
         positive("ep_size")
         positive("tp_size")
+        if self.ep_dispatch not in ("auto", "psum", "all_to_all"):
+            raise EngineConfigError(f"ep_dispatch must be 'auto', 'psum' or 'all_to_all', got {self.ep_dispatch!r}")
+        if not isinstance(self.two_batch_overlap, bool):
+            raise EngineConfigError(f"two_batch_overlap must be True or False, got {self.two_batch_overlap!r}")
+        if self.two_batch_overlap and self.cp_size > 1 and self.max_running < 2:
+            raise EngineConfigError("two_batch_overlap with cp_size > 1 needs max_running >= 2: under CP a step is "
+                                    "cut into micro-batches along its requests (a rank's lanes are not in "
+                                    "position order, so a request's lanes cannot be cut), and with one request "
+                                    "per step there is nothing to cut")
         from cpkv_jax.cp import MODES, SHORT_POLICIES
         if self.cp_mode not in MODES:
             raise EngineConfigError(f"cp_mode must be one of {MODES}, got {self.cp_mode!r}")

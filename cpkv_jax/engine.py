@@ -184,9 +184,13 @@ class Engine:
             from cpkv_jax.hicache import HiCache
             self.hicache = HiCache(self.pool, self.radix, config.hicache_pages, full_layers=self.cfg.full_layers,
                                    policy=config.hicache_policy, mesh=self.mesh, copier=copier)
+        from models.moe import choose_ep_dispatch
+        self.ep_dispatch = choose_ep_dispatch(config.ep_dispatch, config.ep_size, self.cfg.num_experts_per_tok,
+                                              self.cfg.hidden_size, jnp.dtype(self.model.dtype).itemsize)
         self.runner = ModelRunner(self.model, self.pool, mesh=self.mesh, copier=copier,
                                   step_copies=self.hicache.copies.take_step if copier is not None else None,
-                                  kernels=config.kernels)
+                                  kernels=config.kernels, ep_dispatch=self.ep_dispatch,
+                                  micro_batches=2 if config.two_batch_overlap else 1)
         self.scheduler = Scheduler(self.allocator, self.radix, page_size=ps, max_running=config.max_running,
                                    max_prefill_tokens=config.max_prefill_tokens, lookahead=self.spec_tokens,
                                    hicache=self.hicache)
@@ -380,25 +384,33 @@ class Engine:
             self.hicache.stage_backups([(ch.req.host_res, ch.req.pages, ch.start + len(ch.tokens)) for ch in chunks])
         every_position = prefill and chunks[0].req.params.prompt_logprobs
         output = ("logits" if every_position else "last_logits") + ("" if self.spec_decoder is None else "_hidden")
-        out = self.runner.forward(step.batch, step.last_lane, attn_path=self.config.attn_path, output=output,
-                                  last_rank=step.last_rank, page_aligned=step.plan.page_aligned)
-        logits, hidden = (out, None) if self.spec_decoder is None else out
         reqs = [ch.req for ch in chunks]
         top_n = self.batch_builder.top_logprobs_width(reqs)
-        if every_position:
-            logits = self._prompt_logprobs(chunks, step, logits, top_n)
+        position = np.zeros(step.rows, np.int32)   # of the token being sampled
+        position[:len(chunks)] = [ch.start + len(ch.tokens) for ch in chunks]
+        first = region * self.config.max_running
+        params = self.batch_builder.sampling("sample", reqs, step.rows, top_n)
+        # the common step samples inside its own executable; prompt logprobs, alternatives and the
+        # draft model's hidden rows take the separate sampler
+        fused = output == "last_logits" and top_n == 0
+        out = self.runner.forward(step.batch, step.last_lane, attn_path=self.config.attn_path, output=output,
+                                  last_rank=step.last_rank, page_aligned=step.plan.page_aligned,
+                                  sample=(first, params, position) if fused else None)
+        if fused:
+            logits, (toks, lps, *_) = out
+            top, hidden = [], None
+        else:
+            logits, hidden = (out, None) if self.spec_decoder is None else out
+            if every_position:
+                logits = self._prompt_logprobs(chunks, step, logits, top_n)
+            toks, lps, *top = self.runner.sample(first, logits, *params, position, top_n=top_n)
         n_tok = sum(len(ch.tokens) for ch in chunks)
         self.metrics["prefill_steps" if prefill else "decode_steps"] += 1
         self.metrics["prefill_tokens" if prefill else "decode_tokens"] += n_tok
         self.metrics["padded_lanes"] += step.batch.tokens.size - n_tok   # every rank's lanes under CP
 
-        position = np.zeros(step.rows, np.int32)
-        for i, ch in enumerate(chunks):
+        for ch in chunks:
             ch.req.computed = ch.start + len(ch.tokens)
-            position[i] = ch.req.computed  # position of the token being sampled
-        first = region * self.config.max_running
-        params = self.batch_builder.sampling("sample", reqs, step.rows, top_n)
-        toks, lps, *top = self.runner.sample(first, logits, *params, position, top_n=top_n)
         # a middle chunk emits nothing: its logits are not a prediction anyone asked for
         emits = [not r.prefilling for r in reqs]
         for i, r in enumerate(reqs):

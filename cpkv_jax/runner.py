@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from cpkv_jax.kv_pool import KVPool
-from cpkv_jax.sampling import propose_tokens, sample_tokens
+from cpkv_jax.sampling import is_stochastic, propose_tokens, sample_tokens
 from models.kv import Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
 from models.sharding import RULES, place_state
@@ -90,11 +90,12 @@ def run_draft_leaves(graph: StaticGraph, leaves, hidden, next_tokens, batch: Bat
                      dataclasses.replace(batch, tokens=fill_tokens(batch.tokens, last_tokens)), cache, **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("top_n",))
-def sample_and_keep(last_tokens, first, logits, temperature, top_p, top_k, seed, position, *, top_n: int = 0):
+@functools.partial(jax.jit, static_argnames=("top_n", "stochastic"))
+def sample_and_keep(last_tokens, first, logits, temperature, top_p, top_k, seed, position, *, top_n: int = 0,
+                    stochastic: bool = True):
     """cpkv_jax.sampling.sample_tokens, its tokens [B] also stored at last_tokens[first:first + B] (the
     buffer later steps read them from, run_filled); one executable per sampler variant."""
-    out = sample_tokens(logits, temperature, top_p, top_k, seed, position, top_n=top_n)
+    out = sample_tokens(logits, temperature, top_p, top_k, seed, position, top_n=top_n, stochastic=stochastic)
     return jax.lax.dynamic_update_slice(last_tokens, out[0], (first,)), out
 
 
@@ -106,14 +107,31 @@ def propose_and_keep(last_tokens, first, draft_logits, temperature, top_p, top_k
     return jax.lax.dynamic_update_slice(last_tokens, drafts, (first,)), (drafts, q)
 
 
+def run_filled_sampled(graph: StaticGraph, leaves, batch: Batch, cache, last_tokens, first, temperature, top_p,
+                       top_k, seed, position, *, stochastic: bool, **kw):
+    """run_filled's last-token logits and, in the same executable, sample_and_keep's tokens: one
+    dispatch per step instead of two, for a host whose launch work is as long as a decode step's device
+    time (docs/perf.md). Returns ((logits, sample_tokens' outputs, last_tokens), cache)."""
+    logits, cache = run_filled(graph, leaves, batch, cache, last_tokens, output="last_logits", **kw)
+    last_tokens, out = sample_and_keep(last_tokens, first, logits, temperature, top_p, top_k, seed, position,
+                                       stochastic=stochastic)
+    return (logits, out, last_tokens), cache
+
+
 # The step every runner dispatches: the pool (argument 3) is donated; the graph definition and the
 # kernel policy are static, so runners over the same model graph, pool shape and policy share compiled
 # executables.
 _step = jax.jit(run_filled, static_argnums=(0,),
-                static_argnames=("attn_path", "output", "access", "kernels", "mesh", "boundary", "tap"),
+                static_argnames=("attn_path", "output", "access", "kernels", "mesh", "boundary", "tap",
+                                 "ep_dispatch", "micro_batches"),
                 donate_argnums=(3,))
+_step_sampled = jax.jit(run_filled_sampled, static_argnums=(0,),
+                        static_argnames=("attn_path", "access", "kernels", "mesh", "boundary", "tap", "ep_dispatch",
+                                         "micro_batches", "stochastic"),
+                        donate_argnums=(3,))
 _draft_step = jax.jit(run_draft_leaves, static_argnums=(0,),
-                      static_argnames=("attn_path", "access", "kernels", "mesh", "tap"), donate_argnums=(5,))
+                      static_argnames=("attn_path", "access", "kernels", "mesh", "tap", "ep_dispatch",
+                                       "micro_batches"), donate_argnums=(5,))
 
 
 class ModelRunner:
@@ -125,12 +143,14 @@ class ModelRunner:
     run the plain executable (decode steps do not pay the hook). Batches' slot tables are made of the
     pool's pages (paged_slot_table): with pages of a multiple of 64 slots the forward tells the
     indexer so (KVAccess.contiguous_blocks), and its decode scores read the keys by page block.
-    `kernels`: which kernels every step runs (a static argument of the jitted steps)."""
+    `kernels`: which kernels every step runs (a static argument of the jitted steps); `ep_dispatch`
+    ('psum' / 'all_to_all', resolved) and `micro_batches` (2: two-batch overlap): run_model's."""
 
     def __init__(self, model: DsaModel, pool: KVPool, mesh=None, copier=None, step_copies=None,
-                 kernels: KernelPolicy = DEFAULT_POLICY):
+                 kernels: KernelPolicy = DEFAULT_POLICY, ep_dispatch: str = "psum", micro_batches: int = 1):
         self.model = model
         self.kernels = kernels
+        self.ep_dispatch, self.micro_batches = ep_dispatch, micro_batches
         self.copier, self.step_copies = copier, step_copies
         self.graphdef, self.state = nnx.split(model)
         self.pool = pool
@@ -159,7 +179,8 @@ class ModelRunner:
     def sample(self, first: int, logits, *params, top_n: int = 0):
         """Sample a step's tokens (cpkv_jax.sampling.sample_tokens over `params`) and keep them on the
         device at rows first, first + 1, ... of the buffer the next steps read."""
-        self.last_tokens, out = sample_and_keep(self.last_tokens, np.int32(first), logits, *params, top_n=top_n)
+        self.last_tokens, out = sample_and_keep(self.last_tokens, np.int32(first), logits, *params, top_n=top_n,
+                                                stochastic=is_stochastic(params[0]))
         return out
 
     def propose(self, first: int, draft_logits, *params):
@@ -182,7 +203,8 @@ class ModelRunner:
             last_index = np.full((B,), T - 1, np.int32)
         access = (KVAccess(self.axis, page_aligned) if self.cp > 1
                   else KVAccess(contiguous_blocks=self.pool.page_size % 64 == 0))
-        kw = dict(last_index=np.asarray(last_index, np.int32), access=access, kernels=self.kernels, mesh=self.mesh)
+        kw = dict(last_index=np.asarray(last_index, np.int32), access=access, kernels=self.kernels, mesh=self.mesh,
+                  ep_dispatch=self.ep_dispatch, micro_batches=self.micro_batches)
         if self.mesh is not None:
             kw["last_rank"] = jax.device_put(np.asarray(last_rank, np.int32), self._replicated)
             kw["last_index"] = jax.device_put(np.asarray(last_index, np.int32), self._replicated)
@@ -203,11 +225,13 @@ class ModelRunner:
                            output="logits" if all_logits else "last_logits", **kw)
 
     def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, output: str = "last_logits",
-                last_rank=None, page_aligned: bool = True):
+                last_rank=None, page_aligned: bool = True, sample=None):
         """Runs one target step; the pool is consumed and replaced. output (models.model.OUTPUTS):
         "last_logits" fp32 [B, V] at `last_index` (per request lane; under CP on rank `last_rank`),
         "logits" every position ([B, T, V]; under CP [cp, B, T, V]), "*_hidden" also this step's
-        hidden rows, kept on device for the draft model."""
+        hidden rows, kept on device for the draft model. `sample` = (first, (temperature, top_p, top_k,
+        seed), position), with output "last_logits": the step also samples, as `sample` does, in the
+        same executable, and returns (logits, sample_tokens' outputs)."""
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
         attn_path = attn_path or self.attn_path_for(batch)
         if self.copier is not None:
@@ -217,13 +241,26 @@ class ModelRunner:
                 for c in copies:
                     self.copier.push(c)
                 kw["boundary"] = LayerHook(() if self.mesh is None else tuple(self.mesh.axis_names))
-        self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output, kw["access"],
-                           "boundary" in kw))
         kw.update(self._trace_kw("target"))
-        out, self.pool.cache = _step(self.graph, self.leaves, batch, self.pool.cache, self.last_tokens,
-                                     attn_path=attn_path, output=output, **kw)
+        if sample is None:
+            self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output,
+                               kw["access"], "boundary" in kw))
+            out, self.pool.cache = _step(self.graph, self.leaves, batch, self.pool.cache, self.last_tokens,
+                                         attn_path=attn_path, output=output, **kw)
+            logits = out
+        else:
+            if output != "last_logits":
+                raise ValueError(f"a forward that samples returns last-token logits, not {output!r}")
+            first, params, position = sample
+            stochastic = is_stochastic(params[0])
+            self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path,
+                               ("sampled", stochastic), kw["access"], "boundary" in kw))
+            (logits, tokens, self.last_tokens), self.pool.cache = _step_sampled(
+                self.graph, self.leaves, batch, self.pool.cache, self.last_tokens, np.int32(first), *params,
+                np.asarray(position, np.int32), attn_path=attn_path, stochastic=stochastic, **kw)
+            out = logits, tokens
         if self.trace is not None:
-            self.trace.forward_done("target", out)
+            self.trace.forward_done("target", logits)
         return out
 
     def draft_forward(self, hidden, next_tokens, batch: Batch, last_index, *, attn_path: str | None = None,

@@ -133,17 +133,27 @@ def _top(logprobs, n: int):
     return ids.astype(jnp.int32), values
 
 
-@functools.partial(jax.jit, static_argnames=("top_n",))
-def sample_tokens(logits, temperature, top_p, top_k, seed, position, *, top_n: int = 0):
+def is_stochastic(temperature) -> bool:
+    """Whether a batch's host-side temperatures [B] sample any row (sample_tokens' `stochastic`)."""
+    return bool(np.any(np.asarray(temperature) > 0))
+
+
+@functools.partial(jax.jit, static_argnames=("top_n", "stochastic"))
+def sample_tokens(logits, temperature, top_p, top_k, seed, position, *, top_n: int = 0, stochastic: bool = True):
     """logits [B, V] fp32; per-request temperature/top_p/top_k/seed/position [B]. Returns token ids [B],
     their log-probabilities under the unmodified distribution, and the top_n alternatives of each row
-    under the same log-softmax (ids and log-probabilities [B, top_n]). An all-greedy batch skips the
-    vocabulary sort (lax.cond runs one branch)."""
+    under the same log-softmax (ids and log-probabilities [B, top_n]). stochastic=False (the caller
+    knows every temperature is 0, `is_stochastic`) compiles the greedy argmax alone, without the
+    vocabulary sort. A static flag, not a lax.cond on the temperatures: on the GPU a conditional
+    copies its predicate to the host and waits for it, which would stall the overlapped loop's
+    dispatch until the step before had run."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1)
-    sampled = jax.lax.cond(jnp.any(temperature > 0), _sample_rows, lambda *a: greedy,
-                           logits, temperature, top_p, top_k, seed, position)
-    tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    if stochastic:
+        sampled = _sample_rows(logits, temperature, top_p, top_k, seed, position)
+        tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    else:
+        tokens = greedy.astype(jnp.int32)
     return (tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]) + _top(logprobs, top_n)
 
 

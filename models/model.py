@@ -8,6 +8,7 @@ carry a leading [R] axis and one lax.scan runs the unit R times. GLM-5.2 (78 lay
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -64,6 +65,46 @@ def layer_places(groups: tuple[LayerGroup, ...]) -> tuple[tuple[int, int, int], 
     return tuple(where[i] for i in range(len(where)))
 
 
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+    """A forward's rows cut into micro-batches (two-batch overlap): `parts` run each layer one after
+    the other, every part with its own hidden state and its own IndexCache top-k carried from layer
+    to layer, the KV pool threaded through them in order. Cut along the requests (axis 0) when they
+    divide; else along the lanes (axis 1) on one CP rank, where a request's lanes are its positions in
+    order, so a later part's attention reads the earlier part's keys from the pool after the earlier
+    part wrote them in the same layer (under CP a rank's lanes are not the request's order: not cut
+    there); else one part. One part: the plain forward, unchanged."""
+
+    whole: Batch
+    parts: tuple[Batch, ...]
+    axis: int | None
+
+    @classmethod
+    def of(cls, batch: Batch, n: int, access: KVAccess = SINGLE_DEVICE) -> "MicroBatches":
+        B, T = batch.tokens.shape
+        if n > 1 and B % n == 0:
+            axis = 0
+        elif n > 1 and access.axis is None and T % n == 0:
+            axis = 1
+        else:
+            return cls(batch, (batch,), None)
+
+        def part(i):
+            cut = lambda a: jax.lax.slice_in_dim(a, i * a.shape[axis] // n, (i + 1) * a.shape[axis] // n,  # noqa: E731
+                                                 axis=axis)
+            return Batch(cut(batch.tokens), cut(batch.positions), cut(batch.write_slots),
+                         cut(batch.slot_table) if axis == 0 else batch.slot_table)
+        return cls(batch, tuple(part(i) for i in range(n)), axis)
+
+    def split(self, x) -> tuple:
+        """Rows [B, T, ...] of the whole batch as the parts' rows."""
+        return (x,) if self.axis is None else tuple(jnp.split(x, len(self.parts), axis=self.axis))
+
+    def join(self, xs):
+        """The parts' rows as the whole batch's."""
+        return xs[0] if self.axis is None else jnp.concatenate(xs, axis=self.axis)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, mlp_kind: str, indexer_kind: str, *, dtype, rngs: nnx.Rngs, stack=()):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, stack=stack)
@@ -78,17 +119,41 @@ class DecoderLayer(nnx.Module):
                  axes: MeshAxes = NO_AXES, tap=None):
         """`tap`, if given (static), sees the layer's intermediate values once its MLP ran (the KV-integrity
         trace's per-layer probe, cpkv_jax.trace.LayerTap); it returns nothing and changes nothing."""
-        attn_in = self.input_layernorm(x)
-        a, topk, cache = self.self_attn(attn_in, topk, batch, cache, layer_id, full_id,
-                                        attn_path=attn_path, access=access, kernels=kernels, axes=axes)
+        with jax.named_scope("attention"):      # the op names profiles and the TBO schedule test read
+            attn_in = self.input_layernorm(x)
+            a, topk, cache = self.self_attn(attn_in, topk, batch, cache, layer_id, full_id,
+                                            attn_path=attn_path, access=access, kernels=kernels, axes=axes)
         x = x + a
         h = self.post_attention_layernorm(x)
-        m = (self.mlp(h, batch.valid, kernels=kernels, axes=axes) if isinstance(self.mlp, MoE)
-             else self.mlp(h, axes))
+        with jax.named_scope("mlp"):
+            m = (self.mlp(h, batch.valid, kernels=kernels, axes=axes) if isinstance(self.mlp, MoE)
+                 else self.mlp(h, axes))
         if tap is not None:
             tap(layer_id, full_id if self.self_attn.indexer is not None else None, batch, cache, access,
                 attn_in=attn_in, topk=topk, attn_out=a, mlp_in=h, mlp_out=m)
         return x + m, topk, cache
+
+    def over(self, xs, topks, micro: MicroBatches, cache: KVCache, layer_id, full_id, *, attn_path: str,
+             access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, axes: MeshAxes = NO_AXES,
+             tap=None):
+        """The layer over each micro-batch in turn (hidden rows `xs`, IndexCache top-k `topks`, one per
+        part; the pool threaded through them). With two parts a part's MoE (its dispatch and combine
+        collectives) depends only on its own attention, so it can overlap the other part's attention
+        (and, across the layer boundary, the other part's next attention). `tap` sees the layer once,
+        over the whole batch (the parts' values joined)."""
+        seen = []
+        probe = None if tap is None else (lambda *args, **values: seen.append(values))
+        out_x, out_topk = [], []
+        for i, (x, topk, part) in enumerate(zip(xs, topks, micro.parts)):
+            with jax.named_scope(f"micro_batch{i}") if len(xs) > 1 else contextlib.nullcontext():
+                x, topk, cache = self(x, topk, part, cache, layer_id, full_id, attn_path=attn_path, access=access,
+                                      kernels=kernels, axes=axes, tap=probe)
+            out_x.append(x)
+            out_topk.append(topk)
+        if tap is not None:
+            tap(layer_id, full_id if self.self_attn.indexer is not None else None, micro.whole, cache, access,
+                **{name: micro.join([v[name] for v in seen]) for name in seen[0]})
+        return tuple(out_x), tuple(out_topk), cache
 
 
 class LayerStack(nnx.Module):
@@ -99,26 +164,28 @@ class LayerStack(nnx.Module):
         self.unit = nnx.List([DecoderLayer(cfg, m, ix, dtype=dtype, rngs=rngs, stack=(group.repeats,))
                               for m, ix in group.unit])
 
-    def __call__(self, x, topk, batch, cache, full_index: tuple[int, ...], *, attn_path: str,
+    def __call__(self, xs, topks, micro: MicroBatches, cache, full_index: tuple[int, ...], *, attn_path: str,
                  access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None,
                  axes: MeshAxes = NO_AXES, tap=None):
+        """xs, topks: each micro-batch's hidden rows and IndexCache top-k (DecoderLayer.over)."""
         graphdefs, states = zip(*(nnx.split(layer) for layer in self.unit))
         layer_ids = jnp.asarray(self.group.layer_ids, jnp.int32)
         full_ids = jnp.asarray([[full_index[i] for i in row] for row in self.group.layer_ids], jnp.int32)
 
-        def body(carry, xs):
-            x, topk, cache = carry
-            st, lid, fid = xs
+        def body(carry, per_repeat):
+            xs, topks, cache = carry
+            st, lid, fid = per_repeat
             for j, gd in enumerate(graphdefs):
-                if boundary is not None:
-                    cache, x = boundary(cache, x)
-                x, topk, cache = nnx.merge(gd, st[j])(x, topk, batch, cache, lid[j], fid[j],
-                                                       attn_path=attn_path, access=access, kernels=kernels,
-                                                       axes=axes, tap=tap)
-            return (x, topk, cache), None
+                if boundary is not None:    # the hook sees every part's rows: it follows all of the layer's reads
+                    cache, x = boundary(cache, micro.join(xs))
+                    xs = micro.split(x)
+                xs, topks, cache = nnx.merge(gd, st[j]).over(xs, topks, micro, cache, lid[j], fid[j],
+                                                             attn_path=attn_path, access=access, kernels=kernels,
+                                                             axes=axes, tap=tap)
+            return (xs, topks, cache), None
 
-        (x, topk, cache), _ = jax.lax.scan(body, (x, topk, cache), (states, layer_ids, full_ids))
-        return x, topk, cache
+        (xs, topks, cache), _ = jax.lax.scan(body, (xs, topks, cache), (states, layer_ids, full_ids))
+        return xs, topks, cache
 
 
 class MTPLayer(nnx.Module):
@@ -173,27 +240,31 @@ class DsaModel(nnx.Module):
     # ---- forward ---------------------------------------------------------------------------------
     def __call__(self, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
                  access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, boundary=None,
-                 axes: MeshAxes = NO_AXES, tap=None):
+                 axes: MeshAxes = NO_AXES, tap=None, micro_batches: int = 1):
         """Target forward. Returns (final-normed hidden [B, T, D], updated cache). Under CP (inside the
         shard_map, `access.axis` set) the batch holds this rank's tokens and the cache its shard.
         `boundary(cache, x) -> (cache, x)`, if given, runs before every layer and after the last (the
         host tier's copy hook: it sees the pool between layers and must return both unchanged).
         `kernels`: which kernels the layers run (static, like `access`); `axes`: the mesh axes the
         parameters are split over, inside a shard_map over them (models.sharding.MeshAxes); `tap`: the
-        per-layer probe of the KV-integrity trace (DecoderLayer), None when tracing is off."""
-        x = self.embed(batch.tokens, axes)
-        B, T = batch.tokens.shape
-        topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
+        per-layer probe of the KV-integrity trace (DecoderLayer), None when tracing is off;
+        `micro_batches`: two-batch overlap at 2 (MicroBatches: each part its own hidden rows and
+        IndexCache top-k through every layer), static."""
+        micro = MicroBatches.of(batch, micro_batches, access)
+        width = self.topk_width(batch.slot_table.shape[1])
+        xs = tuple(self.embed(part.tokens, axes) for part in micro.parts)
+        topks = tuple(jnp.full(part.tokens.shape + (width,), -1, jnp.int32) for part in micro.parts)
         for stack in self.groups:
-            x, topk, cache = stack(x, topk, batch, cache, self.full_index, attn_path=attn_path, access=access,
-                                   kernels=kernels, boundary=boundary, axes=axes, tap=tap)
+            xs, topks, cache = stack(xs, topks, micro, cache, self.full_index, attn_path=attn_path, access=access,
+                                     kernels=kernels, boundary=boundary, axes=axes, tap=tap)
+        x = micro.join(xs)
         if boundary is not None:
             cache, x = boundary(cache, x)
         return self.norm(x), cache
 
     def mtp_hidden(self, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str = "expanded",
                    access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY,
-                   axes: MeshAxes = NO_AXES, tap=None):
+                   axes: MeshAxes = NO_AXES, tap=None, micro_batches: int = 1):
         """MTP layer over target hidden states [B, T, D] (final-normed) and the token that follows each
         position [B, T]; positions/slots come from `batch`; `cache` is the draft's one-layer cache (same
         slots as the target's). Returns (the layer's output hidden before shared_head.norm, cache)."""
@@ -202,12 +273,13 @@ class DsaModel(nnx.Module):
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers == 0)")
         emb = axes.embed((m.embed_tokens if m.embed_tokens is not None else self.embed_tokens)[...], next_tokens)
         x = m.eh_proj(jnp.concatenate([m.enorm(emb), m.hnorm(hidden.astype(emb.dtype))], axis=-1))
-        B, T = next_tokens.shape
-        topk = jnp.full((B, T, self.topk_width(batch.slot_table.shape[1])), -1, jnp.int32)
+        micro = MicroBatches.of(batch, micro_batches, access)
+        width = self.topk_width(batch.slot_table.shape[1])
+        topks = tuple(jnp.full(part.tokens.shape + (width,), -1, jnp.int32) for part in micro.parts)
         zero = jnp.int32(0)
-        x, _, cache = m.layer(x, topk, batch, cache, zero, zero, attn_path=attn_path, access=access, kernels=kernels,
-                              axes=axes, tap=tap)
-        return x, cache
+        xs, _, cache = m.layer.over(micro.split(x), topks, micro, cache, zero, zero, attn_path=attn_path,
+                                    access=access, kernels=kernels, axes=axes, tap=tap)
+        return micro.join(xs), cache
 
     def mtp_logits(self, x, axes: MeshAxes = NO_AXES):
         """fp32 draft logits of MTP output hidden states (shared_head.norm, then its head or lm_head)."""
@@ -263,7 +335,7 @@ def _specs(access: KVAccess, cache: KVCache, state, mesh):
 
 def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, output: str = "logits",
               last_index=None, access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, mesh=None,
-              last_rank=None, boundary=None, tap=None):
+              last_rank=None, boundary=None, tap=None, ep_dispatch: str = "psum", micro_batches: int = 1):
     """The pure function every jitted step wraps: merge the params, run the target forward at the
     model's matmul precision, and return (out, cache). output:
       "logits" [B, T, V] / "hidden" [B, T, D]          every position
@@ -278,17 +350,20 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
     `access.axis` set: batch rows [cp*B, T] are split over the axis (rank r gets its own lanes of every
     request), `slot_table` [B, S] is replicated, the cache's slot axis is sharded. Last-token outputs take each request's last token
     from rank `last_rank[b]`, lane `last_index[b]` (narrow collection); every-position outputs gather
-    all of them ([cp, B, T, ...]) — the flag for batches that need them."""
+    all of them ([cp, B, T, ...]) — the flag for batches that need them.
+    `ep_dispatch` (static): how the routed experts meet the rows over 'ep' (models.sharding.MeshAxes:
+    'psum', or 'all_to_all': each ep rank dispatches its own 1/ep of the rows and all-gathers them
+    back); `micro_batches` (static): 2 for two-batch overlap (DsaModel.__call__)."""
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
 
-    axes = MeshAxes.of(mesh)
+    axes = MeshAxes.of(mesh, ep_dispatch=ep_dispatch)
 
     def forward(state, batch, cache, last_index, last_rank):
         m = nnx.merge(graphdef, state)
         with jax.default_matmul_precision(matmul_precision(m.dtype)):
             h, cache = m(batch, cache, attn_path=attn_path, access=access, kernels=kernels, boundary=boundary,
-                         axes=axes, tap=tap)
+                         axes=axes, tap=tap, micro_batches=micro_batches)
             if output.startswith("last"):
                 out = m.logits(pick_last(h, last_index, last_rank, access), axes)
             else:
@@ -306,12 +381,12 @@ def run_model(graphdef, state, batch: Batch, cache: KVCache, *, attn_path: str, 
 
 def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache, *, attn_path: str,
               last_index, access: KVAccess = SINGLE_DEVICE, kernels: KernelPolicy = DEFAULT_POLICY, mesh=None,
-              last_rank=None, tap=None):
+              last_rank=None, tap=None, ep_dispatch: str = "psum", micro_batches: int = 1):
     """The draft (MTP) step: hidden is either the target's hidden rows [B(·cp), T, D] of the same
     lanes (draft extend: under CP each rank's local slice, never gathered) or one row per request
     [B, D] (chain steps, broadcast to the lanes). Returns ((draft logits [B, V], the MTP output hidden
-    [B, D]) at each request's last lane, draft cache)."""
-    axes = MeshAxes.of(mesh)
+    [B, D]) at each request's last lane, draft cache). ep_dispatch, micro_batches: as run_model."""
+    axes = MeshAxes.of(mesh, ep_dispatch=ep_dispatch)
 
     def forward(state, hidden, next_tokens, batch, cache, last_index, last_rank):
         m = nnx.merge(graphdef, state)
@@ -319,7 +394,7 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
             if hidden.ndim == 2:
                 hidden = jnp.broadcast_to(hidden[:, None, :], next_tokens.shape + hidden.shape[-1:])
             x, cache = m.mtp_hidden(hidden, next_tokens, batch, cache, attn_path=attn_path, access=access,
-                                    kernels=kernels, axes=axes, tap=tap)
+                                    kernels=kernels, axes=axes, tap=tap, micro_batches=micro_batches)
             x_last = pick_last(x, last_index, last_rank, access)
             return (m.mtp_logits(x_last, axes), x_last), cache
 
@@ -335,7 +410,8 @@ def run_draft(graphdef, state, hidden, next_tokens, batch: Batch, cache: KVCache
 # One jitted step for every model object of a graph: the graph definition is a static argument, the
 # params are traced, so models and engines of the same shapes share compilations.
 run_model_jit = jax.jit(run_model, static_argnums=(0,), static_argnames=("attn_path", "output", "access", "kernels",
-                                                                         "mesh", "boundary", "tap"))
+                                                                         "mesh", "boundary", "tap", "ep_dispatch",
+                                                                         "micro_batches"))
 
 
 def jit_forward(model: DsaModel, *, attn_path: str = "expanded", with_logits: bool = True,

@@ -151,6 +151,58 @@ def dispatched_expert_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPol
     return (y.reshape(n, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1).astype(x.dtype)
 
 
+EP_DISPATCH_CHOICES = ("auto", "psum", "all_to_all")
+
+
+def ep_dispatch_bytes(mode: str, ep: int, k: int, hidden: int, itemsize: int) -> float:
+    """Bytes one rank sends per MoE layer and per row of the forward, when every ep rank holds every
+    row (the engine's attention output is replicated over 'ep'), with routes spread evenly over the
+    ranks (D = hidden):
+      'psum'        a ring all-reduce of the fp32 partial sums [N, D]: 2 (ep-1)/ep x 4 D;
+      'all_to_all'  each rank dispatches its 1/ep of the rows' k routed slots, (ep-1)/ep of them to
+                    other ranks, gets them back (2 x k/ep x (ep-1)/ep x itemsize D, plus an int32
+                    expert id per slot one way), then all-gathers the combined rows ((ep-1)/ep x
+                    itemsize D).
+    all_to_all / psum ~ itemsize (2k/ep + 1) / 8: bf16 GLM-5 / DeepSeek-V3.2 (k=8) 2.25x at ep 2,
+    1.25x at ep 4, 0.75x at ep 8; fp32 needs ep > 2k to win."""
+    if ep <= 1:
+        return 0.0
+    remote = (ep - 1) / ep
+    if mode == "psum":
+        return 2 * remote * 4 * hidden
+    if mode == "all_to_all":
+        return remote * (2 * k / ep * itemsize * hidden + itemsize * hidden + k / ep * 4)
+    raise ValueError(f"mode must be 'psum' or 'all_to_all', got {mode!r}")
+
+
+def choose_ep_dispatch(choice: str, ep: int, k: int, hidden: int, itemsize: int) -> str:
+    """The engine's EP dispatch ('auto' resolved). Both modes are exact (no capacity, no dropped slot,
+    dummy rows never computed or sent; 'all_to_all' even adds each row's slots in the one-device
+    order, where 'psum' adds the ranks' fp32 partials), so 'auto' takes the one that sends fewer bytes
+    per rank (ep_dispatch_bytes; ties: 'psum', one collective instead of four)."""
+    if choice not in EP_DISPATCH_CHOICES:
+        raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH_CHOICES}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    a2a = ep_dispatch_bytes("all_to_all", ep, k, hidden, itemsize)
+    return "all_to_all" if a2a < ep_dispatch_bytes("psum", ep, k, hidden, itemsize) else "psum"
+
+
+def over_own_rows(x, n_valid, axis: str, fn):
+    """Inside a shard_map over `axis`, with the rows x [N, D] (valid ones first, n_valid of them) the
+    same on every rank: rank r takes its own strided 1/R of them (rows r, r + R, ...: the valid ones
+    spread evenly and still first), runs fn(rows [ceil(N/R), D], n_valid of them) -> [ceil(N/R), D]
+    (the dispatch), and the ranks' results are all-gathered back into every rank's [N, D]."""
+    N, D = x.shape
+    R = jax.lax.axis_size(axis)
+    c = -(-N // R)
+    r = jax.lax.axis_index(axis)
+    padded = jnp.pad(x, ((0, c * R - N), (0, 0))).reshape(c, R, D)
+    mine = jax.lax.dynamic_index_in_dim(padded, r, axis=1, keepdims=False)          # rows r + R i
+    y = fn(mine, jnp.clip((n_valid - r + R - 1) // R, 0, c))
+    return jax.lax.all_gather(y, axis, axis=1).reshape(c * R, D)[:N]              # back in row order
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, stack=()):
         self.cfg = cfg
@@ -171,12 +223,27 @@ class MoE(nnx.Module):
         before the router and experts and restored after, so padding never takes part in routing.
         kernels: whether the row gathers run the Pallas kernel (static). axes: inside a shard_map, the
         mesh axes the parameters are split over (routed experts: expert_parallel_mlp over rows every
-        rank holds, or with ep_dispatch 'all_to_all' dispatched_expert_mlp over each rank's own rows;
-        the shared experts' intermediate: tensor-parallel)."""
+        rank holds; with ep_dispatch 'all_to_all' dispatched_expert_mlp, over each rank's strided 1/ep
+        of the rows every rank holds (over_own_rows: sliced, dispatched, all-gathered back), or over
+        each rank's own rows when axes.ep_rows_split (data-parallel attention); the shared experts'
+        intermediate: tensor-parallel)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         valid = jnp.ones(xf.shape[0], bool) if valid is None else valid.reshape(-1)
         xc, dest, n_valid = compact_rows(xf, valid, kernels)
+        if axes.experts is not None and axes.ep_dispatch == "all_to_all" and not axes.ep_rows_split:
+            # every ep rank holds every row: each routes and dispatches its own 1/ep, all-gathered back
+            out = over_own_rows(xc, n_valid, axes.experts, lambda rows, n: self.routed(rows, n, kernels, axes))
+        else:
+            out = self.routed(xc, n_valid, kernels, axes)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(xc, axes)
+        return restore_rows(out, dest, kernels).reshape(shape)
+
+    def routed(self, xc, n_valid, kernels: KernelPolicy, axes: MeshAxes):
+        """The routed experts' weighted sum [n, D] over compacted rows (the first n_valid real): the
+        router, then one device's grouped matmul, or the expert-parallel psum, or the dispatch of the
+        rows to their experts' ranks and back (axes.ep_dispatch)."""
         logits = jnp.dot(xc.astype(jnp.float32), self.gate.weight(jnp.float32))
         idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
         # fp8 experts go to the dispatch with their scales: the fp8 kernel keeps them fp8, any other
@@ -184,15 +251,11 @@ class MoE(nnx.Module):
         scale_refs = (self.experts_gate_scale_inv, self.experts_up_scale_inv, self.experts_down_scale_inv)
         experts = (self.experts_gate[...], self.experts_up[...], self.experts_down[...])
         if scale_refs[0] is None:
-            experts, scales = tuple(e.astype(x.dtype) for e in experts), None
+            experts, scales = tuple(e.astype(xc.dtype) for e in experts), None
         else:
             scales = tuple(s[...] for s in scale_refs)
         if axes.experts is None:
-            out = grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels, scales=scales)
-        elif axes.ep_dispatch == "psum":
-            out = expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts, scales=scales)
-        else:
-            out = dispatched_expert_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts, scales=scales)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(xc, axes)
-        return restore_rows(out, dest, kernels).reshape(shape)
+            return grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels, scales=scales)
+        if axes.ep_dispatch == "psum":
+            return expert_parallel_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts, scales=scales)
+        return dispatched_expert_mlp(xc, idx, w, *experts, n_valid, kernels, axes.experts, scales=scales)

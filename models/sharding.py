@@ -99,24 +99,30 @@ class MeshAxes:
     vocab axes, which must be one axis). The collectives of tensor parallelism live here.
     ep_dispatch: how the routed experts meet their rows: 'psum' (every rank holds every row, as after
     tensor-parallel attention: each adds its experts' share, one psum) or 'all_to_all' (each rank
-    holds its own rows, as after data-parallel attention: rows go to their experts' ranks and back)."""
+    holds its own rows, as after data-parallel attention: rows go to their experts' ranks and back).
+    ep_rows_split: with 'all_to_all', whether the rows arrive split over the experts axis (each rank its
+    own, data-parallel attention); False (the engine: attention's output is replicated over 'ep'):
+    each rank takes its own 1/ep of the rows, dispatches them, and the combined rows are all-gathered
+    back over 'ep' (models.moe.over_own_rows)."""
 
     experts: str | None = None
     tp: str | None = None
     ep_dispatch: str = "psum"
+    ep_rows_split: bool = False
 
     def __post_init__(self):
         if self.ep_dispatch not in EP_DISPATCH:
             raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {self.ep_dispatch!r}")
 
     @classmethod
-    def of(cls, mesh: Mesh | None, rules: ShardingRules = RULES) -> "MeshAxes":
+    def of(cls, mesh: Mesh | None, rules: ShardingRules = RULES, ep_dispatch: str = "psum") -> "MeshAxes":
+        """The axes of a forward under shard_map over `mesh` (rows replicated over the experts axis)."""
         def split(axis):
             return axis if mesh is not None and axis in mesh.axis_names and mesh.shape[axis] > 1 else None
         tp = {split(a) for a in (rules.heads, rules.index_heads, rules.mlp, rules.vocab)}
         if len(tp) > 1:
             raise ValueError(f"heads, index_heads, mlp and vocab must split over one mesh axis, got {tp}")
-        return cls(split(rules.experts), tp.pop())
+        return cls(split(rules.experts), tp.pop(), ep_dispatch)
 
     def psum_tp(self, x):
         """The sum of a row-parallel product's per-rank partials (o_proj, MLP down, embedding rows)."""

@@ -104,8 +104,10 @@ def expert_order(expert_ids, num_experts: int):
     """Rows grouped by expert (stable within an expert) for a grouped matmul: (order, group sizes).
     Ids outside [0, num_experts) (dummies) go last and count in no group. A stable sort and a binary
     search of the group bounds: no [rows, experts] one-hot and no cumulative sum along its long axis
-    (GLM-5: 8 rows per token x 257 ids), and no atomics on a few shared counters."""
+    (GLM-5: 8 rows per token x 257 ids), and no atomics on a few shared counters. The search is
+    unrolled: jnp's default is a while loop, which the GPU host launches once per iteration."""
     e = jnp.where((expert_ids >= 0) & (expert_ids < num_experts), expert_ids, num_experts)
     order = jnp.argsort(e, stable=True).astype(jnp.int32)
-    bounds = jnp.searchsorted(e[order], jnp.arange(num_experts + 1, dtype=e.dtype), side="left")
+    bounds = jnp.searchsorted(e[order], jnp.arange(num_experts + 1, dtype=e.dtype), side="left",
+                              method="scan_unrolled")
     return order, jnp.diff(bounds).astype(jnp.int32)

@@ -14,6 +14,80 @@ import time
 from pathlib import Path
 
 
+def host_event_times(trace_dir: str) -> dict:
+    """{event name: [total us, count]} of the trace's complete events on the host (not the device lanes)."""
+    import gzip
+    from collections import defaultdict
+
+    path = max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    events = json.loads(gzip.open(path).read())["traceEvents"]
+    device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "/device:" in e["args"]["name"]}
+    out: dict = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in device:
+            out[e["name"]][0] += float(e.get("dur", 0))
+            out[e["name"]][1] += 1
+    return dict(out)
+
+
+def control_flow_ops(compiled_text: str) -> dict:
+    """How many conditional and while instructions a compiled module holds: on the GPU a conditional
+    (and a while loop of unknown trip count) reads its predicate on the host, blocking the dispatch."""
+    import re
+    return {op: len(re.findall(rf"= [^=]*\b{op}\(", compiled_text)) for op in ("conditional", "while")}
+
+
+def profile_engine(eng, n: int, top: int) -> dict:
+    """n overlapped engine steps under the JAX profiler (device busy ms per step vs the wall per step: the
+    difference is device idle time, the host's share), then n more under cProfile (the host's own time
+    by function)."""
+    import cProfile
+    import pstats
+    import tempfile
+
+    import jax
+    from profile_prefill import device_op_times
+
+    trace_dir = tempfile.mkdtemp(prefix="cpkv-engine-profile-")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        t = time.perf_counter()
+        for _ in range(n):
+            eng.step()
+        jax.block_until_ready(eng.runner.last_tokens)
+        wall = time.perf_counter() - t
+    ops, span, _ = device_op_times(trace_dir)
+    busy = sum(t for t, _ in ops.values())
+    host = host_event_times(trace_dir)
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(n):
+        eng.step()
+    jax.block_until_ready(eng.runner.last_tokens)
+    prof.disable()
+    wall_cprofile = time.perf_counter() - t
+    stats = pstats.Stats(prof)
+    rows = sorted(((v[2], v[3], v[1], f"{Path(k[0]).name}:{k[1]}({k[2]})") for k, v in stats.stats.items()),
+                  reverse=True)[:top]
+    out = {"wall_ms_per_step": 1e3 * wall / n, "device_busy_ms_per_step": busy / n / 1e3,
+           "device_span_ms_per_step": span / n / 1e3, "cprofile_wall_ms_per_step": 1e3 * wall_cprofile / n,
+           "host_top": [{"fn": f, "own_ms_per_step": 1e3 * tt / n, "cum_ms_per_step": 1e3 * ct / n,
+                         "calls_per_step": c / n} for tt, ct, c, f in rows],
+           "host_trace_top": [{"event": k, "ms_per_step": t / n / 1e3, "count_per_step": c / n}
+                              for k, (t, c) in sorted(host.items(), key=lambda kv: -kv[1][0])[:top]]}
+    print(f"engine, overlapped: {out['wall_ms_per_step']:.3f} ms/step wall, device busy "
+          f"{out['device_busy_ms_per_step']:.3f} ms/step (span {out['device_span_ms_per_step']:.3f})")
+    print("host threads' trace events (inclusive time):")
+    for r in out["host_trace_top"]:
+        print(f"  {r['event'][:90]:<90} {r['ms_per_step']:7.3f} ms  x{r['count_per_step']:g}")
+    print(f"host under cProfile ({out['cprofile_wall_ms_per_step']:.3f} ms/step), by own time:")
+    for r in out["host_top"]:
+        print(f"  {r['fn'][:90]:<90} own {r['own_ms_per_step']:7.3f}  cum {r['cum_ms_per_step']:7.3f} ms  "
+              f"x{r['calls_per_step']:g}")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
@@ -25,6 +99,11 @@ def main() -> int:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", type=int, default=0, help="list the model step's N costliest device ops")
+    p.add_argument("--engine-profile", type=int, default=0,
+                   help="profile N more overlapped engine steps: device busy time per step from a JAX trace, and "
+                        "the host's costliest functions (cProfile, by own time)")
+    p.add_argument("--kernels", default="default", help="kernel policy, e.g. 'unroll_layers_max_tokens=0' "
+                                                      "(pallas_kernels.policy.KernelPolicy.parse)")
     p.add_argument("--json", default="bench_decode_step.json")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,21 +113,23 @@ def main() -> int:
 
     from cpkv_jax.cli import bench_model
     from cpkv_jax.engine import Engine, EngineConfig
-    from cpkv_jax.sampling import SamplingParams, sample_tokens
+    from cpkv_jax.sampling import SamplingParams, is_stochastic, sample_tokens
     from cpkv_jax.kv_pool import pages_for
+    from pallas_kernels.policy import KernelPolicy
 
     model = bench_model(argparse.Namespace(model=args.model, num_layers=args.num_layers,
                                            num_experts=args.num_experts, dtype=args.dtype))
     B, L, n = args.batch, args.context, args.steps
-    pages = B * pages_for(L + 3 * n + 4, args.page_size) + 2
+    pages = B * pages_for(L + 5 * n + 6, args.page_size) + 2
     step_ms = {}
     for overlap in (False, True):
         eng = Engine(model, EngineConfig(page_size=args.page_size, kv_pages=pages, max_running=B, overlap=overlap,
+                                         kernels=KernelPolicy.parse(args.kernels),
                                          max_prefill_tokens=min(B * L, 8192), prefix_cache=False))
         rng = np.random.default_rng(0)
         for _ in range(B):
             eng.add_request(rng.integers(0, model.cfg.vocab_size, L).tolist(),
-                            SamplingParams(max_new_tokens=3 * n + 3, ignore_eos=True))
+                            SamplingParams(max_new_tokens=5 * n + 5, ignore_eos=True))
         while any(r.prefilling or not r.output for r in eng.scheduler.running + list(eng.scheduler.waiting)):
             eng.step()
         for _ in range(3):
@@ -58,12 +139,15 @@ def main() -> int:
             eng.step()
         jax.block_until_ready(eng.runner.last_tokens)
         step_ms["engine_step_ms" if overlap else "engine_step_no_overlap_ms"] = 1e3 * (time.perf_counter() - t) / n
-        eng._take_in_flight()
+    engine_profile = profile_engine(eng, n, args.engine_profile) if args.engine_profile else None
+    eng._take_in_flight()
 
     chunks = eng.scheduler.plan_decode()
     step = eng.batch_builder.build(chunks, False)
     batch, lane, rank = step.batch, step.last_lane, step.last_rank
     runner = eng.runner
+    flow = control_flow_ops(runner.lower(batch, lane, attn_path="absorbed", last_rank=rank).compile().as_text())
+    print(f"control flow in the compiled decode step: {flow}")
     # the model step alone, on the engine's own decode shapes (writes the same slots again)
     jax.block_until_ready(runner.forward(batch, lane, attn_path="absorbed", last_rank=rank))
     t = time.perf_counter()
@@ -73,13 +157,15 @@ def main() -> int:
     forward_s = (time.perf_counter() - t) / n
     args_s = eng.batch_builder.sampling("sample", [c.req for c in chunks], logits.shape[0])
     pos = jnp.zeros(logits.shape[0], jnp.int32)
-    jax.block_until_ready(sample_tokens(logits, *args_s, pos))
+    greedy = dict(stochastic=is_stochastic(args_s[0]))   # the variant the engine runs
+    jax.block_until_ready(sample_tokens(logits, *args_s, pos, **greedy))
     t = time.perf_counter()
     for _ in range(n):
-        out = sample_tokens(logits, *args_s, pos)
+        out = sample_tokens(logits, *args_s, pos, **greedy)
     jax.block_until_ready(out)
     sample_s = (time.perf_counter() - t) / n
-    res = {"model": args.model, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind), **step_ms,
+    res = {"model": args.model, "kernels": args.kernels, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind), **step_ms,
+           "decode_step_control_flow": flow,
            "model_step_ms": 1e3 * forward_s, "sampler_ms": 1e3 * sample_s}
     for overlap in ("", "_no_overlap"):
         res[f"host_and_sync{overlap}_ms"] = res[f"engine_step{overlap}_ms"] - res["model_step_ms"] - res["sampler_ms"]
@@ -102,6 +188,8 @@ def main() -> int:
             print(f"{name[:100]:<100}  {t_us / n:9.1f} us  {100 * t_us / max(total, 1e-9):5.1f}%  x{count / n:g}")
         res["profile"] = {"device_ms_per_step": total / n / 1e3, "span_ms_per_step": span / n / 1e3,
                           "top": [{"op": k, "us_per_step": t_us / n, "count_per_step": c / n} for k, (t_us, c) in top]}
+    if engine_profile is not None:
+        res["engine_profile"] = engine_profile
     Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
 

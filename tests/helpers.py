@@ -16,6 +16,16 @@ def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+def assert_same_greedy_outputs(got, want, tol: float = 1e-5) -> float:
+    """Engine outputs (generate(..., return_logits=True)) of one run against a baseline's: the same
+    greedy tokens and logits within `tol` (relative); returns the worst relative error."""
+    errs = [rel_err(np.stack(g.logits), np.stack(w.logits)) for g, w in zip(got, want)]
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+    assert max(errs) <= tol, max(errs)
+    return max(errs)
+
+
 @lru_cache(maxsize=None)
 def hf_model(name: str, dtype: str | None = None):
     from models.weights import load_hf

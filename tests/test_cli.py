@@ -158,6 +158,8 @@ ENGINE_FLAGS = {
     "index_dtype": (["--index-dtype", "same"], "same"), "attn_path": (["--attn-path", "absorbed"], "absorbed"),
     "min_prefill_lanes": (["--min-prefill-lanes", "8"], 8), "cp_size": (["--cp", "2"], 2),
     "ep_size": (["--ep", "2"], 2), "tp_size": (["--tp", "2"], 2),
+    "ep_dispatch": (["--ep-dispatch", "all_to_all"], "all_to_all"),
+    "two_batch_overlap": (["--two-batch-overlap"], True),
     "cp_mode": (["--cp-mode", "round_robin"], "round_robin"),
     "cp_short_policy": (["--cp-short-policy", "token_balanced"], "token_balanced"),
     "speculative": (["--speculative", "nextn"], "nextn"), "num_draft_tokens": (["--num-draft-tokens", "3"], 3),

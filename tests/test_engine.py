@@ -109,22 +109,24 @@ def test_concurrent_requests_share_a_prefilled_prompt(tiny):
 
 
 def test_compilations_bounded_under_random_traffic(tiny):
-    from cpkv_jax.runner import _step
+    from cpkv_jax.runner import _step, _step_sampled
     rng = np.random.default_rng(4)
     cfg = EngineConfig(page_size=16, kv_pages=96, max_running=8, max_prefill_tokens=64)
     eng = Engine(tiny, cfg)
     bound = eng.max_compilations()
-    cache_before = _step._cache_size()
+    cache_before = _step._cache_size() + _step_sampled._cache_size()
     for wave in range(3):
         lengths = rng.integers(1, 150, 20)
         params = [SamplingParams(max_new_tokens=int(rng.integers(1, 12)), ignore_eos=True) for _ in lengths]
         eng.generate(random_prompts(rng, lengths, tiny.cfg.vocab_size), params)
     assert eng.compilations() <= bound, (eng.compilations(), bound)
     # the jit cache grew by at most the variants this engine counted (the count is not an undercount)
-    assert _step._cache_size() - cache_before <= eng.runner.compilations
-    # B x T x S buckets: (1,2,4,8) x (16,32,64) x (1,2,4,8,16,32,64,95 pages) prefill (last-token or every
-    # position's logits) + decode + sampler per B and top-N width (0,1,2,4,8,16,20) + prompt logprobs per B x T x width
-    assert bound == 2 * 4 * 3 * 8 + 4 * 8 + 4 * 7 + 4 * 3 * 7
+    assert _step._cache_size() + _step_sampled._cache_size() - cache_before <= eng.runner.compilations
+    # B x T x S buckets: (1,2,4,8) x (16,32,64) x (1,2,4,8,16,32,64,95 pages) prefill (last-token logits
+    # sampled in the step greedy or not or by the sampler, or every position's) + decode (the three
+    # last-token ways) + sampler per B, greedy or not and top-N width (0,1,2,4,8,16,20) + prompt
+    # logprobs per B x T x width
+    assert bound == 4 * 4 * 3 * 8 + 3 * 4 * 8 + 2 * 4 * 7 + 4 * 3 * 7
     assert eng.metrics["steps"] > 3 * eng.compilations()
 
 

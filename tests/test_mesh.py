@@ -11,14 +11,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from models.config import ModelConfig
 from models.moe import MoE
 from models.sharding import MeshAxes, param_sharding
-from tests.helpers import rel_err
+from tests.helpers import assert_same_greedy_outputs, rel_err
 
 
-def _expert_parallel(moe, mesh, n_args: int, ep_dispatch: str = "psum"):
+def _expert_parallel(moe, mesh, n_args: int, ep_dispatch: str = "psum", rows_split: bool | None = None):
     """(place, step): `place(pure params)` puts them on the mesh by the sharding table (the routed
     experts split over 'ep', the rest replicated); `step(params, *args)` runs the layer under a jitted
-    shard_map over 'ep' with the experts split. The rows are replicated ('psum') or split over 'ep'
-    ('all_to_all': each rank its own rows, as data-parallel attention leaves them)."""
+    shard_map over 'ep' with the experts split. The rows are replicated (as the engine's attention
+    leaves them) or split over 'ep' (`rows_split`, default with 'all_to_all': each rank its own rows,
+    as data-parallel attention leaves them)."""
+    rows_split = ep_dispatch == "all_to_all" if rows_split is None else rows_split
     graphdef, state = nnx.split(moe)
     specs = jax.tree_util.tree_map_with_path(
         lambda p, a: param_sharding(tuple(getattr(k, "key", k) for k in p), a.ndim, mesh).spec,
@@ -27,11 +29,12 @@ def _expert_parallel(moe, mesh, n_args: int, ep_dispatch: str = "psum"):
     def local(pure_state, *args):
         st = nnx.state(nnx.merge(graphdef, state))
         nnx.replace_by_pure_dict(st, pure_state)
-        return nnx.merge(graphdef, st)(*args, axes=MeshAxes(experts="ep", ep_dispatch=ep_dispatch))
+        return nnx.merge(graphdef, st)(*args, axes=MeshAxes(experts="ep", ep_dispatch=ep_dispatch,
+                                                             ep_rows_split=rows_split))
 
     def place(pure):
         return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), pure, specs)
-    rows = P() if ep_dispatch == "psum" else P("ep")
+    rows = P("ep") if rows_split else P()
     return place, jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,) + (rows,) * n_args, out_specs=rows,
                                         check_vma=False))
 
@@ -78,6 +81,74 @@ def test_dispatched_expert_parallel_moe_equals_one_device(ep):
     print(f"ep={ep}: rel err {err:.2e}")
     assert err <= 1e-6
     assert not np.asarray(got)[~np.asarray(valid)].any()
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_replicated_rows_dispatched_over_all_to_all_equal_one_device(ep):
+    """The engine's EP MoE with ep_dispatch='all_to_all': every rank holds every row (as attention
+    leaves them), each routes and dispatches its own strided 1/ep of them (models.moe.over_own_rows),
+    and the combined rows are all-gathered back: equal to the one-device layer over every row (fp32;
+    row counts that ep does not divide, padding rows included and left zero)."""
+    cfg = ModelConfig.named("tiny", n_routed_experts=16, num_experts_per_tok=4)
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(10 + ep)
+    x = jnp.asarray(rng.standard_normal((3, 37, cfg.hidden_size)), jnp.float32)
+    valid = jnp.asarray(rng.random((3, 37)) < 0.8)
+    want = moe(x, valid)
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+    place, step = _expert_parallel(moe, mesh, 2, "all_to_all", rows_split=False)
+    got = step(place(nnx.to_pure_dict(nnx.state(moe))), x, valid)
+    err = rel_err(got, want)
+    print(f"ep={ep}: rel err {err:.2e}")
+    assert err <= 1e-6
+    assert not np.asarray(got)[~np.asarray(valid)].any()
+
+
+def test_replicated_rows_send_each_real_rows_slots_once():
+    """With the rows on every rank, the dispatch sends each real row's routed slots exactly once over
+    all the ranks (not once per rank): rank r sends the slots of its strided rows r, r + ep, ... below
+    n_valid, each to its expert's rank, counted here from the routes; dummy rows and the padding to a
+    multiple of ep are never sent; the all-gathered result is every row's weighted expert sum."""
+    from models.moe import dense_ragged_all_to_all, dispatched_expert_mlp, over_own_rows
+    from pallas_kernels.policy import DEFAULT_POLICY
+    ep, n, k, D, I, El, n_valid = 4, 30, 3, 16, 8, 2, 23       # 30 rows: not a multiple of ep
+    rng = np.random.default_rng(4)
+    sent = {}
+
+    def recording(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+        if operand.ndim == 2 and output.shape[0] == ep * operand.shape[0]:   # the rows' dispatch
+            jax.debug.callback(lambda r, s: sent.__setitem__(int(r), np.asarray(s)), jax.lax.axis_index(axis_name),
+                               send_sizes)
+        return dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                       axis_name=axis_name)
+
+    def local(x, idx, w, gate, up, down):
+        def dispatch(rows, n_mine):   # the rank's rows' routes and weights, sliced as over_own_rows slices x
+            r = jax.lax.axis_index("ep")
+            mine = lambda a: jnp.pad(a, ((0, -n % ep), (0, 0))).reshape(-1, ep, a.shape[1])[:, r]  # noqa: E731
+            return dispatched_expert_mlp(rows, mine(idx), mine(w), gate, up, down, n_mine, DEFAULT_POLICY, "ep",
+                                         exchange=recording)
+        return over_own_rows(x, n_valid, "ep", dispatch)
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P("ep"), P("ep"), P("ep")),
+                                 out_specs=P(), check_vma=False))
+    x = rng.standard_normal((n, D)).astype(np.float32)
+    idx = np.stack([rng.permutation(ep * El)[:k] for _ in range(n)]).astype(np.int32)
+    w = rng.random((n, k)).astype(np.float32)
+    gate, up = (rng.standard_normal((ep * El, D, I)).astype(np.float32) for _ in range(2))
+    down = rng.standard_normal((ep * El, I, D)).astype(np.float32)
+    got = np.asarray(step(x, idx, w, gate, up, down))
+    jax.effects_barrier()
+    for r in range(ep):
+        routes = idx[r:n_valid:ep]
+        assert sent[r].tolist() == np.bincount(routes.reshape(-1) // El, minlength=ep).tolist(), (r, sent[r])
+    assert sum(int(s.sum()) for s in sent.values()) == n_valid * k
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    want = np.zeros_like(x)
+    for row in range(n_valid):
+        for e, we in zip(idx[row], w[row]):
+            want[row] += we * ((silu(x[row] @ gate[e]) * (x[row] @ up[e])) @ down[e])
+    assert rel_err(got, want) <= 1e-5
 
 
 def _dispatch_under_shard_map(mesh, exchange, n: int, k: int, D: int, El: int):
@@ -158,7 +229,8 @@ def test_engine_on_a_cp_ep_tp_mesh_equals_one_device(mesh_kw):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 512, n).tolist() for n in (5, 90)]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    want = Engine("tiny", EngineConfig(page_size=16, kv_pages=64)).generate(prompts, params, return_logits=True)
+    want = Engine("tiny", EngineConfig(page_size=16, kv_pages=64)).generate(prompts, params,
+                                                                                  return_logits=True)
     eng = Engine("tiny", EngineConfig(page_size=16, kv_pages=64, **mesh_kw))
     got = eng.generate(prompts, params, return_logits=True)
     for g, w in zip(got, want):
@@ -179,6 +251,86 @@ def test_engine_on_a_cp_ep_tp_mesh_equals_one_device(mesh_kw):
     norms = [x for p, x in jax.tree_util.tree_leaves_with_path(eng.runner.state) if "norm" in jax.tree_util.keystr(p)]
     assert norms and all(x.sharding.is_fully_replicated for x in norms)
     assert eng.stats()["request_pages"] == 0
+
+
+@pytest.fixture(scope="module")
+def one_device_reference(tiny):
+    """(prompts, sampling params, their greedy outputs with logits on one device)."""
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 512, n).tolist() for n in (5, 90, 41)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    return prompts, params, Engine(tiny, EngineConfig(page_size=16, kv_pages=64)).generate(prompts, params,
+                                                                                         return_logits=True)
+
+
+@pytest.mark.parametrize("mesh_kw", [dict(ep_size=2), dict(ep_size=4), dict(ep_size=8),
+                                     dict(cp_size=2, ep_size=4),
+                                     dict(ep_size=4, speculative="nextn"),
+                                     dict(cp_size=2, ep_size=2, tp_size=2, speculative="nextn")])
+def test_engine_with_the_all_to_all_dispatch_equals_one_device(tiny, one_device_reference, mesh_kw):
+    """EngineConfig(ep_dispatch='all_to_all'): inside the step's shard_map each ep rank routes its own
+    1/ep of the (replicated) rows, sends them to their experts' ranks and all-gathers the combined rows
+    back. Greedy tokens equal and logits within 1e-5 of one device at ep 2/4/8, ep x cp, and with
+    speculative decoding (the MTP layer's MoE dispatched too), also beside cp and tp."""
+    from cpkv_jax.engine import Engine, EngineConfig
+    prompts, params, want = one_device_reference
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, ep_dispatch="all_to_all", **mesh_kw))
+    assert eng.ep_dispatch == "all_to_all" and eng.runner.ep_dispatch == "all_to_all"
+    print(mesh_kw, "rel err", assert_same_greedy_outputs(eng.generate(prompts, params, return_logits=True), want))
+    assert eng.stats()["request_pages"] == 0
+
+
+def test_the_auto_dispatch_takes_the_fewer_bytes():
+    """'auto' resolves by ep_dispatch_bytes: for GLM-5 (bf16, top-8) the all-to-all only from ep 8
+    (0.75x the psum's bytes; 1.25x at ep 4, 2.25x at ep 2), never for fp32 at these sizes; one rank:
+    psum (nothing moves either way); an explicit choice is kept."""
+    from models.moe import choose_ep_dispatch, ep_dispatch_bytes
+    cfg = ModelConfig.named("glm-5")
+    k, D = cfg.num_experts_per_tok, cfg.hidden_size
+    ratio = {ep: ep_dispatch_bytes("all_to_all", ep, k, D, 2) / ep_dispatch_bytes("psum", ep, k, D, 2)
+             for ep in (2, 4, 8)}
+    assert [round(ratio[ep], 2) for ep in (2, 4, 8)] == [2.25, 1.25, 0.75], ratio
+    assert [choose_ep_dispatch("auto", ep, k, D, 2) for ep in (1, 2, 4, 8)] == ["psum", "psum", "psum", "all_to_all"]
+    assert [choose_ep_dispatch("auto", ep, k, D, 4) for ep in (2, 4, 8)] == ["psum"] * 3
+    assert choose_ep_dispatch("all_to_all", 2, k, D, 2) == "all_to_all"
+    from cpkv_jax.engine import EngineConfig, EngineConfigError
+    with pytest.raises(EngineConfigError, match="ep_dispatch must be 'auto', 'psum' or 'all_to_all', got 'ragged'"):
+        EngineConfig(ep_dispatch="ragged").validate()
+
+
+def test_the_engine_dispatch_moves_each_ranks_share_of_the_routed_rows(tiny, monkeypatch):
+    """The engine's compiled step with ep_dispatch='all_to_all' over ep=4 (the GPU program, lowered on
+    CPU: ragged-all-to-all in place of the dense fallback): every MoE layer sends its rows by one
+    ragged-all-to-all of [ceil(N/ep) k, D] (this rank's share of the N rows' routed slots, no capacity
+    factor; what it really sends are the send sizes, the routed slots of real rows), returns them by
+    one of the same size, and all-gathers [ceil(N/ep), D] combined rows; nothing of [N, D] is
+    all-reduced (no psum of partial sums) and no expert weight moves."""
+    import re
+    import models.moe
+    from cpkv_jax.engine import Engine, EngineConfig
+    from models.kv import contiguous_batch
+    monkeypatch.setattr(models.moe, "dense_ragged_all_to_all", jax.lax.ragged_all_to_all)
+    ep, B, T = 4, 2, 7
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, ep_size=ep, ep_dispatch="all_to_all"))
+    cfg = tiny.cfg
+    k, D, c = cfg.num_experts_per_tok, cfg.hidden_size, -(-B * T // ep)
+    batch = contiguous_batch(np.arange(B * T).reshape(B, T) + 3, kv_width=32)
+    lowered = eng.runner.lower(batch, None, attn_path="expanded", last_rank=np.zeros(B, np.int32))
+    hlo = lowered.compiler_ir("hlo").as_hlo_text()
+    ops = re.findall(r"= (\S+) (ragged-all-to-all|all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)"
+                     r"\(([^)]*)\)", hlo)
+    kinds = sorted({(shape.split("{")[0], kind) for shape, kind, _ in ops})
+    want = sorted({(f"f32[{ep * c * k},{D}]", "ragged-all-to-all"),    # dispatch: into an ep x share buffer
+                   (f"s32[{ep * c * k}]", "ragged-all-to-all"),        # the slots' expert ids
+                   (f"f32[{c * k},{D}]", "ragged-all-to-all"),         # the return: the rank's own slots
+                   (f"s32[{ep},{ep}]", "all-gather"),                  # who sends whom how many
+                   (f"f32[{c},{ep},{D}]", "all-gather")})              # the combined rows back to every rank
+    assert kinds == want, kinds
+    shape_of = dict(re.findall(r"^\s*(?:ROOT )?%?(\S+) = (\S+?)(?:\{[^}]*\})? ", hlo, re.M))
+    operands = {shape_of[first] for shape, first in re.findall(r"= (f32\S+) ragged-all-to-all\(%?([^,\s]+)", hlo)}
+    assert operands == {f"f32[{c * k},{D}]", f"f32[{ep * c * k},{D}]"}, operands   # out: my slots; back: what I got
 
 
 def _scramble_every_replica(pool, rng):
@@ -204,7 +356,8 @@ def hicache_reference(tiny):
 
 
 @pytest.mark.parametrize("copy, mesh_kw", [("side_stream", dict(cp_size=2, ep_size=2)),
-                                           ("jit", dict(ep_size=2, tp_size=2))])
+                                           ("jit", dict(ep_size=2, tp_size=2)),
+                                           ("side_stream", dict(cp_size=2, ep_size=4, ep_dispatch="all_to_all"))])
 def test_hicache_on_an_ep_tp_mesh_reloads_every_replica(tiny, hicache_reference, copy, mesh_kw):
     """HiCache on a mesh whose pool is replicated over 'ep'/'tp': prompts backed up to host, evicted
     from the device, every device's pool overwritten with its own noise, then the prompts again

@@ -7,6 +7,7 @@ stream: the same tokens, every number bit-equal when the schedule is the same, e
 page is leaked."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -119,3 +120,38 @@ def test_waiting_requests_and_stops_give_identical_tokens(tiny, roomy):
     ref, got = (run(tiny, overlap, CONFIG, stops) for overlap in (False, True))
     assert [o.finish_reason for o in ref[0]].count("stop") >= 4
     assert_same_run(ref, got, exact=False)
+
+
+def _control_flow(compiled_text: str) -> dict:
+    return {op: len(re.findall(rf"= [^=]*\b{op}\(", compiled_text)) for op in ("conditional", "while")}
+
+
+def test_decode_step_and_sampler_hold_no_host_control_flow(tiny):
+    """On the GPU a conditional reads its predicate on the host and a while loop is launched by the host
+    one iteration at a time: either one makes the overlapped loop's dispatch wait for the device
+    (docs/perf.md, 2026-12-02 fourth session). The compiled decode step (the MoE plan's searches
+    unrolled, so XLA unrolls the short layer scan) and the sampler (greedy or not: a static flag, not
+    a lax.cond) hold neither."""
+    import jax.numpy as jnp
+
+    from cpkv_jax.runner import sample_and_keep
+    eng = Engine(tiny, dataclasses.replace(CONFIG, overlap=False))
+    rng = np.random.default_rng(0)
+    for n in (40, 9):
+        eng.add_request(rng.integers(2, tiny.cfg.vocab_size, n).tolist(),
+                        SamplingParams(max_new_tokens=20, ignore_eos=True))
+    for _ in range(2):
+        eng.step()
+    chunks = eng.scheduler.plan_decode()
+    assert len(chunks) == 2
+    step = eng.batch_builder.build(chunks, False)
+    decode = eng.runner.lower(step.batch, step.last_lane, attn_path="absorbed", last_rank=step.last_rank)
+    assert _control_flow(decode.compile().as_text()) == {"conditional": 0, "while": 0}
+
+    B, V = step.rows, tiny.cfg.vocab_size
+    temperature, top_p, top_k, seed = eng.batch_builder.sampling("sample", [c.req for c in chunks], B)
+    args = (eng.runner.last_tokens, np.int32(0), jnp.zeros((B, V), jnp.float32), temperature, top_p, top_k, seed,
+            np.zeros(B, np.int32))
+    for stochastic in (False, True):
+        text = sample_and_keep.lower(*args, stochastic=stochastic).compile().as_text()
+        assert _control_flow(text) == {"conditional": 0, "while": 0}, stochastic

@@ -232,6 +232,27 @@ def test_cp_trace_agrees_with_single_device_and_blames_a_rank_1_host_page(model,
     assert lines[-1].startswith("verdict: host tier"), lines
 
 
+def test_two_batch_overlap_trace_matches_one_batch(model, clean, tmp_path):
+    """With two-batch overlap each layer runs as two micro-batches and the per-layer probe sees the
+    layer once, over both micro-batches' values joined: the same records (every forward, request,
+    position range and layer) with the same flags; the bit-exact stages hash the same — the embedded
+    attention input of layer 0 and every layer's top-k selection (the IndexCache top-k each
+    micro-batch carries into the shared layer). The float stages after the first matmul are not
+    bitwise those of one batch (XLA:CPU rounds a matmul over half the rows differently, <= 4e-6 here),
+    so their hashes differ by design."""
+    def forwards(records):
+        return {(r["forward"], r["model"], r["rid"], r["start"], r["end"], r["layer"]): r
+                for r in records if r.get("kind") == "forward"}
+    want = forwards(clean[1])
+    got = forwards(run_workload(model, EngineConfig(**dict(HOST, two_batch_overlap=True)), tmp_path / "tbo.jsonl"))
+    assert got.keys() == want.keys() and len(want) > 0
+    for key, w in want.items():
+        assert got[key]["flags"] == w["flags"], key
+        assert got[key]["hashes"]["topk"] == w["hashes"]["topk"], key
+        if key[5] == 0 and key[1] == "target":
+            assert got[key]["hashes"]["attn_in"] == w["hashes"]["attn_in"], key
+
+
 SPEC = dict(HOST, speculative="nextn", num_draft_tokens=1, hicache_copy="side_stream")
 
 

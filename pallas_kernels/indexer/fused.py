@@ -83,7 +83,8 @@ def indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions,
     common = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if S > capacity:
         cols = sample_columns(S, sample)
-        n_visible = jnp.searchsorted(jnp.asarray(cols), positions, side="right").astype(jnp.int32)
+        n_visible = jnp.searchsorted(jnp.asarray(cols), positions, side="right",
+                                     method="scan_unrolled").astype(jnp.int32)
         s_scores = _scores_call(q, w, index_k, index_scale, layer, slot_table[:, cols], n_visible - 1, steps=32,
                                 gather_keys=None, write_invisible=False, **common)[:, :, :cols.size]
         s_scores = _pad_to(s_scores.reshape(rows, cols.size), 1, sample_sub, NEG_INF)

@@ -45,6 +45,6 @@ def block_plan(flat_expert, experts: int, block_m: int):
         jnp.where(ok, order, -1))[:P]
     n_tiles = P // block_m
     tile_ids = jnp.arange(n_tiles, dtype=jnp.int32)
-    owner = jnp.searchsorted(jnp.cumsum(tiles), tile_ids, side="right").astype(jnp.int32)
+    owner = jnp.searchsorted(jnp.cumsum(tiles), tile_ids, side="right", method="scan_unrolled").astype(jnp.int32)
     tile_expert = jnp.where(owner < experts, owner, -1)
     return slot_row, row_slot, tile_expert
