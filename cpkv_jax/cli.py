@@ -325,6 +325,7 @@ def engine_options() -> argparse.ArgumentParser:
     and --no-compile-cache."""
     from cpkv_jax.config import EngineConfig
     from cpkv_jax.cp import MODES, SHORT_POLICIES
+    from models.moe import EP_DISPATCH_CHOICES
     from pallas_kernels.policy import DEFAULT_POLICY
 
     d = EngineConfig()
@@ -356,7 +357,7 @@ def engine_options() -> argparse.ArgumentParser:
                    help="expert-parallel ranks: each holds 1/N of the routed experts (default 1)")
     q.add_argument("--tp", dest="tp_size", type=int, default=d.tp_size, metavar="N",
                    help="tensor-parallel ranks: heads, MLP intermediate and vocabulary split N ways (default 1)")
-    q.add_argument("--ep-dispatch", choices=("auto", "psum", "all_to_all"), default=d.ep_dispatch,
+    q.add_argument("--ep-dispatch", choices=EP_DISPATCH_CHOICES, default=d.ep_dispatch,
                    help="how rows meet their experts over --ep: every rank runs its experts over every row and "
                         "the partials are psummed, or each rank dispatches its 1/ep of the rows to the experts' "
                         "ranks (all-to-all) and gathers them back (default auto: the fewer bytes)")

@@ -81,7 +81,8 @@ class EngineConfig:
         positive("cp_size")
         positive("ep_size")
         positive("tp_size")
-        if self.ep_dispatch not in ("auto", "psum", "all_to_all"):
+        from models.moe import EP_DISPATCH_CHOICES
+        if self.ep_dispatch not in EP_DISPATCH_CHOICES:
             raise EngineConfigError(f"ep_dispatch must be 'auto', 'psum' or 'all_to_all', got {self.ep_dispatch!r}")
         if not isinstance(self.two_batch_overlap, bool):
             raise EngineConfigError(f"two_batch_overlap must be True or False, got {self.two_batch_overlap!r}")

@@ -184,7 +184,8 @@ class LayerStack(nnx.Module):
                                                              axes=axes, tap=tap)
             return (xs, topks, cache), None
 
-        (xs, topks, cache), _ = jax.lax.scan(body, (xs, topks, cache), (states, layer_ids, full_ids))
+        unroll = xs[0].shape[1] <= kernels.unroll_layers_max_tokens   # tokens per request (KernelPolicy)
+        (xs, topks, cache), _ = jax.lax.scan(body, (xs, topks, cache), (states, layer_ids, full_ids), unroll=unroll)
         return xs, topks, cache
 
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import Dense, fp8_or_plain_param
-from models.sharding import NO_AXES, MeshAxes
+from models.sharding import EP_DISPATCH, NO_AXES, MeshAxes
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.moe import expert_mlp
 from pallas_kernels.row_gather import compaction_plan, expert_order, gather_rows
@@ -151,7 +151,7 @@ def dispatched_expert_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPol
     return (y.reshape(n, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1).astype(x.dtype)
 
 
-EP_DISPATCH_CHOICES = ("auto", "psum", "all_to_all")
+EP_DISPATCH_CHOICES = ("auto",) + EP_DISPATCH   # EngineConfig.ep_dispatch: 'auto' resolves to one of EP_DISPATCH
 
 
 def ep_dispatch_bytes(mode: str, ep: int, k: int, hidden: int, itemsize: int) -> float:

@@ -102,7 +102,7 @@ def main() -> int:
     p.add_argument("--engine-profile", type=int, default=0,
                    help="profile N more overlapped engine steps: device busy time per step from a JAX trace, and "
                         "the host's costliest functions (cProfile, by own time)")
-    p.add_argument("--kernels", default="default", help="kernel policy, e.g. 'unroll_layers_max_tokens=0' "
+    p.add_argument("--kernels", default="default", help="kernel policy, e.g. 'unroll_layers_max_tokens=16' "
                                                       "(pallas_kernels.policy.KernelPolicy.parse)")
     p.add_argument("--json", default="bench_decode_step.json")
     args = p.parse_args()
