@@ -288,7 +288,8 @@ def cmd_plan(args) -> int:
     cfg = ModelConfig.from_json_file(path) if path.exists() else ModelConfig.named(args.model)
     mesh = MeshShape.parse(args.mesh) if args.mesh else MeshShape(dp=args.devices, ep=args.devices)
     result = plan(cfg, devices=args.devices, device_memory_gib=args.device_memory, mesh=mesh, weights=args.weights,
-                  page_size=args.page_size, prefill_tokens=args.prefill_tokens, host_memory_gib=args.host_memory)
+                  page_size=args.page_size, prefill_tokens=args.prefill_tokens, host_memory_gib=args.host_memory,
+                  ep_dispatch=args.ep_dispatch, two_batch_overlap=args.two_batch_overlap)
     if args.json:
         print(json.dumps(result))
     else:
@@ -406,6 +407,8 @@ def engine_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from models.moe import EP_DISPATCH_CHOICES
+
     p = argparse.ArgumentParser(prog="cpkv-jax", description=__doc__)
     sub = p.add_subparsers(dest="verb", required=True)
 
@@ -499,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--page-size", type=int, default=64)
     m.add_argument("--prefill-tokens", type=int, default=8192, help="one prefill step's tokens (activations)")
     m.add_argument("--host-memory", type=float, default=0.0, metavar="GIB", help="host KV tier size in GiB")
+    m.add_argument("--ep-dispatch", choices=EP_DISPATCH_CHOICES, default="auto",
+                   help="the expert-parallel exchange whose buffers are counted (as the engine's --ep-dispatch)")
+    m.add_argument("--two-batch-overlap", action="store_true", help="count a step as two micro-batches")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     m.set_defaults(fn=cmd_plan)
 

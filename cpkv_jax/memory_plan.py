@@ -19,6 +19,7 @@ from flax import nnx
 
 from models.config import FP8_LINEARS_ALL, ModelConfig
 from models.kv import kv_cache_shapes
+from models.moe import choose_ep_dispatch
 from models.sharding import RULES, param_logical_axes
 
 GIB = 1 << 30
@@ -147,12 +148,42 @@ def activation_bytes(cfg: ModelConfig, tokens: int, mesh: MeshShape, scores_max_
     return residual + queries + attention_scores + indexer_scores + routed
 
 
+def dispatch_bytes(cfg: ModelConfig, tokens: int, mesh: MeshShape, mode: str, itemsize: int = 2) -> int:
+    """The expert-parallel exchange's buffers in one MoE layer of a step of `tokens` tokens per replica, on
+    one device (models.moe): 'psum' holds the fp32 partial sums of every row the device holds; 'all_to_all'
+    sends each of its own rows' k slots (the ranks holding the same rows, tp of them, take 1/tp each),
+    receives into a buffer of ep x its slots (the most it can get: no capacity factor), runs the experts
+    over that buffer (gate/up intermediate and output rows), returns the slots and all-gathers the
+    combined rows back."""
+    if mesh.ep == 1:
+        return 0
+    D, k, inter = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    rows = -(-tokens // mesh.cp)                       # after attention: a cp rank's share of the tokens
+    if mode == "psum":
+        return rows * D * 4
+    if mode != "all_to_all":
+        raise MeshPlanError(f"ep_dispatch must be 'psum' or 'all_to_all', got {mode!r}")
+    share = min(mesh.tp, mesh.ep)                      # ranks of one ep group holding the same rows
+    own = -(-rows // share)
+    slots = own * k
+    received = mesh.ep * slots
+    return (itemsize * D * (2 * slots + 2 * received + own * share)   # send, receive, expert out, back, gather
+            + itemsize * 2 * inter * received + 4 * received)        # gate/up rows, the slots' expert ids
+
+
 def plan(cfg: ModelConfig, *, devices: int, device_memory_gib: float, mesh: MeshShape | None = None,
          weights: str = "fp8", page_size: int = 64, prefill_tokens: int = 8192, index_dtype: str = "fp8",
-         memory_fraction: float = 0.92, host_memory_gib: float = 0.0) -> dict:
+         memory_fraction: float = 0.92, host_memory_gib: float = 0.0, ep_dispatch: str = "auto",
+         two_batch_overlap: bool = False) -> dict:
     """The memory plan as one JSON-able dict: per-device bytes by kind, whether it fits (weights +
-    activations + one page per request slot below memory_fraction of the device) and how many KV tokens
-    the rest holds over the whole mesh (dp replicas x cp ranks)."""
+    activations + the expert-parallel exchange's buffers + one page per request slot below
+    memory_fraction of the device) and how many KV tokens the rest holds over the whole mesh (dp replicas
+    x cp ranks). ep_dispatch 'psum' / 'all_to_all', or 'auto': the engine's rule (the fewer bytes sent,
+    models.moe.choose_ep_dispatch), unless that mode's buffers leave no page and the other's do (the
+    all-to-all's receive buffer holds ep x a rank's slots: 17.6 GiB for GLM-5 at dp = ep = 8 and 8192
+    prefill tokens per device); `ep_dispatch_reason` says which. With two_batch_overlap the step runs as
+    two micro-batches of half the tokens whose buffers are alive at once (one's exchange in flight while
+    the other computes): counted as two half steps."""
     mesh = mesh or MeshShape(dp=devices, ep=devices)
     check_mesh(cfg, mesh, devices)
     if weights not in ("fp8", "bf16"):
@@ -160,18 +191,34 @@ def plan(cfg: ModelConfig, *, devices: int, device_memory_gib: float, mesh: Mesh
     dtype = jax.numpy.bfloat16
     wcfg = cfg.replace(fp8_linears=FP8_LINEARS_ALL if weights == "fp8" else ())
     total, per_device_w = weight_bytes(wcfg, dtype, mesh)
-    act = activation_bytes(cfg, prefill_tokens, mesh)
+    parts = [-(-prefill_tokens // 2), prefill_tokens // 2] if two_batch_overlap else [prefill_tokens]
+    act = sum(activation_bytes(cfg, t, mesh) for t in parts)
     usable = int(device_memory_gib * GIB * memory_fraction)
     kv_token = kv_bytes_per_token(cfg, dtype, index_dtype)
-    free = usable - sum(per_device_w.values()) - act
-    pages = max(free // (kv_token * page_size), 0)
+
+    def pages_left(mode):
+        exchange = sum(dispatch_bytes(cfg, t, mesh, mode) for t in parts)
+        return max((usable - sum(per_device_w.values()) - act - exchange) // (kv_token * page_size), 0), exchange
+
+    dispatch = choose_ep_dispatch(ep_dispatch, mesh.ep, cfg.num_experts_per_tok, cfg.hidden_size,
+                                  jax.numpy.dtype(dtype).itemsize)
+    pages, exchange = pages_left(dispatch)
+    reason = "given" if ep_dispatch != "auto" else "fewer bytes sent"
+    if ep_dispatch == "auto" and pages < 1:
+        other = "psum" if dispatch == "all_to_all" else "all_to_all"
+        if pages_left(other)[0] >= 1:
+            reason = f"{dispatch}'s buffers leave no KV page"
+            dispatch = other
+            pages, exchange = pages_left(other)
     kv_tokens_per_device = int(pages * page_size)
     host_tokens = int(host_memory_gib * GIB // kv_token)
     per_device = {f"weights_{k}": v for k, v in per_device_w.items()}
-    per_device.update(weights=sum(per_device_w.values()), activations=act, kv_pool=kv_tokens_per_device * kv_token)
+    per_device.update(weights=sum(per_device_w.values()), activations=act, ep_dispatch_buffers=exchange,
+                      kv_pool=kv_tokens_per_device * kv_token)
     return {
         "model": cfg.model_type, "layers": cfg.num_hidden_layers, "devices": devices,
-        "mesh": dataclasses.asdict(mesh), "weights": weights,
+        "mesh": dataclasses.asdict(mesh), "weights": weights, "ep_dispatch": dispatch,
+        "ep_dispatch_reason": reason, "two_batch_overlap": two_batch_overlap,
         "device_memory_bytes": int(device_memory_gib * GIB), "usable_bytes": usable,
         "total_weight_bytes": int(sum(total.values())),
         "per_device_bytes": {k: int(v) for k, v in per_device.items()},
@@ -192,6 +239,7 @@ def print_plan(p: dict) -> None:
              ("fits", str(p["fits"]))]
     width = max(len(r[0]) for r in rows)
     print(f"{p['model']} ({p['layers']} layers, {p['weights']} weights) on {p['devices']} devices, mesh "
-          + ",".join(f"{k}={v}" for k, v in p["mesh"].items()))
+          + ",".join(f"{k}={v}" for k, v in p["mesh"].items()) + f", ep dispatch {p['ep_dispatch']} ({p['ep_dispatch_reason']})"
+          + (", two-batch overlap" if p["two_batch_overlap"] else ""))
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")

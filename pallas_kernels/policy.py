@@ -42,14 +42,15 @@ class KernelPolicy:
     where its shapes fit, reading the rows from the pool in the kernel; with it, long prefill chunks
     take the absorbed path too (its cost grows with top-k, the expanded path's with the context). Off:
     the jnp composition, which gathers the rows first."""
-    unroll_layers_max_tokens: int = 0
+    unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
-    groups unrolled instead of as a lax.scan (0: always the scan). On the H200 (docs/perf.md) unrolling
-    made a 4-layer slice's decode step 2.61 ms instead of 3.17 on its own, but the engine's step 3.60 ms
-    instead of 3.25: the unrolled step has more work for the host to launch, and the host's launches
-    are now as long as the device's step. The scan's compile time does not grow with the depth (78
-    layers for GLM-5.2, compiled once per decode bucket); with no while loop left inside the layers,
-    XLA unrolls a short scan itself."""
+    groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose
+    body XLA:GPU launches from the host once per iteration; a short one XLA unrolls itself, yet into a
+    slower step than the one unrolled here. On the H200
+    (docs/perf.md, 2026-12-02 fifth session), with sampling inside the step, a GLM-5-shaped slice's
+    engine step took 2.72 ms unrolled vs 3.26 with the scan at b1 8k, and 2.92 vs 3.64 at b8 2k.
+    The cost is compile time, which grows with the depth (one decode bucket of a 78-layer model
+    compiles every layer's ops); 0 keeps the scan's depth-independent compile."""
     scores_max_bytes: int = 4 << 30
     """The largest score buffer one indexer call may hold (the kernels' [B, T, S] fp32 scores, or the jnp
     composition's [B, T, H, S]): a longer call runs its query tokens in chunks, so a long prefill's

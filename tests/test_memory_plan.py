@@ -65,6 +65,36 @@ def test_real_configs_fit_an_8_h200_node_in_fp8_but_not_in_bf16(name):
     assert tp["kv_tokens"] < fp8["kv_tokens"]                                       # but the latent is replicated
 
 
+def test_the_dispatch_buffers_count_the_capacity_free_exchange_and_auto_falls_back_where_they_do_not_fit():
+    """dispatch_bytes counts what models.moe.dispatched_expert_mlp allocates: a rank sends its own rows'
+    k slots and receives into ep x that many (no capacity factor); psum holds fp32 partials of every
+    row. At dp = ep = 8 and 8192 prefill tokens per device the all-to-all's buffers leave GLM-5 no KV page,
+    so 'auto' (the engine's rule: fewer bytes sent) falls back to psum and says so; at 2048 tokens, or
+    with tp = 8 (each of the 8 ranks dispatches 1/8 of the shared rows), the all-to-all stays."""
+    from cpkv_jax.memory_plan import dispatch_bytes
+    cfg = ModelConfig.named("glm-5")
+    D, k, inter, ep = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size, 8
+    slots = 8192 * k
+    assert dispatch_bytes(cfg, 8192, MeshShape(dp=8, ep=8), "all_to_all") == (
+        2 * D * (2 * slots + 2 * ep * slots + 8192) + 2 * 2 * inter * ep * slots + 4 * ep * slots)
+    assert dispatch_bytes(cfg, 8192, MeshShape(dp=8, ep=8), "psum") == 8192 * D * 4
+    own = 8192 // 8                      # tp = 8: the 8 ranks share the rows, each dispatches 1/8, all-gathers
+    assert dispatch_bytes(cfg, 8192, MeshShape(tp=8, ep=8), "all_to_all") == (
+        2 * D * (2 * own * k + 2 * ep * own * k + 8192) + 2 * 2 * inter * ep * own * k + 4 * ep * own * k)
+    assert dispatch_bytes(cfg, 8192, MeshShape(dp=8), "all_to_all") == 0            # no expert split
+    node = dict(devices=8, device_memory_gib=H200_GIB)
+    forced = plan(cfg, mesh=MeshShape(dp=8, ep=8), ep_dispatch="all_to_all", **node)
+    assert not forced["fits"] and forced["per_device_bytes"]["ep_dispatch_buffers"] > 16 * 2**30
+    auto = plan(cfg, mesh=MeshShape(dp=8, ep=8), **node)
+    assert auto["fits"] and auto["ep_dispatch"] == "psum" and "leave no KV page" in auto["ep_dispatch_reason"]
+    short = plan(cfg, mesh=MeshShape(dp=8, ep=8), prefill_tokens=2048, **node)
+    assert short["fits"] and short["ep_dispatch"] == "all_to_all" and short["ep_dispatch_reason"] == "fewer bytes sent"
+    tp = plan(cfg, mesh=MeshShape(tp=8, ep=8), **node)
+    assert tp["ep_dispatch"] == "all_to_all" and tp["fits"]
+    tbo = plan(cfg, mesh=MeshShape(tp=8, ep=8), two_batch_overlap=True, **node)
+    assert tbo["two_batch_overlap"] and abs(tbo["kv_tokens"] - tp["kv_tokens"]) < 0.01 * tp["kv_tokens"]
+
+
 @pytest.mark.parametrize("mesh, devices, message", [
     (MeshShape(tp=3, dp=1), 3, "tp=3 does not divide num_attention_heads=64"),
     (MeshShape(dp=3, ep=3), 3, "ep=3 does not divide n_routed_experts=256"),

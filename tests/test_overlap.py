@@ -160,13 +160,13 @@ def test_decode_step_and_sampler_hold_no_host_control_flow(tiny):
 def test_unrolled_decode_layers_equal_the_scan(tiny):
     """KernelPolicy.unroll_layers_max_tokens: a decode step with its layer groups unrolled lowers to more
     per-layer ops inside the group loop (the repeats written out, not iterated) and decodes the same
-    greedy tokens, logits within 1e-5, as the scan (the default)."""
+    greedy tokens, logits within 1e-5, as the scan (unroll_layers_max_tokens=0)."""
     from pallas_kernels.policy import KernelPolicy
     rng = np.random.default_rng(5)
     prompts = random_prompts(rng, [7, 30], tiny.cfg.vocab_size)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     dots, outs = [], []
-    for policy in (KernelPolicy(), KernelPolicy(unroll_layers_max_tokens=16)):
+    for policy in (KernelPolicy(unroll_layers_max_tokens=0), KernelPolicy(unroll_layers_max_tokens=16)):
         eng = Engine(tiny, dataclasses.replace(CONFIG, overlap=False, kernels=policy))
         outs.append(eng.generate(prompts, params, return_logits=True))
         for p in prompts:

@@ -178,8 +178,10 @@ def test_the_compiled_schedule_interleaves_the_micro_batches(tiny):
     latency-hiding schedule was not inspected (one GPU lent, no multi-GPU mesh)."""
     from cpkv_jax.engine import Engine, EngineConfig
     from models.kv import contiguous_batch
+    from pallas_kernels.policy import KernelPolicy
+    # the layer scan kept (its body is what is read), though 8 tokens per request would unroll it
     eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, ep_size=2, ep_dispatch="all_to_all",
-                                    two_batch_overlap=True))
+                                    two_batch_overlap=True, kernels=KernelPolicy(unroll_layers_max_tokens=0)))
     batch = contiguous_batch(np.arange(16).reshape(2, 8) + 3, kv_width=64)
     hlo = eng.runner.lower(batch, None, attn_path="expanded", last_rank=np.zeros(2, np.int32)).compile().as_text()
     sched = _schedule(hlo)
