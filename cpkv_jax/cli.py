@@ -355,9 +355,10 @@ def engine_options() -> argparse.ArgumentParser:
                    help="context-parallel ranks (devices); the KV pool is split over them (default 1)")
     q.add_argument("--cp-mode", choices=MODES, default=d.cp_mode, help="CP token split (default: page-aligned zigzag)")
     q.add_argument("--ep", dest="ep_size", type=int, default=d.ep_size, metavar="N",
-                   help="expert-parallel ranks: each holds 1/N of the routed experts (default 1)")
+                   help="expert-parallel ranks: the routed experts split over N x the --tp ranks (default 1)")
     q.add_argument("--tp", dest="tp_size", type=int, default=d.tp_size, metavar="N",
-                   help="tensor-parallel ranks: heads, MLP intermediate and vocabulary split N ways (default 1)")
+                   help="tensor-parallel ranks: heads, MLP intermediate and vocabulary split N ways, and the routed "
+                        "experts with --ep's (default 1)")
     q.add_argument("--ep-dispatch", choices=EP_DISPATCH_CHOICES, default=d.ep_dispatch,
                    help="how rows meet their experts over --ep: every rank runs its experts over every row and "
                         "the partials are psummed, or each rank dispatches its 1/ep of the rows to the experts' "

@@ -25,8 +25,8 @@ class EngineConfig:
     min_prefill_lanes: int = 16      # smallest prefill token bucket
     cp_size: int = 1                 # context-parallel ranks (mesh axis 'cp'); the pool's pages are split over them
     cp_mode: str = "zigzag"          # 'zigzag' (page-aligned) or 'round_robin'
-    ep_size: int = 1                 # expert-parallel ranks (mesh axis 'ep', beside 'cp'): each holds 1/ep of the routed experts
-    tp_size: int = 1                 # tensor-parallel ranks (mesh axis 'tp'): heads, MLP intermediate and vocabulary split
+    ep_size: int = 1                 # expert-parallel ranks (mesh axis 'ep', beside 'cp'): the routed experts split over ep x tp
+    tp_size: int = 1                 # tensor-parallel ranks (mesh axis 'tp'): heads, MLP intermediate, vocabulary and experts split
     ep_dispatch: str = "auto"        # how rows meet their experts over 'ep' (models.moe.choose_ep_dispatch): 'psum'
                                      # (each rank its experts over every row, fp32 partials all-reduced),
                                      # 'all_to_all' (each rank dispatches its 1/ep of the rows to the experts'

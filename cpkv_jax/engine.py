@@ -33,7 +33,7 @@ from cpkv_jax.scheduler import Chunk, Request, Scheduler, TokenEvent
 from cpkv_jax.spec import SpecDecoder
 from cpkv_jax.stop import StopMatcher
 from models.model import DsaModel
-from models.sharding import RULES
+from models.sharding import CP, EP, TP
 
 
 class EngineInputError(ValueError):
@@ -115,15 +115,18 @@ def _generation_eos(spec) -> set[int]:
 
 def _mesh(cp_size: int, ep_size: int, tp_size: int, model_config, devices=None):
     """The step's mesh: 'cp' over cp_size devices (the pool's pages split); with ep_size or tp_size > 1
-    also 'ep' (the routed experts split; attention and the pool replicated over it) and 'tp' (heads,
-    MLP intermediate and vocabulary split; the latent pool replicated over it). None for one device,
+    also 'ep' and 'tp': the routed experts split over both (ep x tp ways), the heads, MLP intermediate
+    and vocabulary over 'tp'; attention and the pool replicated over 'ep', the latent pool over 'tp'
+    (the table: models.sharding.RULES). None for one device,
     unless `devices` names them (a PD engine's own devices: cpkv_jax.pd). `model_config()` gives the
     model's config (read only when there is a mesh), whose counts each axis must divide."""
     if cp_size == ep_size == tp_size == 1 and devices is None:
         return None
     from jax.sharding import Mesh
     from cpkv_jax.memory_plan import split_error
-    error = split_error(model_config(), ep_size, tp_size, label=lambda axis, n: f"{axis}_size {n}")
+    error = split_error(model_config(), ep_size * tp_size, tp_size, label=lambda axis, n: f"{axis}_size {n}",
+                        expert_label=f"ep_size {ep_size} x tp_size {tp_size} = {ep_size * tp_size}" if tp_size > 1
+                        else None)
     if error:
         raise EngineConfigError(error)
     n = cp_size * ep_size * tp_size
@@ -132,8 +135,8 @@ def _mesh(cp_size: int, ep_size: int, tp_size: int, model_config, devices=None):
         raise EngineConfigError(f"cp_size {cp_size} x ep_size {ep_size} x tp_size {tp_size} needs {n} devices, "
                                 f"{len(devices)} visible")
     if ep_size == tp_size == 1:
-        return Mesh(np.array(devices[:cp_size]), (RULES.kv_slots,))
-    return Mesh(np.array(devices[:n]).reshape(cp_size, ep_size, tp_size), (RULES.kv_slots, RULES.experts, RULES.heads))
+        return Mesh(np.array(devices[:cp_size]), (CP,))
+    return Mesh(np.array(devices[:n]).reshape(cp_size, ep_size, tp_size), (CP, EP, TP))
 
 
 def _side_stream_copier(config: EngineConfig):
@@ -185,7 +188,8 @@ class Engine:
             self.hicache = HiCache(self.pool, self.radix, config.hicache_pages, full_layers=self.cfg.full_layers,
                                    policy=config.hicache_policy, mesh=self.mesh, copier=copier)
         from models.moe import choose_ep_dispatch
-        self.ep_dispatch = choose_ep_dispatch(config.ep_dispatch, config.ep_size, self.cfg.num_experts_per_tok,
+        self.ep_dispatch = choose_ep_dispatch(config.ep_dispatch, config.ep_size * config.tp_size,
+                                              self.cfg.num_experts_per_tok,
                                               self.cfg.hidden_size, jnp.dtype(self.model.dtype).itemsize)
         self.runner = ModelRunner(self.model, self.pool, mesh=self.mesh, copier=copier,
                                   step_copies=self.hicache.copies.take_step if copier is not None else None,

@@ -7,7 +7,12 @@ The layout it plans (issue: the real GLM-5 on a mesh): attention heads, the inde
 shared-expert MLPs and the vocabulary split over `tp`; routed experts over `ep` (a divisor of the
 device count; experts are replicated devices / ep times); the KV pool's pages split over `cp` ranks and
 over `dp` replicas (each its own requests), the latent cache replicated over `tp` (MLA's latent is
-shared by every head, so a head split cannot split it)."""
+shared by every head, so a head split cannot split it).
+
+The engine's meshes in these terms: `--tp T --ep E` (cp x ep x tp devices) is tp = T with the experts
+split ep = E x T ways and, when E > 1, attention replicated over E (no planner axis: the planner's dp
+is data-parallel attention, each replica its own requests and pages, which the engine does not run).
+So `--tp 8` on 8 GPUs is the planner's tp=8,ep=8."""
 
 from __future__ import annotations
 
@@ -56,10 +61,12 @@ class MeshShape:
         return cls(**kw)
 
 
-def split_error(cfg: ModelConfig, ep: int, tp: int, label=lambda axis, n: f"{axis}={n}") -> str | None:
-    """The first count an ep / tp split does not divide (experts; heads, index heads, vocabulary, MLP
-    intermediate), as a message with the split named by `label(axis, size)`; None if all divide. Shared
-    by the planner and the engine's mesh."""
+def split_error(cfg: ModelConfig, ep: int, tp: int, label=lambda axis, n: f"{axis}={n}",
+                expert_label: str | None = None) -> str | None:
+    """The first count an ep / tp split does not divide (experts, `ep` ways; heads, index heads,
+    vocabulary, MLP intermediate), as a message with the split named by `label(axis, size)` (the
+    experts' by `expert_label` if given); None if all divide. Shared by the planner and the engine's
+    mesh (whose experts split ep_size x tp_size ways: it passes their product as `ep`)."""
     for axis, size, count, name in (("ep", ep, cfg.n_routed_experts, "n_routed_experts"),
                                     ("tp", tp, cfg.num_attention_heads, "num_attention_heads"),
                                     ("tp", tp, cfg.index_n_heads, "index_n_heads"),
@@ -68,7 +75,8 @@ def split_error(cfg: ModelConfig, ep: int, tp: int, label=lambda axis, n: f"{axi
                                     ("tp", tp, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1),
                                      "the shared experts' intermediate size")):
         if count % size:
-            return f"{label(axis, size)} does not divide {name}={count}"
+            named = expert_label if axis == "ep" and expert_label else label(axis, size)
+            return f"{named} does not divide {name}={count}"
     return None
 
 
@@ -111,7 +119,8 @@ def weight_bytes(cfg: ModelConfig, dtype, mesh: MeshShape) -> tuple[dict, dict]:
         nbytes = leaf.size * leaf.dtype.itemsize
         split = 1
         for dim, logical in enumerate(param_logical_axes(path, len(shape))):
-            n = mesh.size(getattr(RULES, logical) if logical else None)
+            # the planner's ep is the experts' whole split (the engine's ep_size x tp_size)
+            n = mesh.ep if logical == "experts" else mesh.size(getattr(RULES, logical) if logical else None)
             if n == 1:
                 continue
             if shape[dim] % n or (leaf.dtype.itemsize == 1 and path[-1] == "kernel" and (shape[dim] // n) % 128):

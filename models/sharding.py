@@ -14,14 +14,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down",
                  "experts_gate_scale_inv", "experts_up_scale_inv", "experts_down_scale_inv")
 EP_DISPATCH = ("psum", "all_to_all")
+CP, EP, TP = "cp", "ep", "tp"           # the engine's mesh axes
 KV_LEAF_AXES = ("layers", "kv_slots")   # every KV pool leaf (device and host) is [layers, slots, ...]
+
+
+def kept_axes(axis: str | tuple | None, keep) -> str | tuple | None:
+    """A table entry (a mesh axis, a tuple of them or None) reduced to the axes `keep` accepts: None,
+    one axis, or a tuple (a PartitionSpec entry, and an axis_name for the collectives)."""
+    kept = tuple(a for a in ((axis,) if isinstance(axis, str) else tuple(axis or ())) if keep(a))
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """Logical axis -> mesh axis (None: replicated)."""
+    """Logical axis -> mesh axis, or a tuple of mesh axes (the dimension split over their product, the
+    first major), or None (replicated)."""
 
-    experts: str | None = "ep"       # routed experts' leading [E] axis
+    experts: str | tuple | None = (EP, TP)   # routed experts' leading [E] axis: over 'ep' and 'tp' alike
+    # (tensor-parallel attention leaves every row on every tp rank, as expert parallelism over replicated
+    # rows wants: tp = 8 holds 1/8 of the experts per GPU, SGLang's TP attention + EP MoE)
     heads: str | None = "tp"         # attention heads (q_b / kv_b outputs, o_proj input)
     index_heads: str | None = "tp"   # the indexer's heads (wq_b output, weights_proj output)
     mlp: str | None = "tp"           # dense and shared-expert MLP intermediate
@@ -34,8 +45,8 @@ class ShardingRules:
         """PartitionSpec of an array whose dimensions have these logical names (None: unnamed, replicated).
         With a mesh, axes the mesh lacks are dropped (replicated)."""
         def mesh_axis(name):
-            axis = getattr(self, name) if name is not None else None
-            return None if axis is None or (mesh is not None and axis not in mesh.axis_names) else axis
+            return kept_axes(getattr(self, name) if name is not None else None,
+                             lambda a: mesh is None or a in mesh.axis_names)
         return P(*(mesh_axis(n) for n in logical))
 
     def sharding(self, mesh: Mesh, *logical: str | None, memory_kind: str | None = None) -> NamedSharding:
@@ -94,7 +105,8 @@ def place_state(state, mesh: Mesh, rules: ShardingRules = RULES):
 @dataclasses.dataclass(frozen=True)
 class MeshAxes:
     """The mesh axes a forward runs split over inside its shard_map (None: not split); static, like
-    KVAccess. experts: the routed experts (models.moe.expert_parallel_mlp); tp: attention heads, the
+    KVAccess. experts: the routed experts (models.moe.expert_parallel_mlp; an axis or a tuple of axes,
+    e.g. ('ep', 'tp'), whose collectives run over their product); tp: attention heads, the
     indexer's heads, the MLP intermediate and the vocabulary (the table's heads / index_heads / mlp /
     vocab axes, which must be one axis). The collectives of tensor parallelism live here.
     ep_dispatch: how the routed experts meet their rows: 'psum' (every rank holds every row, as after
@@ -105,7 +117,7 @@ class MeshAxes:
     each rank takes its own 1/ep of the rows, dispatches them, and the combined rows are all-gathered
     back over 'ep' (models.moe.over_own_rows)."""
 
-    experts: str | None = None
+    experts: str | tuple | None = None
     tp: str | None = None
     ep_dispatch: str = "psum"
     ep_rows_split: bool = False
@@ -116,9 +128,9 @@ class MeshAxes:
 
     @classmethod
     def of(cls, mesh: Mesh | None, rules: ShardingRules = RULES, ep_dispatch: str = "psum") -> "MeshAxes":
-        """The axes of a forward under shard_map over `mesh` (rows replicated over the experts axis)."""
+        """The axes of a forward under shard_map over `mesh` (rows replicated over the experts axes)."""
         def split(axis):
-            return axis if mesh is not None and axis in mesh.axis_names and mesh.shape[axis] > 1 else None
+            return kept_axes(axis, lambda a: mesh is not None and a in mesh.axis_names and mesh.shape[a] > 1)
         tp = {split(a) for a in (rules.heads, rules.index_heads, rules.mlp, rules.vocab)}
         if len(tp) > 1:
             raise ValueError(f"heads, index_heads, mlp and vocab must split over one mesh axis, got {tp}")

@@ -28,15 +28,15 @@ def _device0_param_bytes(model) -> int:
 @pytest.mark.parametrize("axes", [dict(ep=8), dict(ep=2, tp=4), dict(tp=8)])
 def test_per_device_weight_bytes_equal_the_shards_placed_on_a_mesh(axes):
     """The planner's per-device bytes equal what device 0 holds after the model is placed by the same
-    sharding table on a real (8 simulated devices) mesh: experts 1/ep, head/vocab/MLP splits 1/tp."""
+    sharding table on a real (8 simulated devices) mesh: experts 1/(ep tp), head/vocab/MLP splits 1/tp."""
     names = tuple(axes)
     mesh = jax.make_mesh(tuple(axes.values()), names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
     model = load_hf(FIXTURES / "glm_indexcache")
     state = nnx.state(model)
     nnx.update(model, place_state(state, mesh))
     held = _device0_param_bytes(model)
-    _, per_device = weight_bytes(model.cfg, jnp.float32, MeshShape(tp=axes.get("tp", 1), ep=axes.get("ep", 1),
-                                                                    dp=8 // axes.get("tp", 1)))
+    tp = axes.get("tp", 1)      # the engine's experts split over 'ep' and 'tp': the planner's ep is the product
+    _, per_device = weight_bytes(model.cfg, jnp.float32, MeshShape(tp=tp, ep=axes.get("ep", 1) * tp, dp=8 // tp))
     assert sum(per_device.values()) == held
     if "tp" in axes:   # the head split is real: q_b_proj's shard is 1/tp of its columns
         q_b = model.groups[0].unit[0].self_attn.q_b_proj.kernel[...]

@@ -222,8 +222,9 @@ def test_engine_on_a_cp_ep_tp_mesh_equals_one_device(mesh_kw):
     """The whole engine, its checkpoint restored straight into the mesh's shards and its step under a
     shard_map over ('cp', 'ep', 'tp'): greedy tokens equal and logits within 1e-5 of the one-device
     engine, with CP, and with speculative decoding (the MTP layer split too). Each
-    device holds 1/ep of every routed expert tensor, 1/tp of every head-, intermediate- or
-    vocabulary-split tensor, and a replica of the rest (read from the arrays' shards)."""
+    device holds 1/(ep tp) of every routed expert tensor (the experts split over 'ep' and 'tp' alike),
+    1/tp of every head-, intermediate- or vocabulary-split tensor, and a replica of the rest (read from
+    the arrays' shards)."""
     from cpkv_jax.engine import Engine, EngineConfig
     from cpkv_jax.sampling import SamplingParams
     rng = np.random.default_rng(0)
@@ -237,7 +238,7 @@ def test_engine_on_a_cp_ep_tp_mesh_equals_one_device(mesh_kw):
         assert g.token_ids == w.token_ids
         assert rel_err(np.stack(g.logits), np.stack(w.logits)) <= 1e-5
     ep, tp = mesh_kw["ep_size"], mesh_kw["tp_size"]
-    split = {"experts_gate": (-3, ep), "q_b_proj": (-1, tp), "o_proj": (-2, tp), "wq_b": (-1, tp),
+    split = {"experts_gate": (-3, ep * tp), "q_b_proj": (-1, tp), "o_proj": (-2, tp), "wq_b": (-1, tp),
              "embed_tokens": (0, tp), "lm_head": (-1, tp), "down_proj": (-2, tp)}
     seen = set()
     for p, x in jax.tree_util.tree_leaves_with_path(eng.runner.state):
@@ -266,14 +267,15 @@ def one_device_reference(tiny):
 
 
 @pytest.mark.parametrize("mesh_kw", [dict(ep_size=2), dict(ep_size=4), dict(ep_size=8),
-                                     dict(cp_size=2, ep_size=4),
+                                     dict(cp_size=2, ep_size=4), dict(tp_size=4),
                                      dict(ep_size=4, speculative="nextn"),
                                      dict(cp_size=2, ep_size=2, tp_size=2, speculative="nextn")])
 def test_engine_with_the_all_to_all_dispatch_equals_one_device(tiny, one_device_reference, mesh_kw):
     """EngineConfig(ep_dispatch='all_to_all'): inside the step's shard_map each ep rank routes its own
     1/ep of the (replicated) rows, sends them to their experts' ranks and all-gathers the combined rows
-    back. Greedy tokens equal and logits within 1e-5 of one device at ep 2/4/8, ep x cp, and with
-    speculative decoding (the MTP layer's MoE dispatched too), also beside cp and tp."""
+    back. Greedy tokens equal and logits within 1e-5 of one device at ep 2/4/8, ep x cp, tp 4 (the
+    experts split over 'tp' alone), and with speculative decoding (the MTP layer's MoE dispatched too),
+    also beside cp and tp (the experts over 'ep' x 'tp': collectives over both axes)."""
     from cpkv_jax.engine import Engine, EngineConfig
     prompts, params, want = one_device_reference
     eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64, ep_dispatch="all_to_all", **mesh_kw))
@@ -382,7 +384,7 @@ def test_hicache_on_an_ep_tp_mesh_reloads_every_replica(tiny, hicache_reference,
 
 @pytest.mark.parametrize("mesh_kw, message", [
     (dict(ep_size=3), "ep_size 3 does not divide n_routed_experts=8"),
-    (dict(tp_size=3), "tp_size 3 does not divide num_attention_heads=4"),
+    (dict(tp_size=3), "ep_size 1 x tp_size 3 = 3 does not divide n_routed_experts=8"),   # experts over tp too
     (dict(tp_size=8), "tp_size 8 does not divide num_attention_heads=4"),
     (dict(cp_size=2, ep_size=4, tp_size=2), "needs 16 devices, 8 visible"),
 ])
