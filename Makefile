@@ -12,7 +12,11 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 run: $(STAMP)
-	JAX_PLATFORMS=cpu $(VENV)/bin/cpkv-jax generate --model tiny --prompt "The quick brown fox" --tokens 11,42,7,300,5,19,64,128 --max-new-tokens 16 --page-size 16 --json
+	nl=$$(printf '\n_'); nl=$${nl%_}; \
+	JAX_PLATFORMS=cpu $(VENV)/bin/cpkv-jax generate --model tiny --max-new-tokens 64 --page-size 16 \
+	  --prompt " base756 return945 num883 new590 file001 and297 pro857 fun422 try497 whi494 def174 this229 lin902 path425 not709 for482 | fun" \
+	  --prompt "347 + 085$$nl" \
+	  --prompt "$$(printf '    def __repr__(self):\n        return ')"
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=20

@@ -146,6 +146,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    """Task accuracy (exact match, greedy) or held-out perplexity through the engine (cpkv_jax.eval)."""
+    from cpkv_jax.eval import run_eval
+    from cpkv_jax.pd import make_engine
+    from models.weights import resolve_model_dir
+
+    engine = make_engine(str(resolve_model_dir(args.model)), engine_config(args))
+    r = run_eval(args.model, args.task, args.n, engine=engine, batch=args.batch)
+    answers = r.pop("answers", None)
+    if args.json:
+        print(json.dumps(r | ({"answers": answers} if args.answers else {})))
+    else:
+        metric = "accuracy" if "accuracy" in r else "perplexity"
+        extra = (f", acceptance length {r['acceptance_length']:.3f}" if "acceptance_length" in r else "")
+        print(f"{args.task}: {metric} {r[metric]:.4f} over {r['n']}{extra}")
+    return 0
+
+
 class _Request(argparse.Action):
     """--prompt/--tokens keep their relative order in one list (one request each)."""
 
@@ -302,14 +320,14 @@ def cmd_serve(args) -> int:
 
     from cpkv_jax.pd import make_engine
     from cpkv_jax.server import serve
-    from models.weights import tiny_checkpoint
+    from models.weights import resolve_model_dir
 
     engine = make_engine(args.model, engine_config(args))
     if jax.process_index() != 0:        # a multi-process run: process 0 serves, the others follow its steps
         from cpkv_jax.distributed import follow
         follow(engine)
         return 0
-    model_dir = tiny_checkpoint() if args.model == "tiny" else Path(args.model)
+    model_dir = resolve_model_dir(args.model)
     serve(engine, host=args.host, port=args.port, model_name=args.served_model_name or Path(str(args.model)).name,
           model_dir=model_dir if model_dir.is_dir() else None, max_queued=args.max_queued)
     return 0
@@ -331,7 +349,7 @@ def engine_options() -> argparse.ArgumentParser:
 
     d = EngineConfig()
     q = argparse.ArgumentParser(add_help=False)
-    q.add_argument("--model", default="tiny", help="'tiny' (default), a cpkv (orbax) checkpoint dir, or an HF dir")
+    q.add_argument("--model", default="tiny", help="'tiny' (default: the trained tiny model), 'tiny-random', a cpkv (orbax) checkpoint dir, or an HF dir")
     q.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (default %(default)s)")
     q.add_argument("--kv-pages", type=int, default=d.kv_pages,
                    help="device KV pool size in pages (default %(default)s)")
@@ -470,10 +488,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-queued", type=int, default=256, help="requests in flight before 503 (default 256)")
     v.set_defaults(fn=cmd_serve)
 
+    e = sub.add_parser("eval", parents=[engine_options()],
+                       help="task accuracy (recall, arith) or text perplexity of a model through the engine",
+                       description="Greedy exact-match accuracy on a held-out generated set (recall: a key's "
+                                   "value more than index_topk tokens back; arith: 2-3 digit + and -) or "
+                                   "perplexity on held-out text, through the engine with the given options; "
+                                   "with --speculative nextn also the draft acceptance length (cpkv_jax/eval.py).")
+    e.add_argument("--task", required=True, choices=("recall", "arith", "text"))
+    e.add_argument("--n", type=int, default=100, help="examples (text: windows) (default %(default)s)")
+    e.add_argument("--batch", type=int, default=32, help="requests per generate call (default %(default)s)")
+    e.add_argument("--answers", action="store_true", help="with --json: include the generated answers")
+    e.add_argument("--json", action="store_true",
+                   help='print one object {"accuracy" | "perplexity", "n", "acceptance_length"?, ...}')
+    e.set_defaults(fn=cmd_eval)
+
     s = sub.add_parser("score", help="per-position fp32 logits of a teacher-forced prefill",
                        description="Teacher-forced prefill of one token sequence; writes the per-position "
                                    "fp32 logits [T, vocab] to --out (.npy) and prints NLL/perplexity.")
-    s.add_argument("--model", required=True, help="'tiny', a cpkv (orbax) checkpoint dir, or an HF dir")
+    s.add_argument("--model", required=True, help="'tiny', 'tiny-random', a cpkv (orbax) checkpoint dir, or an HF dir")
     s.add_argument("--tokens", required=True, type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
     s.add_argument("--out", required=True, type=Path, help="output .npy path")
     s.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: checkpoint's)")

@@ -87,12 +87,13 @@ class StreamEvent:
 
 
 def _load_tokenizer(spec):
+    """The tokenizer.json beside a model (a name such as 'tiny' / 'tiny-random', or a directory), or None."""
     from tokenizers import Tokenizer
 
-    from models.weights import tiny_checkpoint
+    from models.weights import resolve_model_dir
     if isinstance(spec, DsaModel) or spec is None:
         return None
-    path = tiny_checkpoint() if spec == "tiny" else Path(spec)
+    path = resolve_model_dir(spec)
     f = path / "tokenizer.json"
     if not f.exists():
         return None
@@ -105,8 +106,9 @@ def _load_tokenizer(spec):
 
 def _generation_eos(spec) -> set[int]:
     """eos ids from generation_config.json beside the checkpoint (HF keeps the chat eos list there)."""
-    if isinstance(spec, (str, Path)) and spec != "tiny":
-        f = Path(spec) / "generation_config.json"
+    from models.weights import resolve_model_dir
+    if isinstance(spec, (str, Path)):
+        f = resolve_model_dir(spec) / "generation_config.json"
         if f.exists():
             eos = json.loads(f.read_text()).get("eos_token_id")
             return set(eos if isinstance(eos, list) else [] if eos is None else [eos])

@@ -550,7 +550,7 @@ def load_checkpoint(path, dtype=None, mesh=None, *, verify: bool = True) -> DsaM
     which reads the checkpoint once more from disk (sha256, ~1-2 GB/s per core)."""
     from models.sharding import param_sharding
 
-    path = Path(path)
+    path = Path(path).absolute()     # orbax restores from absolute paths only
     if not path.exists():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not is_checkpoint(path):
@@ -663,10 +663,36 @@ def tiny_tokenizer_json(vocab_size: int, bos_id: int, eos_id: int) -> str:
     return tok.to_str()
 
 
+TINY_DIR = Path(__file__).parent / "checkpoints" / "tiny"
+"""The embedded default model `tiny`: a small DSA model trained by scripts/train_tiny.py (recall,
+arithmetic, Python source), shipped as an orbax checkpoint with its BPE tokenizer."""
+
+
 def tiny_checkpoint() -> Path:
-    """The embedded default model as an orbax checkpoint, created deterministically on first use and
-    cached under cache_dir() (keyed by the shipped config and seed, so a changed config never loads
-    stale weights)."""
+    """The trained `tiny` checkpoint shipped in the package (models/checkpoints/tiny)."""
+    if not is_checkpoint(TINY_DIR):
+        raise CheckpointError(f"the trained tiny checkpoint is missing at {TINY_DIR} (rebuild it with "
+                              f"scripts/train_tiny.py --out {TINY_DIR}); 'tiny-random' needs none")
+    return TINY_DIR
+
+
+MODEL_NAMES = ("tiny", "tiny-random")
+
+
+def resolve_model_dir(spec) -> Path:
+    """The directory a model name or path stands for: 'tiny' (trained, shipped), 'tiny-random' (the
+    shipped tiny config with deterministic random weights, created on first use), else the path."""
+    if spec == "tiny":
+        return tiny_checkpoint()
+    if spec == "tiny-random":
+        return tiny_random_checkpoint()
+    return Path(spec)
+
+
+def tiny_random_checkpoint() -> Path:
+    """`tiny-random`: models/configs/tiny.json with deterministic random weights and a byte-level
+    tokenizer, as an orbax checkpoint created on first use and cached under cache_dir() (keyed by the
+    shipped config and seed, so a changed config never loads stale weights)."""
 
     cfg_text = (Path(__file__).parent / "configs" / "tiny.json").read_text()
     digest = hashlib.sha256(f"{cfg_text}|seed={TINY_SEED}|v{FORMAT_VERSION}".encode()).hexdigest()[:12]
@@ -693,17 +719,16 @@ def tiny_checkpoint() -> Path:
 
 def model_config(spec) -> ModelConfig:
     """The config of what load_model(spec) would load, without loading it (to plan its mesh first)."""
-    return ModelConfig.from_json_file(tiny_checkpoint() if spec == "tiny" else Path(spec))
+    return ModelConfig.from_json_file(resolve_model_dir(spec))
 
 
 def load_model(spec, dtype=None, mesh=None, *, verify: bool = True) -> DsaModel:
-    """'tiny' (shipped config, deterministic random weights, cached as a checkpoint on first use), one
-    of our orbax checkpoints, or an HF safetensors directory (converted in memory; small models)."""
-    if spec == "tiny":
-        spec = tiny_checkpoint()
-    path = Path(spec)
+    """'tiny' (the trained tiny model shipped in the package), 'tiny-random' (the shipped tiny config,
+    deterministic random weights, cached as a checkpoint on first use), one of our orbax checkpoints, or
+    an HF safetensors directory (converted in memory; small models)."""
+    path = resolve_model_dir(spec)
     if not path.exists():
-        raise CheckpointError(f"model path {path} does not exist (expected 'tiny', a cpkv checkpoint "
+        raise CheckpointError(f"model path {path} does not exist (expected 'tiny', 'tiny-random', a cpkv checkpoint "
                               f"directory or an HF safetensors directory)")
     if is_checkpoint(path):
         return load_checkpoint(path, dtype, mesh, verify=verify)

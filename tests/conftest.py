@@ -35,10 +35,11 @@ def fixtures_dir():
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The embedded tiny model (random weights), loaded once per test module (tests may derive
-    modified copies of it; module scope keeps one module's changes from reaching another)."""
+    """The tiny config with random weights ('tiny-random'), loaded once per test module (tests may derive
+    modified copies of it; module scope keeps one module's changes from reaching another). The trained
+    `tiny` is tests/test_trained_tiny.py's."""
     from models.weights import load_model
-    return load_model("tiny")
+    return load_model("tiny-random")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -230,9 +230,9 @@ def test_engine_on_a_cp_ep_tp_mesh_equals_one_device(mesh_kw):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 512, n).tolist() for n in (5, 90)]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    want = Engine("tiny", EngineConfig(page_size=16, kv_pages=64)).generate(prompts, params,
+    want = Engine("tiny-random", EngineConfig(page_size=16, kv_pages=64)).generate(prompts, params,
                                                                                   return_logits=True)
-    eng = Engine("tiny", EngineConfig(page_size=16, kv_pages=64, **mesh_kw))
+    eng = Engine("tiny-random", EngineConfig(page_size=16, kv_pages=64, **mesh_kw))
     got = eng.generate(prompts, params, return_logits=True)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids

@@ -38,7 +38,7 @@ def workload(tiny, stops):
 def run(tiny, overlap, config=CONFIG, stops=None):
     """The script: 10 requests, 3 steps, aborts of request 1 (mid-decode) and 7 (waiting, when only 4
     run at once), 2 more requests (one sharing request 3's prompt pages), then to the end; then a stream."""
-    eng = Engine(tiny, dataclasses.replace(config, overlap=overlap), tokenizer=_load_tokenizer("tiny"))
+    eng = Engine(tiny, dataclasses.replace(config, overlap=overlap), tokenizer=_load_tokenizer("tiny-random"))
     device_tokens = []
     forward = eng.runner.forward
 

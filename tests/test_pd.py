@@ -276,7 +276,7 @@ def test_two_process_server_with_cp_prefill_over_both(tiny):
 
     from tokenizers import Tokenizer
 
-    from models.weights import tiny_checkpoint
+    from models.weights import tiny_random_checkpoint
 
     def free_port():
         with socket.socket() as s:
@@ -290,7 +290,7 @@ def test_two_process_server_with_cp_prefill_over_both(tiny):
     coordinator, http = free_port(), free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir)
-    args = ["serve", "--model", "tiny", "--pd-prefill-devices", "3", "--pd-decode-replicas", "1", "--page-size", "16",
+    args = ["serve", "--model", "tiny-random", "--pd-prefill-devices", "3", "--pd-decode-replicas", "1", "--page-size", "16",
             "--kv-pages", "24", "--max-running", "4",
             "--max-prefill-tokens", "128", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{coordinator}",
             "--port", str(http)]
@@ -317,5 +317,5 @@ def test_two_process_server_with_cp_prefill_over_both(tiny):
         for proc in procs:
             proc.kill()
             proc.wait()
-    tokenizer = Tokenizer.from_file(str(tiny_checkpoint() / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(tiny_random_checkpoint() / "tokenizer.json"))
     assert texts == [tokenizer.decode(w, skip_special_tokens=True) for w in want] and all(texts)

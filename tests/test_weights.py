@@ -194,9 +194,28 @@ def test_load_model_errors(tmp_path):
 
 
 def test_tiny_is_deterministic():
-    a, b = load_model("tiny"), load_model("tiny")
+    a, b = load_model("tiny-random"), load_model("tiny-random")
     assert_trees_equal(pure(a), pure(b))
     assert a.cfg.num_nextn_predict_layers == 1 and a.mtp is not None
+
+
+def test_model_names_resolve_to_their_tokenizer():
+    """'tiny' and 'tiny-random' by name get their own checkpoint's tokenizer and eos ids (the engine,
+    PD engines and `cpkv-jax serve` resolve names through resolve_model_dir)."""
+    from cpkv_jax.engine import Engine, EngineConfig, _generation_eos, _load_tokenizer
+    from models.weights import TINY_DIR, is_checkpoint, resolve_model_dir, tiny_random_checkpoint
+
+    assert resolve_model_dir("tiny-random") == tiny_random_checkpoint()
+    assert resolve_model_dir("some/dir") == Path("some/dir")
+    rnd = _load_tokenizer("tiny-random")
+    assert rnd is not None and rnd.get_vocab_size() == load_model("tiny-random").cfg.vocab_size
+    assert _generation_eos("tiny-random") == set()
+    eng = Engine("tiny-random", EngineConfig(page_size=16, kv_pages=16))
+    assert eng.tokenizer is not None and eng.tokenizer.to_str() == rnd.to_str()
+    assert is_checkpoint(TINY_DIR) and resolve_model_dir("tiny") == TINY_DIR
+    trained = _load_tokenizer("tiny")
+    assert trained is not None and trained.to_str() != rnd.to_str()
+    assert trained.to_str() == _load_tokenizer(str(TINY_DIR)).to_str()
 
 
 def _damaged(converted, tmp_path, damage):
