@@ -176,3 +176,41 @@ def test_kernel_compiled_equals_reference(N, H, K, P):
         args32 = tuple(a.astype(jnp.float32) if hasattr(a, "dtype") and a.dtype == jnp.bfloat16 else a for a in args)
         got32 = np.asarray(sparse_mla_pallas(*args32, tiling=tiling_for(N, H, K, jnp.float32)))
         np.testing.assert_allclose(got32, np.asarray(sparse_mla_reference(*args32)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,H,K,P", [(300, 64, 2048, 4096), (64, 8, 512, 1024), (450, 16, 100, 600), (5, 64, 64, 64)])
+def test_mgpu_kernel_compiled_equals_reference(N, H, K, P):
+    """The Mosaic GPU prefill kernel (rows gathered by cp.async): GLM-5's widths, full / short / empty
+    rows with -1 anywhere, K not a multiple of its 64-row blocks, heads fewer than 64 (padded), layer 1 of
+    a two-layer pool; its output written whole (no row left as the buffer held it)."""
+    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
+
+    q_lat, q_rope, latent, k_rope, slots = make_case(N, H, 512, 64, K, P=P, L=2, seed=N + K)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
+    want = np.asarray(sparse_mla_reference(*args), np.float32)
+    got = np.asarray(sparse_mla_mgpu(*args), np.float32)
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert err < 2e-2, err
+    empty = np.all(slots < 0, axis=1)
+    assert np.all(got[empty] == 0)
+    routed = np.asarray(sparse_mla(*args, policy=KernelPolicy()), np.float32)     # the dispatch's choice
+    assert np.max(np.abs(routed - want)) / np.max(np.abs(want)) < 2e-2
+
+
+def test_selected_first_keeps_each_rows_selection_in_order():
+    """The Mosaic GPU kernel's wrapper moves each row's selected slots to the front (the kernel masks by
+    a count); the reference gives the same attention either way."""
+    from pallas_kernels.sparse_mla.kernel_mgpu import selected_first
+
+    q_lat, q_rope, latent, k_rope, slots = make_case(12, 3, 16, 8, 20)
+    front, count = map(np.asarray, selected_first(jnp.asarray(slots)))
+    for row, f, c in zip(slots, front, count):
+        assert c == np.sum(row >= 0)
+        np.testing.assert_array_equal(f[:c], row[row >= 0])
+        assert np.all(f[c:] == -1)
+    args = (*map(jnp.asarray, (q_lat, q_rope, latent, k_rope)), 1)
+    np.testing.assert_allclose(np.asarray(sparse_mla_reference(*args, jnp.asarray(front), 0.3)),
+                               np.asarray(sparse_mla_reference(*args, jnp.asarray(slots), 0.3)), rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.sparse_mla.kernel import Tiling, sparse_mla_pallas
+from pallas_kernels.sparse_mla.kernel_mgpu import mgpu_shape_error, sparse_mla_mgpu
 from pallas_kernels.sparse_mla.reference import sparse_mla_reference
 
 _SM_COUNT = 132   # H200: below about two programs per SM the selected rows are split over programs
@@ -44,10 +45,18 @@ def kernel_applies(q_lat, q_rope, policy: KernelPolicy) -> bool:
     return policy.on_gpu() and policy.sparse_mla_kernel and kernel_shape_error(q_lat, q_rope) is None
 
 
+def mgpu_applies(N: int, q_lat, q_rope, policy: KernelPolicy) -> bool:
+    """Whether a kernel call takes the Mosaic GPU kernel: one program per query, so prefill-sized
+    calls (two programs per SM at least); fewer queries split their rows over Triton programs."""
+    return policy.mgpu_sparse_mla and N >= 2 * _SM_COUNT and mgpu_shape_error(q_lat, q_rope) is None
+
+
 def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, policy: KernelPolicy = DEFAULT_POLICY):
     """The dispatch (see sparse_mla_reference for the arguments)."""
     if kernel_applies(q_lat, q_rope, policy):
         N, H, _ = q_lat.shape
+        if mgpu_applies(N, q_lat, q_rope, policy):
+            return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale)
         return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                  tiling=tiling_for(N, H, slots.shape[1], q_lat.dtype))
     return sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale)

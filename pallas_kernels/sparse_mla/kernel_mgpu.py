@@ -1,0 +1,255 @@
+"""Sparse MLA prefill as a Mosaic GPU kernel (Hopper: wgmma, warp-specialized), the selected rows
+gathered from the pool by cp.async.
+
+Same function as kernel.sparse_mla_pallas with one split: for each query, its heads (the MMA's M, 64)
+over its selected rows. One program per query token, three warpgroups:
+- a memory warpgroup gathers each block of 64 selected rows (latent [64, C] and rope [64, R]) from the
+  pool into a shared-memory stage. Hopper's TMA has no row gather (its gather4 is Blackwell's), so its
+  128 threads issue 16-byte cp.async copies, two threads a row, each to the swizzled position a TMA copy
+  would have written (the layout wgmma reads), waits for its copies, fences them for the async proxy
+  and arrives on the stage's barrier. The wrapper moves each row's selected slots to its front
+  (selected_first), so a row's tail is masked by its count alone. Two stages: a block is copied while the one before it is computed.
+- two compute warpgroups take the same block: each computes the scores S = q_lat lat^T + q_rope rope^T
+  ([64 heads, 64 rows], the whole 576-wide product, so each has every probability without exchanging
+  any) and the online softmax, then its own half of the output columns, O[:, half] += P lat[:, half]
+  (acc [64, C/2] fp32 in registers: the whole [64, C] does not fit one warpgroup's registers).
+The output goes out through the query's shared-memory buffer once both warpgroups are past their last
+score product."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.sparse_mla.common import check_sparse_mla_args
+
+BLOCK = 64            # selected rows per step: the scores' N and the value product's K
+HEADS = 64            # the MMA's M: queries with fewer heads are padded to it
+STAGES = 2
+_NEG = -1e30          # the running max starts finite: a block with nothing selected gives exp2(-inf) = 0
+_CHUNK = 16           # bytes per cp.async
+_SWIZZLE = 128        # bytes: the tile row of the (8, 64) bf16 tiling
+_TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def mgpu_shape_error(q_lat, q_rope) -> str | None:
+    """Why the Mosaic GPU kernel cannot take these operands (None: it can)."""
+    H, C, R = q_lat.shape[1], q_lat.shape[-1], q_rope.shape[-1]
+    if q_lat.dtype != jnp.bfloat16 or q_rope.dtype != jnp.bfloat16:
+        return f"queries must be bf16 (got {q_lat.dtype})"
+    if H > HEADS:
+        return f"at most {HEADS} heads per query (got {H})"
+    if C % 128 or C > 512 or R % 64 or R > 64:
+        return f"latent width {C} must be a multiple of 128 up to 512 and rope width {R} 64"
+    return None
+
+
+def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem):
+    """The memory warpgroup's copies of one block: row r's slot read by threads 2r and 2r + 1, each
+    copying half of the row's latent chunks (thread 2r + h: the latent's half h, lat_smem [2, 64, C/2])
+    and of its rope chunks into the (8, 64)-tiled, 128-byte-swizzled stage, where a TMA copy would have
+    put them (an unselected slot, -1, copies row 0: the compute masks it). One cp.async group per block."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    tiled = plgpu.RefType(transforms=_TILED)
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4 + (tiled, tiled))
+    def gather(ctx, layer_ref, lat, rope, slots, lat_dst, rope_dst):
+        i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
+        index = ir.IndexType.get()
+        c32 = lambda v: arith.constant(i32, v)
+        P, C = ir.MemRefType(lat.type).shape[-2:]
+        R = ir.MemRefType(rope.type).shape[-1]
+        tid = arith.remui(mu.thread_idx(), c32(128))
+        row = arith.shrui(tid, c32(1))
+        half = arith.andi(tid, c32(1))
+        slot = memref.load(slots, [arith.index_cast(index, row)])
+        valid = arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0))
+        layer = memref.load(layer_ref, [arith.constant(index, 0)])
+        pool_row = arith.extui(i64, arith.addi(arith.muli(layer, c32(P)), arith.select(valid, slot, c32(0))))
+
+        r8 = arith.andi(row, c32(7))
+
+        def copy(src, dst, width, parts):
+            """Half of the row's chunks of src [L, P, width] into dst [parts, 64, width / parts]."""
+            gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src))
+            gptr = mu.getelementptr(gptr, [arith.muli(pool_row, arith.constant(i64, width * 2))], i8)
+            sptr = mu.memref_ptr(dst)
+            part_bytes = width * 2 // parts
+            chunks = width * 2 // _CHUNK                  # per row
+            part_chunks = part_bytes // _CHUNK
+            tiles = part_bytes // _SWIZZLE                # 128-byte tile rows per part row
+            # tile (row // 8, t) of a part starts at ((row // 8) * tiles + t) * 1024, the row at r8 * 128
+            row_base = arith.addi(arith.muli(arith.shrui(row, c32(3)), c32(tiles * 1024)),
+                                  arith.muli(r8, c32(_SWIZZLE)))
+            for k in range(chunks // 2):
+                chunk = arith.addi(arith.muli(half, c32(chunks // 2)), c32(k))
+                part = arith.divui(chunk, c32(part_chunks))
+                within_part = arith.remui(chunk, c32(part_chunks))
+                t = arith.shrui(within_part, c32(3))
+                swz = arith.xori(arith.andi(within_part, c32(7)), r8)
+                off = arith.addi(arith.muli(part, c32(64 * part_bytes)),
+                                 arith.addi(row_base, arith.addi(arith.muli(t, c32(1024)),
+                                                                 arith.muli(swz, c32(_CHUNK)))))
+                s = mu.getelementptr(sptr, [off], i8)
+                g = mu.getelementptr(gptr, [arith.muli(chunk, c32(_CHUNK))], i8)
+                nvvm.cp_async_shared_global(s, g, _CHUNK, nvvm.LoadCacheModifierKind.CG)
+
+        copy(lat, lat_dst, C, 2)
+        copy(rope, rope_dst, R, 1)
+        nvvm.cp_async_commit_group()
+
+    gather(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem)
+
+
+@plgpu.inline_mgpu()
+def _await_copies(ctx):
+    """Every cp.async group of this thread complete (the block's copies)."""
+    from jax._src.lib.mlir.dialects import nvvm
+    nvvm.cp_async_wait_group(0)
+
+
+def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, o_ref, *, scale: float,
+            n_queries: int, **smem):
+    q_lat_smem, q_rope_smem = smem["q_lat"], smem["q_rope"]
+    lat_smem, rope_smem = smem["lat"], smem["rope"]
+    k_bar, k_free, q_bar, done = smem["k_bar"], smem["k_free"], smem["q_bar"], smem["done"]
+    n = n_queries - 1 - lax.axis_index("n")            # the latest queries first: they select the most rows
+    wg = lax.axis_index("wg")
+    half = q_lat_smem.shape[-1]                        # the latent's columns per compute warpgroup
+    end = ends_ref[n]                                  # the query's selected rows: slots [0, end)
+    blocks = (end + BLOCK - 1) // BLOCK
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.barrier_wait(q_bar)
+        log2e = math.log2(math.e)
+        m = plgpu.layout_cast(jnp.full((HEADS,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.full((HEADS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((HEADS, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def block(j, carry):
+            acc, m, l = carry
+            slot = lax.rem(j, STAGES)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def scores(acc_ref):
+                for h in range(2):
+                    plgpu.wgmma(acc_ref, q_lat_smem.at[h], lat_smem.at[slot, h].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_rope_smem, rope_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK), jnp.float32))
+            cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + j * BLOCK
+            s = jnp.where(cols < end, s * (scale * log2e), -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), lat_smem.at[slot, wg])
+            acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(k_free.at[slot])
+            return acc, m_new, l
+
+        acc, m, l = lax.fori_loop(0, blocks, block, (acc, m, l))
+        some = l > 0
+        out = acc * lax.broadcast_in_dim(jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0), acc.shape, [0])
+        plgpu.barrier_arrive(done)                      # both past their last read of the queries
+        plgpu.barrier_wait(done)
+        q_lat_smem[wg] = out.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_lat_smem.at[wg], o_ref.at[n, :, pl.ds(wg * half, half)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        half = q_lat_smem.shape[-1]
+        for h in range(2):
+            plgpu.copy_gmem_to_smem(q_lat_ref.at[n, :, pl.ds(h * half, half)], q_lat_smem.at[h], q_bar)
+        plgpu.copy_gmem_to_smem(q_rope_ref.at[n], q_rope_smem, q_bar)
+
+        def issue(i):
+            slot = lax.rem(i, STAGES)
+            _gather_block(layer_ref, lat_ref, rope_ref, slots_ref.at[n, pl.ds(i * BLOCK, BLOCK)], lat_smem.at[slot],
+                          rope_smem.at[slot])
+
+        def ready(i):
+            _await_copies()
+            plgpu.commit_smem()           # fence the copies for wgmma's async proxy, the warpgroup synced
+            plgpu.barrier_arrive(k_bar.at[lax.rem(i, STAGES)])
+
+        @pl.when(blocks > 0)
+        def _():
+            issue(0)
+
+            @pl.loop(1, blocks)
+            def _next(i):
+                ready(i - 1)
+
+                @pl.when(i >= STAGES)
+                def _():
+                    plgpu.barrier_wait(k_free.at[lax.rem(i, STAGES)])
+                issue(i)
+
+            ready(blocks - 1)
+
+            @pl.loop(jnp.maximum(blocks - STAGES, 0), blocks)
+            def _drain(i):                   # every arrival awaited before the barriers go
+                plgpu.barrier_wait(k_free.at[lax.rem(i, STAGES)])
+
+
+def selected_first(slots):
+    """Each row's selected slots (>= 0) moved to its front in their order, -1 after them, and how many
+    there are: the kernel then masks a row's tail by a count (its column index against one scalar) and
+    never loads a per-row mask (attention does not depend on the rows' order)."""
+    N, K = slots.shape
+    sel = slots >= 0
+    dest = jnp.where(sel, jnp.cumsum(sel, axis=1, dtype=jnp.int32) - 1, K)        # K: dropped
+    front = jnp.full((N, K), -1, jnp.int32).at[jnp.arange(N)[:, None], dest].set(slots, mode="drop")
+    return front, jnp.sum(sel, axis=1, dtype=jnp.int32)
+
+
+def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False):
+    """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
+    query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K]."""
+    check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
+    err = mgpu_shape_error(q_lat, q_rope)
+    if err is not None:
+        raise ValueError(f"sparse_mla_mgpu: {err}")
+    N, H, C = q_lat.shape
+    R = q_rope.shape[-1]
+    if H != HEADS:
+        pad = ((0, 0), (0, HEADS - H), (0, 0))
+        q_lat, q_rope = jnp.pad(q_lat, pad), jnp.pad(q_rope, pad)
+    slots, ends = selected_first(slots.astype(jnp.int32))
+    slots = jnp.pad(slots, ((0, 0), (0, -slots.shape[1] % BLOCK)), constant_values=-1)
+    tiled = _TILED
+    smem = dict(q_lat=plgpu.SMEM((2, HEADS, C // 2), jnp.bfloat16, transforms=tiled),
+                q_rope=plgpu.SMEM((HEADS, R), jnp.bfloat16, transforms=tiled),
+                lat=plgpu.SMEM((STAGES, 2, BLOCK, C // 2), jnp.bfloat16, transforms=tiled),
+                rope=plgpu.SMEM((STAGES, BLOCK, R), jnp.bfloat16, transforms=tiled),
+                k_bar=plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),
+                k_free=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+                q_bar=plgpu.Barrier(num_arrivals=3),
+                done=plgpu.Barrier(num_arrivals=2))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, scale=scale, n_queries=N),
+        out_type=jax.ShapeDtypeStruct((N, HEADS, C), jnp.bfloat16), grid=(N,), grid_names=("n",),
+        num_threads=3, thread_name="wg", scratch_types=smem,
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane if lane_semantics
+            else plgpu.LoweringSemantics.Warpgroup))
+    out = kernel(jnp.asarray(layer, jnp.int32).reshape(1), ends, q_lat.astype(jnp.bfloat16),
+                 q_rope.astype(jnp.bfloat16), slots, latent.astype(jnp.bfloat16), k_rope.astype(jnp.bfloat16))
+    return out[:, :H]
