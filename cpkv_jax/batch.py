@@ -149,9 +149,9 @@ class BatchBuilder:
     def max_compilations(self, *, speculative: bool, hooked: bool) -> int:
         """Upper bound on compiled step variants: prefill B x T x S buckets (last-token logits, sampled in
         the step greedy or not or handed to the sampler, or every position's for prompt logprobs) and
-        decode B x S (the same three last-token ways; with speculative decoding the verify step, the
-        draft extend of each and the chain step), twice that under CP (a plan is page-aligned or not),
-        twice again with the host tier's layer hook (`hooked`: a step that copies and one that does
+        decode B x S (the same three last-token ways; with speculative decoding the verify step per
+        top-N width, the draft extend of each and the chain step), twice that under CP (a plan is
+        page-aligned or not), twice again with the host tier's layer hook (`hooked`: a step that copies and one that does
         not), plus the samplers: one variant per B bucket, sampler and top-N width (two for the token
         sampler, with and without stochastic rows), and the prompt log-probability gather per prefill
         B x T bucket and width."""
@@ -162,6 +162,7 @@ class BatchBuilder:
         nK = 1 + len(bucket_set(1, MAX_TOP_LOGPROBS))
         # without speculative decoding a last-token step either samples in its own executable (greedy or
         # not: two variants) or, with top-N alternatives, hands its logits to the sampler (a third)
-        steps = (3 * nB * nT * nS + 3 * nB * nS) if speculative else (4 * nB * nT * nS + 3 * nB * nS)
+        # with speculative decoding the verify step holds the acceptance, whose top-N width is static
+        steps = (3 * nB * nT * nS + (2 + nK) * nB * nS) if speculative else (4 * nB * nT * nS + 3 * nB * nS)
         samplers = nB * nK * (4 if speculative else 2) + nB * nT * nK
         return steps * (2 if c.cp_size > 1 else 1) * (2 if hooked else 1) + samplers

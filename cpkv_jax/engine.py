@@ -217,8 +217,9 @@ class Engine:
         self._taken_early: list[TokenEvent] = []     # taken by an abort between steps: the next step returns them
         # the device buffer of sampled tokens: per step parity, one region of max_running rows per launch
         # (prefill, prefill with prompt logprobs, decode), a step reading the previous step's regions
-        # only; then one region for the draft chain's proposals (cpkv_jax.spec)
-        self.runner.hold_tokens((2 * LAUNCHES_PER_STEP + 1) * config.max_running)
+        # only; then two regions of num_draft_tokens x max_running rows for the draft chains' proposals
+        # (cpkv_jax.spec: after a prefill step, and after a verify round, read by the next round there)
+        self.runner.hold_tokens((2 * LAUNCHES_PER_STEP + 2 * max(self.spec_tokens, 1)) * config.max_running)
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
         # the events of requests an open stream() yields, whichever caller's step sampled them

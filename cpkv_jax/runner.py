@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from cpkv_jax.kv_pool import KVPool
-from cpkv_jax.sampling import is_stochastic, propose_tokens, sample_tokens
+from cpkv_jax.sampling import is_stochastic, propose_tokens, sample_tokens, verify_tokens
 from models.kv import Batch, KVAccess
 from models.model import DsaModel, run_draft, run_model
 from models.sharding import RULES, place_state
@@ -90,6 +90,19 @@ def run_draft_leaves(graph: StaticGraph, leaves, hidden, next_tokens, batch: Bat
                      dataclasses.replace(batch, tokens=fill_tokens(batch.tokens, last_tokens)), cache, **kw)
 
 
+def run_draft_proposed(graph: StaticGraph, leaves, hidden, next_tokens, batch: Batch, cache, last_tokens, first, live,
+                       temperature, top_p, top_k, seed, position, **kw):
+    """run_draft_leaves and, in the same executable, the draft proposals from its logits (rows not
+    `live` zeroed first, their MTP hidden too, as a chain's padding rows are), kept in last_tokens at
+    first, first + 1, ...: one dispatch per chain step. Returns ((MTP hidden [B, D], proposals [B], their
+    distributions [B, V], last_tokens), cache)."""
+    (dlogits, x_last), cache = run_draft_leaves(graph, leaves, hidden, next_tokens, batch, cache, last_tokens, **kw)
+    dlogits = jnp.where(live[:, None], dlogits, 0.0)
+    x_last = jnp.where(live[:, None], x_last, 0)
+    drafts, q = propose_tokens(dlogits, temperature, top_p, top_k, seed, position)
+    return (x_last, drafts, q, jax.lax.dynamic_update_slice(last_tokens, drafts, (first,))), cache
+
+
 @functools.partial(jax.jit, static_argnames=("top_n", "stochastic"))
 def sample_and_keep(last_tokens, first, logits, temperature, top_p, top_k, seed, position, *, top_n: int = 0,
                     stochastic: bool = True):
@@ -97,14 +110,6 @@ def sample_and_keep(last_tokens, first, logits, temperature, top_p, top_k, seed,
     buffer later steps read them from, run_filled); one executable per sampler variant."""
     out = sample_tokens(logits, temperature, top_p, top_k, seed, position, top_n=top_n, stochastic=stochastic)
     return jax.lax.dynamic_update_slice(last_tokens, out[0], (first,)), out
-
-
-@jax.jit
-def propose_and_keep(last_tokens, first, draft_logits, temperature, top_p, top_k, seed, position):
-    """cpkv_jax.sampling.propose_tokens, its proposals also stored at last_tokens[first:first + B], where
-    the draft chain's next step reads them."""
-    drafts, q = propose_tokens(draft_logits, temperature, top_p, top_k, seed, position)
-    return jax.lax.dynamic_update_slice(last_tokens, drafts, (first,)), (drafts, q)
 
 
 def run_filled_sampled(graph: StaticGraph, leaves, batch: Batch, cache, last_tokens, first, temperature, top_p,
@@ -118,6 +123,31 @@ def run_filled_sampled(graph: StaticGraph, leaves, batch: Batch, cache, last_tok
     return (logits, out, last_tokens), cache
 
 
+def run_filled_verified(graph: StaticGraph, leaves, batch: Batch, cache, last_tokens, rank_idx, lane_idx, lane_token,
+                        drafts, draft_probs, temperature, top_p, top_k, seed, position, *, top_n: int, **kw):
+    """A speculative verify round's target step and its acceptance in one executable, plus what the
+    draft extend over the same lanes needs, so the extend is dispatched before the host reads anything.
+    rank_idx / lane_idx [B, n+1]: where each request's tokens sit; lane_token [rows, T]: the token index
+    of each lane (-1: padding); drafts [B, n] (negative: read from last_tokens, as run_filled).
+    Returns ((accepted count [B], the token after them [B], the emitted tokens [B, n+1] (drafts[:a],
+    then that token), verify_tokens' log-probabilities and alternatives, the target logits [B, n+1, V]),
+    the hidden rows, (the extend's next token per lane (lane j of a request: emitted token j, which
+    lanes past the kept ones never use), the lane and rank of each request's last kept token, the
+    position of its next first draft))."""
+    (logits, hidden), cache = run_filled(graph, leaves, batch, cache, last_tokens, output="logits_hidden", **kw)
+    B = rank_idx.shape[0]
+    rows = jnp.arange(B)[:, None]
+    target = logits[rows, lane_idx] if logits.ndim == 3 else logits[rank_idx, rows, lane_idx]
+    drafts = fill_tokens(drafts, last_tokens)
+    a, tok, lps, *top = verify_tokens(target, draft_probs, drafts, temperature, top_p, top_k, seed, position,
+                                      top_n=top_n)
+    emitted = jnp.concatenate([drafts, jnp.zeros((B, 1), drafts.dtype)], axis=1).at[rows[:, 0], a].set(tok)
+    lane_row = (jnp.arange(lane_token.shape[0]) % B)[:, None]
+    next_tokens = jnp.where(lane_token >= 0, emitted[lane_row, jnp.maximum(lane_token, 0)], 0)
+    last = (lane_idx[rows[:, 0], a], rank_idx[rows[:, 0], a])
+    return ((a, tok, emitted, lps, *top, target), hidden, (next_tokens,) + last + (position + a + 1,)), cache
+
+
 # The step every runner dispatches: the pool (argument 3) is donated; the graph definition and the
 # kernel policy are static, so runners over the same model graph, pool shape and policy share compiled
 # executables.
@@ -129,9 +159,22 @@ _step_sampled = jax.jit(run_filled_sampled, static_argnums=(0,),
                         static_argnames=("attn_path", "access", "kernels", "mesh", "boundary", "tap", "ep_dispatch",
                                          "micro_batches", "stochastic"),
                         donate_argnums=(3,))
-_draft_step = jax.jit(run_draft_leaves, static_argnums=(0,),
-                      static_argnames=("attn_path", "access", "kernels", "mesh", "tap", "ep_dispatch",
-                                       "micro_batches"), donate_argnums=(5,))
+_step_verified = jax.jit(run_filled_verified, static_argnums=(0,),
+                         static_argnames=("attn_path", "access", "kernels", "mesh", "boundary", "tap", "ep_dispatch",
+                                          "micro_batches", "top_n"),
+                         donate_argnums=(3,))
+# The draft step every runner dispatches proposes in the same executable; _draft_step is the bare MTP
+# step inside it, for lowering that program on its own (tests/test_trace.py).
+_DRAFT_STATIC = ("attn_path", "access", "kernels", "mesh", "tap", "ep_dispatch", "micro_batches")
+_draft_step = jax.jit(run_draft_leaves, static_argnums=(0,), static_argnames=_DRAFT_STATIC, donate_argnums=(5,))
+_draft_step_proposed = jax.jit(run_draft_proposed, static_argnums=(0,), static_argnames=_DRAFT_STATIC,
+                               donate_argnums=(5,))
+
+
+def _index(x):
+    """Host indices as int32; indices a step computed on the device (the verify round's last kept lanes)
+    stay there: reading them would make the host wait for that step."""
+    return x if isinstance(x, jax.Array) else np.asarray(x, np.int32)
 
 
 class ModelRunner:
@@ -183,12 +226,6 @@ class ModelRunner:
                                                 stochastic=is_stochastic(params[0]))
         return out
 
-    def propose(self, first: int, draft_logits, *params):
-        """Draft proposals and their distributions (cpkv_jax.sampling.propose_tokens over `params`), the
-        proposals kept on the device at rows first, first + 1, ... of the token buffer."""
-        self.last_tokens, out = propose_and_keep(self.last_tokens, np.int32(first), draft_logits, *params)
-        return out
-
     def place(self, batch: Batch) -> Batch:
         """Put a CP batch on the mesh: token rows split over the axis, the slot table replicated."""
         if self.mesh is None:
@@ -203,11 +240,11 @@ class ModelRunner:
             last_index = np.full((B,), T - 1, np.int32)
         access = (KVAccess(self.axis, page_aligned) if self.cp > 1
                   else KVAccess(contiguous_blocks=self.pool.page_size % 64 == 0))
-        kw = dict(last_index=np.asarray(last_index, np.int32), access=access, kernels=self.kernels, mesh=self.mesh,
+        kw = dict(last_index=_index(last_index), access=access, kernels=self.kernels, mesh=self.mesh,
                   ep_dispatch=self.ep_dispatch, micro_batches=self.micro_batches)
         if self.mesh is not None:
-            kw["last_rank"] = jax.device_put(np.asarray(last_rank, np.int32), self._replicated)
-            kw["last_index"] = jax.device_put(np.asarray(last_index, np.int32), self._replicated)
+            kw["last_rank"] = jax.device_put(_index(last_rank), self._replicated)
+            kw["last_index"] = jax.device_put(_index(last_index), self._replicated)
         return self.place(batch), kw
 
     def attn_path_for(self, batch: Batch) -> str:
@@ -225,13 +262,16 @@ class ModelRunner:
                            output="logits" if all_logits else "last_logits", **kw)
 
     def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, output: str = "last_logits",
-                last_rank=None, page_aligned: bool = True, sample=None):
+                last_rank=None, page_aligned: bool = True, sample=None, verify=None):
         """Runs one target step; the pool is consumed and replaced. output (models.model.OUTPUTS):
         "last_logits" fp32 [B, V] at `last_index` (per request lane; under CP on rank `last_rank`),
         "logits" every position ([B, T, V]; under CP [cp, B, T, V]), "*_hidden" also this step's
         hidden rows, kept on device for the draft model. `sample` = (first, (temperature, top_p, top_k,
         seed), position), with output "last_logits": the step also samples, as `sample` does, in the
-        same executable, and returns (logits, sample_tokens' outputs)."""
+        same executable, and returns (logits, sample_tokens' outputs). `verify` = (rank_idx, lane_idx,
+        lane_token, drafts, draft_probs, (temperature, top_p, top_k, seed), position, top_n), with output
+        "logits_hidden": a verify round's step with its acceptance in the same executable
+        (run_filled_verified's outputs)."""
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
         attn_path = attn_path or self.attn_path_for(batch)
         if self.copier is not None:
@@ -242,7 +282,17 @@ class ModelRunner:
                     self.copier.push(c)
                 kw["boundary"] = LayerHook(() if self.mesh is None else tuple(self.mesh.axis_names))
         kw.update(self._trace_kw("target"))
-        if sample is None:
+        if verify is not None:
+            if output != "logits_hidden":
+                raise ValueError(f"a verify step returns every position's logits and hidden, not {output!r}")
+            *arrays, params, position, top_n = verify
+            self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, ("verified", top_n),
+                               kw["access"], "boundary" in kw))
+            out, self.pool.cache = _step_verified(self.graph, self.leaves, batch, self.pool.cache, self.last_tokens,
+                                                  *arrays, *params, np.asarray(position, np.int32),
+                                                  attn_path=attn_path, top_n=top_n, **kw)
+            logits = out[0][-1]
+        elif sample is None:
             self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output,
                                kw["access"], "boundary" in kw))
             out, self.pool.cache = _step(self.graph, self.leaves, batch, self.pool.cache, self.last_tokens,
@@ -263,10 +313,12 @@ class ModelRunner:
             self.trace.forward_done("target", logits)
         return out
 
-    def draft_forward(self, hidden, next_tokens, batch: Batch, last_index, *, attn_path: str | None = None,
+    def draft_forward(self, hidden, next_tokens, batch: Batch, last_index, *, propose, attn_path: str | None = None,
                       last_rank=None, page_aligned: bool = True):
-        """One MTP step over the draft pool (same slots as the target's). Returns (draft logits [B, V],
-        MTP hidden [B, D]) at each request's last lane."""
+        """One MTP step over the draft pool (same slots as the target's) and the proposals drawn from its
+        logits at each request's last lane, in one executable (run_draft_proposed): `propose` = (first,
+        live rows [B] bool, (temperature, top_p, top_k, seed), position of the drafted token [B]).
+        Returns (MTP hidden [B, D], proposals [B], their distributions [B, V])."""
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
         attn_path = attn_path or self.attn_path_for(batch)
         if self.mesh is not None:
@@ -275,11 +327,13 @@ class ModelRunner:
                 hidden = jax.device_put(hidden, self._replicated)
         self.variants.add(("draft", batch.tokens.shape, batch.slot_table.shape, hidden.ndim, attn_path, kw["access"]))
         kw.update(self._trace_kw("draft"))
-        out, self.pool.draft = _draft_step(self.graph, self.leaves, hidden, jnp.asarray(next_tokens), batch,
-                                           self.pool.draft, self.last_tokens, attn_path=attn_path, **kw)
+        first, live, params, position = propose
+        (x_last, drafts, q, self.last_tokens), self.pool.draft = _draft_step_proposed(
+            self.graph, self.leaves, hidden, jnp.asarray(next_tokens), batch, self.pool.draft, self.last_tokens,
+            np.int32(first), np.asarray(live, bool), *params, _index(position), attn_path=attn_path, **kw)
         if self.trace is not None:
-            self.trace.forward_done("draft", out)
-        return out
+            self.trace.forward_done("draft", (x_last, drafts, q))
+        return x_last, drafts, q
 
     def _trace_kw(self, model: str) -> dict:
         """The KV-integrity trace's per-layer probe for a step of `model` ('target' / 'draft'), when the
