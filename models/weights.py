@@ -568,13 +568,17 @@ def load_checkpoint(path, dtype=None, mesh=None, *, verify: bool = True) -> DsaM
     pure_abs = nnx.to_pure_dict(nnx.state(model_abs))
     ckptr = _checkpointer()
 
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
     def target(abs_tree, path_prefix, stacked):
         """Restore targets: per-layer shapes (a stacked leaf minus its repeat axis), placed by the
-        sharding rules when a mesh is given."""
+        sharding rules when a mesh is given, else on the default device. Every target names its
+        sharding: without one orbax falls back to the sharding recorded at save time, which names the
+        saving machine's devices (a checkpoint written on a CPU then fails to restore on a GPU)."""
         def leaf(p, s):
             shape = s.shape[1:] if stacked else s.shape
             if mesh is None:
-                return jax.ShapeDtypeStruct(shape, s.dtype)
+                return jax.ShapeDtypeStruct(shape, s.dtype, sharding=one_device)
             keys = path_prefix + tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p)
             return jax.ShapeDtypeStruct(shape, s.dtype, sharding=param_sharding(keys, len(shape), mesh))
         return jax.tree_util.tree_map_with_path(leaf, abs_tree)

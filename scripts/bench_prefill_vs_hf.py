@@ -71,6 +71,9 @@ def main():
                 ratio = f"{hf['prefill'][L]['seconds'] / s:.2f}x" if hf else ""
                 rows.append((E, L, f"cpkv {policy}", f"{s * 1e3:.1f}", f"{int(L) / s:.0f}",
                              f"{res['prefill']['mfu']:.1%}", ratio))
+                print("  ".join(map(str, rows[-1])), flush=True)   # progress, in case a later case runs out of time
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)), flush=True)

@@ -301,3 +301,28 @@ def test_damaged_hf_files_are_checkpoint_errors_naming_the_file(tmp_path, capsys
     (tok / "tokenizer.json").write_text('{"version": "1.0", "model": {broken')
     with pytest.raises(CheckpointError, match="tokenizer.json: not a valid tokenizer.json"):
         Engine(str(tok))
+
+
+def test_checkpoint_saved_on_other_devices_restores_on_this_one(tmp_path):
+    """A checkpoint records the sharding its arrays had when saved (here: a mesh of 8 devices); a
+    machine without those devices (1 device, like a GPU box loading the CPU-trained `tiny`) must still
+    restore it, onto its own default device."""
+    import subprocess
+    import sys
+    from models.weights import model_parts
+    model = hf_model("glm_indexcache")
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(AxisType.Auto,))
+    on_mesh = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    parts = [(name, jax.tree.map(lambda x: jax.device_put(x, on_mesh), tree)) for name, tree in model_parts(model)]
+    out = save_checkpoint(tmp_path / "ck", json.loads((FIXTURES / "glm_indexcache" / "config.json").read_text()),
+                          iter(parts))
+    np.save(tmp_path / "embed.npy", np.asarray(model.embed_tokens[...]))
+    code = (f"import numpy as np, jax; from models.weights import load_checkpoint; "
+            f"m = load_checkpoint({str(out)!r}); assert jax.device_count() == 1; "
+            f"assert np.array_equal(np.asarray(m.embed_tokens[...]), np.load({str(tmp_path / 'embed.npy')!r})); "
+            f"print('restored on', m.embed_tokens[...].sharding)")
+    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "restored on" in r.stdout
