@@ -35,6 +35,8 @@ def main():
     p.add_argument("--policies", default="default",
                    help="';'-separated kernel policies for `cpkv-jax bench --kernels` ('default': none)")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--hf-chunk", type=int, default=8192,
+                   help="HF prefills longer prompts in chunks of this many tokens through its cache")
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -44,7 +46,8 @@ def main():
             hf = None
             if not args.no_hf:
                 r = run([sys.executable, "scripts/hf_peer.py", "--model", args.model, "--num-layers",
-                         str(args.num_layers), "--num-experts", E, "--prompt-lens", L], args.timeout)
+                         str(args.num_layers), "--num-experts", E, "--prompt-lens", L,
+                         "--chunk", str(args.hf_chunk)], args.timeout)
                 hf = r if isinstance(r, dict) else json.loads(r.stdout.strip().splitlines()[-1])
                 results.append({"experts": int(E), "prompt_len": int(L), "runner": "hf", **hf})
                 if "error" in hf:
@@ -52,7 +55,9 @@ def main():
                     hf = None
                 else:
                     s = hf["prefill"][L]["seconds"]
-                    rows.append((E, L, "hf transformers", f"{s * 1e3:.1f}", f"{int(L) / s:.0f}", "", "1.00x"))
+                    chunk = hf["prefill"][L].get("chunk", int(L))
+                    label = "hf transformers" + (f" ({chunk}-token chunks)" if chunk < int(L) else "")
+                    rows.append((E, L, label, f"{s * 1e3:.1f}", f"{int(L) / s:.0f}", "", "1.00x"))
             for policy in args.policies.split(";"):
                 with tempfile.NamedTemporaryFile(suffix=".json") as f:
                     cmd = [sys.executable, "-m", "cpkv_jax.cli", "bench", "--model", f"random:{args.model}",
