@@ -11,7 +11,7 @@ from models.config import ModelConfig
 from models.layers import Dense, fp8_or_plain_param
 from models.sharding import EP_DISPATCH, NO_AXES, MeshAxes
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
-from pallas_kernels.moe import expert_mlp
+from pallas_kernels.moe import expert_mlp, expert_shape, fp8_experts_as_plain
 from pallas_kernels.row_gather import compaction_plan, expert_order, gather_rows
 
 
@@ -63,8 +63,10 @@ def routed_sum(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = 
     """fp32 [N, D]: the sum over each row's k experts of w * down(silu(gate x) * up x), through the
     grouped matmuls of pallas_kernels.moe (kernels chooses the kernel or XLA's ragged_dot). `gate`,
     `up`, `down` hold experts [first_expert, first_expert + E): slots routed elsewhere (another rank's
-    experts) and rows at or beyond n_valid (compacted dummies) join no expert and add zero. scales: the
-    experts are fp8 blocks with these (gate, up, down) scales (expert_mlp keeps them fp8 or dequantizes)."""
+    experts) and rows at or beyond n_valid (compacted dummies) join no expert and add zero. Layouts as
+    pallas_kernels/moe/layout.py: plain gate / up [E, D, I], down [E, I, D]; scales given: the experts
+    are fp8 blocks, K-major (gate / up [E, I, D], down [E, D, I]) with these (gate, up, down) scales
+    (expert_mlp keeps them fp8 or dequantizes them to the plain layout)."""
     N, D = x.shape
     E = gate.shape[0]
     k = idx.shape[1]
@@ -209,11 +211,17 @@ class MoE(nnx.Module):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Dense(D, E, dtype=dtype, rngs=rngs, stack=stack)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((*stack, E), jnp.float32))
-        expert = lambda name, shape, std: fp8_or_plain_param(rngs, (*stack, E, *shape), dtype, std,  # noqa: E731
-                                                             cfg.fp8(f"mlp.experts.{name}"))
-        self.experts_gate, self.experts_gate_scale_inv = expert("gate_proj", (D, I), D ** -0.5)
-        self.experts_up, self.experts_up_scale_inv = expert("up_proj", (D, I), D ** -0.5)
-        self.experts_down, self.experts_down_scale_inv = expert("down_proj", (I, D), I ** -0.5)
+
+        def expert(name, K, N):
+            """One projection's experts (input width K, output width N) in the layout of
+            pallas_kernels/moe/layout.py: plain [*stack, E, K, N]; kept fp8, K-major [*stack, E, N, K]
+            (HF's [out, in] per expert, what the fp8 kernel reads) with scales [*stack, E, N/128, K/128]."""
+            fp8 = cfg.fp8(f"mlp.experts.{name}")
+            return fp8_or_plain_param(rngs, (*stack, *expert_shape(E, K, N, fp8=fp8)), dtype, K ** -0.5, fp8)
+
+        self.experts_gate, self.experts_gate_scale_inv = expert("gate_proj", D, I)
+        self.experts_up, self.experts_up_scale_inv = expert("up_proj", D, I)
+        self.experts_down, self.experts_down_scale_inv = expert("down_proj", I, D)
         self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype=dtype, rngs=rngs, stack=stack,
                                    fp8=lambda name: cfg.fp8(f"mlp.shared_experts.{name}"))
                                if cfg.n_shared_experts else None)
@@ -246,14 +254,18 @@ class MoE(nnx.Module):
         rows to their experts' ranks and back (axes.ep_dispatch)."""
         logits = jnp.dot(xc.astype(jnp.float32), self.gate.weight(jnp.float32))
         idx, w = route(self.cfg, logits, self.e_score_correction_bias[...])
-        # fp8 experts go to the dispatch with their scales: the fp8 kernel keeps them fp8, any other
-        # path dequantizes one layer's experts (a transient)
-        scale_refs = (self.experts_gate_scale_inv, self.experts_up_scale_inv, self.experts_down_scale_inv)
+        # fp8 experts (all three kept fp8) go to the dispatch as stored, K-major, with their scales: the
+        # fp8 kernel keeps them fp8, any other path dequantizes one layer's experts to [E, K, N] (a
+        # transient). A layer with only some projections kept fp8 dequantizes those here.
+        stored = tuple(None if s is None else s[...] for s in (self.experts_gate_scale_inv,
+                                                                self.experts_up_scale_inv, self.experts_down_scale_inv))
         experts = (self.experts_gate[...], self.experts_up[...], self.experts_down[...])
-        if scale_refs[0] is None:
-            experts, scales = tuple(e.astype(xc.dtype) for e in experts), None
+        if all(s is not None for s in stored):
+            scales = stored
         else:
-            scales = tuple(s[...] for s in scale_refs)
+            experts = tuple(e.astype(xc.dtype) if s is None else fp8_experts_as_plain(e, s, xc.dtype)
+                            for e, s in zip(experts, stored))
+            scales = None
         if axes.experts is None:
             return grouped_expert_mlp(xc, idx, w, *experts, n_valid, kernels, scales=scales)
         if axes.ep_dispatch == "psum":

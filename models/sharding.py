@@ -70,9 +70,10 @@ LINEAR_AXES = {
 
 def param_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     """Logical axes of a parameter, by its path in the unstacked (per-layer) tree: routed-expert
-    tensors are [experts, ...]; the linears of LINEAR_AXES split by heads, intermediate or vocabulary;
-    the embeddings by vocabulary rows; everything else (norms, biases, small projections) is
-    replicated. Stacked group leaves get a leading `layers` axis (models/weights.py:_stacked_sharding)."""
+    tensors are [experts, ...] in either layout (plain [E, K, N], fp8 K-major [E, N, K] and its block
+    scales [E, N/128, K/128]: pallas_kernels/moe/layout.py), split on E only; the linears of
+    LINEAR_AXES split by heads, intermediate or vocabulary; the embeddings by vocabulary rows;
+    everything else (norms, biases, small projections) is replicated. Stacked group leaves get a leading `layers` axis (models/weights.py:_stacked_sharding)."""
     if path and path[-1] in EXPERT_LEAVES:
         return ("experts",) + (None,) * (ndim - 1)
     if path and path[-1] == "embed_tokens" and ndim == 2:

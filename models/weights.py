@@ -27,10 +27,15 @@ from safetensors import safe_open
 from models import fp8
 from models.config import FP8_LINEARS_ALL, ModelConfig
 from models.model import DsaModel, layer_places
+from pallas_kernels.moe.layout import FP8_EXPERT_DTYPE
 
 MANIFEST = "cpkv_checkpoint.json"
-FORMAT_VERSION = 2          # 2: the manifest holds each part's content hash and array shapes / dtypes
-READABLE_VERSIONS = (1, 2)  # 1: parts only, nothing to verify
+FORMAT_VERSION = 3             # 3: kept-fp8 routed experts stored K-major [E, N, K] (pallas_kernels/moe/layout.py)
+READABLE_VERSIONS = (1, 2, 3)  # 2: the manifest holds each part's content hash and array shapes / dtypes;
+                               # 1: parts only, nothing to verify. 1 and 2 stored fp8 experts [E, K, N]:
+                               # such a checkpoint is refused (read_manifest), one without fp8 experts loads
+FP8_EXPERTS_K_MAJOR_SINCE = 3
+EXPERT_LINEARS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 
 
 class CheckpointError(ValueError):
@@ -40,7 +45,8 @@ class CheckpointError(ValueError):
 # ---- HF key layout ---------------------------------------------------------------------------------
 
 def _layer_keys(cfg: ModelConfig, mlp_kind: str, has_indexer: bool) -> dict[str, tuple]:
-    """HF key suffix (after `model.layers.{i}.`) -> (our path within a DecoderLayer, transpose?)."""
+    """HF key suffix (after `model.layers.{i}.`) -> (our path within a DecoderLayer, transpose?). A
+    routed expert's `transpose` holds for plain experts only: kept fp8 they stay [out, in] (hf_layer_tree)."""
     keys = {"input_layernorm.weight": (("input_layernorm", "weight"), False),
             "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), False)}
     for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
@@ -229,7 +235,10 @@ def hf_layer_tree(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, mlp_
         key = prefix + suffix
         expert = isinstance(path[-1], int)              # one expert of a stacked expert tensor
         target = _get_path(abstract_layer, path[:-1] if expert else path)
-        got = read_weight(reader, key, transpose, target.dtype)
+        # routed experts kept fp8 stay as HF stores them, [out, in] = [N, K] per expert (the K-major
+        # layout of pallas_kernels/moe/layout.py, the fp8 kernel's); plain ones become [K, N]
+        fp8_expert = expert and jnp.dtype(target.dtype) == jnp.dtype(FP8_EXPERT_DTYPE)
+        got = read_weight(reader, key, transpose and not fp8_expert, target.dtype)
         items = [(path, got[0]), (_scale_path(path), got[1])] if isinstance(got, tuple) else [(path, got)]
         for p, arr in items:
             want = _get_path(abstract_layer, p[:-1] if expert else p).shape
@@ -244,8 +253,9 @@ def hf_layer_tree(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, mlp_
 
 
 def read_weight(reader: SafetensorsReader, key: str, transpose: bool, target_dtype):
-    """An HF tensor in our layout (a Linear's [out, in] transposed); for an fp8 target, the pair (e4m3
-    values, block scales), both transposed."""
+    """An HF tensor in our layout (a Linear's [out, in] transposed where `transpose`); for an fp8 target,
+    the pair (e4m3 values, block scales), both transposed or both as stored (routed experts kept fp8
+    stay [out, in]: hf_layer_tree)."""
     if jnp.dtype(target_dtype) == jnp.float8_e4m3fn:
         w, scale = reader.fp8_block(key)
         return (w.T, scale.T) if transpose else (w, scale)
@@ -529,6 +539,13 @@ def read_manifest(path: Path, cfg: ModelConfig, verify: bool) -> dict:
         raise CheckpointError(f"{where}: parts do not match config.json ({cfg.num_hidden_layers} layers"
                               f"{', MTP' if cfg.num_nextn_predict_layers else ''}): missing {missing}, "
                               f"unknown {unknown}{', duplicated entries' if len(set(parts)) != len(parts) else ''}")
+    old_fp8_experts = [n for n in EXPERT_LINEARS if cfg.fp8(n)]
+    if manifest["format_version"] < FP8_EXPERTS_K_MAJOR_SINCE and old_fp8_experts:
+        raise CheckpointError(f"{where}: checkpoint format {manifest['format_version']} stores the fp8 routed "
+                              f"experts ({', '.join(old_fp8_experts)}) in the old [E, K, N] layout; this version "
+                              f"keeps them K-major [E, N, K] (HF's [out, in] per expert, format "
+                              f"{FP8_EXPERTS_K_MAJOR_SINCE}): re-convert it from the HF checkpoint with "
+                              f"`cpkv-jax convert`")
     if manifest["format_version"] >= 2:
         for key in ("digests", "arrays"):
             if not isinstance(manifest.get(key), dict) or set(manifest[key]) != set(parts):

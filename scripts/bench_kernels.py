@@ -640,6 +640,7 @@ def bench_sparse_mla(args, ceil):
     from cpkv_jax.perf import print_table
     from pallas_kernels.sparse_mla import Tiling, sparse_mla_pallas, sparse_mla_reference
     from pallas_kernels.sparse_mla.dispatch import tiling_for
+    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
     H, C, R, K = 64, 512, 64, args.k
     out, rows = [], [["case", "variant", "ms", "TFLOP/s", "GB/s", "share", "err"]]
     cases = [("prefill", int(n)) for n in args.mla_prefill.split(",") if n]
@@ -655,6 +656,9 @@ def bench_sparse_mla(args, ceil):
         entry = {"case": kind, "queries": N, "k": K, "flops": flops, "bytes": nbytes}
         variants = {}
         for spec in [t for t in (args.mla_tilings if prefill else args.mla_decode_tilings).split(",") if t]:
+            if spec == "mgpu":      # the Mosaic GPU prefill kernel (one program per query)
+                variants["mgpu"] = jax.jit(sparse_mla_mgpu, static_argnums=(4, 6))
+                continue
             if spec == "dispatch":
                 t = tiling_for(N, H, K)
             else:
@@ -706,7 +710,7 @@ def bench_moe_fp8(args, ceil):
     import jax.numpy as jnp
 
     from cpkv_jax.perf import print_table
-    from pallas_kernels.moe import dequantize_blocks, expert_mlp
+    from pallas_kernels.moe import expert_mlp, expert_shape, fp8_experts_as_plain
     from pallas_kernels.policy import KernelPolicy
     D, I, k = args.moe_hidden, args.moe_width, args.moe_top_k
     run = jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")
@@ -716,13 +720,14 @@ def bench_moe_fp8(args, ceil):
     for kind, T, E in cases:
         keys = jax.random.split(jax.random.key(T * 1000 + E), 8)
         fp8 = []
-        for i, (K, N) in enumerate(((D, I), (D, I), (I, D))):
-            q = (jax.random.normal(keys[i], (E, K, N), jnp.bfloat16) * 64).astype(jnp.float8_e4m3fn)
-            sc = jax.random.uniform(keys[3 + i], (E, K // 128, N // 128), jnp.float32, 0.5, 1.5) * K ** -0.5 / 64
+        for i, (K, N) in enumerate(((D, I), (D, I), (I, D))):   # fp8: K-major [E, N, K], as the model stores them
+            q = jax.random.normal(keys[i], expert_shape(E, K, N, fp8=True), jnp.bfloat16) * 64
+            q = q.astype(jnp.float8_e4m3fn)
+            sc = jax.random.uniform(keys[3 + i], (E, N // 128, K // 128), jnp.float32, 0.5, 1.5) * K ** -0.5 / 64
             fp8.append((q, sc))
         scales = tuple(sc for _, sc in fp8)
         q8 = tuple(q for q, _ in fp8)
-        bf16 = tuple(dequantize_blocks(q, sc, jnp.bfloat16) for q, sc in fp8)
+        bf16 = tuple(fp8_experts_as_plain(q, sc, jnp.bfloat16) for q, sc in fp8)   # [E, K, N]
         x = jax.random.normal(keys[6], (T, D), jnp.bfloat16)
         fe = jax.random.randint(keys[7], (T * k,), 0, E, jnp.int32)
         slots = T * k
@@ -812,8 +817,9 @@ def main() -> int:
                    help="tiny shapes and ceilings (CPU smoke test: lax.ragged_dot only)")
     p.add_argument("--mla-prefill", default="8192,32768", help="sparse_mla prefill queries (one causal request)")
     p.add_argument("--mla-decode", default="1,8,64", help="sparse_mla decode queries")
-    p.add_argument("--mla-tilings", default="dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
-                   help="sparse MLA kernel tilings: block_h:block_k:warps:stages[:splits] or 'dispatch'")
+    p.add_argument("--mla-tilings", default="mgpu,dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
+                   help="sparse MLA prefill variants: Triton tilings block_h:block_k:warps:stages[:splits], 'dispatch' "
+                        "(the Triton tiling the dispatch picks) or 'mgpu' (the Mosaic GPU kernel)")
     p.add_argument("--mla-decode-tilings", default="dispatch,64:32:8:2:8,64:64:8:2:16,64:32:4:2:33")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()

@@ -35,6 +35,9 @@ def main():
     p.add_argument("--policies", default="default",
                    help="';'-separated kernel policies for `cpkv-jax bench --kernels` ('default': none)")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="our model keeps its linears fp8 (block scales) as a GLM-5 checkpoint stores them; "
+                        "HF stays bf16")
     p.add_argument("--hf-chunk", type=int, default=8192,
                    help="HF prefills longer prompts in chunks of this many tokens through its cache")
     p.add_argument("--timeout", type=int, default=400)
@@ -64,11 +67,14 @@ def main():
                            "--num-layers", str(args.num_layers), "--num-experts", E, "--batch", "1",
                            "--prompt-len", L, "--decode-tokens", "2", "--repeat", "2", "--kv-pages",
                            str(int(L) // 64 + 8), "--quiet", "--json", f.name]
+                    if args.fp8_weights:
+                        cmd.append("--fp8-weights")
                     if policy != "default":
                         cmd += ["--kernels", policy]
                     r = run(cmd, args.timeout)
                     res = r if isinstance(r, dict) else json.loads(Path(f.name).read_text())
-                results.append({"experts": int(E), "prompt_len": int(L), "runner": f"cpkv {policy}", **res})
+                results.append({"experts": int(E), "prompt_len": int(L), "runner": f"cpkv {policy}",
+                                "fp8_weights": args.fp8_weights, **res})
                 if "error" in res:
                     rows.append((E, L, f"cpkv {policy}", "ERR", res["error"].splitlines()[-1][:60], "", ""))
                     continue

@@ -44,7 +44,9 @@ def test_fixture_linears_stay_fp8_and_equal_the_dequantized_model():
 
 def test_conversion_keeps_the_checkpoint_fp8_bytes_and_scales(tmp_path, capsys):
     """`convert` with no dtype stores every fp8 weight's bytes and block scales as the checkpoint has
-    them (transposed to our [in, out]); with --dtype it stores no fp8 at all."""
+    them: a Dense's transposed to our [in, out], the routed experts' not transposed at all (kept fp8
+    they are K-major [E, N, K], HF's own [out, in] per expert: bit-equal bytes, same shapes); with
+    --dtype it stores no fp8 at all, and the experts are [E, K, N]."""
     out = tmp_path / "kept"
     assert main(["convert", "--hf", str(FIXTURE), "--out", str(out), "--quiet"]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -61,15 +63,58 @@ def test_conversion_keeps_the_checkpoint_fp8_bytes_and_scales(tmp_path, capsys):
         raw, scale = reader.fp8_block(key)
         np.testing.assert_array_equal(np.asarray(w[...][r]).T.view(np.uint8), raw.view(np.uint8))
         np.testing.assert_array_equal(np.asarray(s[...][r]).T, scale)
-    for e in range(model.cfg.n_routed_experts):
-        raw, scale = reader.fp8_block(f"model.layers.1.mlp.experts.{e}.down_proj.weight")
-        np.testing.assert_array_equal(np.asarray(layer.mlp.experts_down[...][r, e]).T.view(np.uint8), raw.view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(layer.mlp.experts_down_scale_inv[...][r, e]).T, scale)
+    cfg = model.cfg
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert D != I                                      # so a transposed expert cannot pass for one in place
+    for name, shape in (("gate_proj", (E, I, D)), ("up_proj", (E, I, D)), ("down_proj", (E, D, I))):
+        ours = name.replace("_proj", "")
+        w, s = getattr(layer.mlp, f"experts_{ours}")[...][r], getattr(layer.mlp, f"experts_{ours}_scale_inv")[...][r]
+        assert w.dtype == jnp.float8_e4m3fn and w.shape == shape and s.shape == (E, *fp8.scale_shape(shape[1:]))
+        for e in range(E):
+            raw, scale = reader.fp8_block(f"model.layers.1.mlp.experts.{e}.{name}.weight")
+            np.testing.assert_array_equal(np.asarray(w[e]).view(np.uint8), raw.view(np.uint8))
+            np.testing.assert_array_equal(np.asarray(s[e]), scale)
+    mtp = model.mtp.layer.mlp                          # the MTP layer's experts: stored the same way
+    raw, scale = reader.fp8_block(f"model.layers.{cfg.num_hidden_layers}.mlp.experts.3.up_proj.weight")
+    np.testing.assert_array_equal(np.asarray(mtp.experts_up[...][3]).view(np.uint8), raw.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(mtp.experts_up_scale_inv[...][3]), scale)
     wide = tmp_path / "wide"
     assert main(["convert", "--hf", str(FIXTURE), "--out", str(wide), "--dtype", "float32", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["fp8_linears"] == []
-    dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(load_checkpoint(wide)))}
+    wide_model = load_checkpoint(wide)
+    dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(wide_model))}
     assert dtypes == {"float32"}
+    wide_down = wide_model.groups[1].unit[0].mlp.experts_down[...][r]          # plain: [E, K, N] = [E, I, D]
+    assert wide_down.shape == (E, I, D)
+    np.testing.assert_array_equal(np.asarray(wide_down[2]),
+                                  reader.get("model.layers.1.mlp.experts.2.down_proj.weight").T)
+
+
+def test_a_checkpoint_with_fp8_experts_in_the_old_layout_is_refused(tmp_path):
+    """Formats 1 and 2 stored kept-fp8 routed experts [E, K, N]; this version keeps them K-major. Such a
+    checkpoint (its manifest says format 2, its config names fp8 experts) is refused with a
+    CheckpointError naming the layout, instead of loading transposed experts; a format-2 checkpoint
+    with no fp8 experts still loads."""
+    import shutil
+
+    import pytest
+
+    from models.weights import CheckpointError, FORMAT_VERSION, MANIFEST
+    kept = tmp_path / "kept"
+    assert main(["convert", "--hf", str(FIXTURE), "--out", str(kept), "--quiet"]) == 0
+    assert json.loads((kept / MANIFEST).read_text())["format_version"] == FORMAT_VERSION == 3
+
+    def as_format_2(src, dst):
+        shutil.copytree(src, dst)
+        m = json.loads((dst / MANIFEST).read_text())
+        (dst / MANIFEST).write_text(json.dumps({**m, "format_version": 2}))
+        return dst
+    with pytest.raises(CheckpointError, match=r"old \[E, K, N\] layout.*K-major \[E, N, K\].*re-convert"):
+        load_checkpoint(as_format_2(kept, tmp_path / "old_kept"))
+    wide = tmp_path / "wide"
+    assert main(["convert", "--hf", str(FIXTURE), "--out", str(wide), "--dtype", "float32", "--quiet"]) == 0
+    model = load_checkpoint(as_format_2(wide, tmp_path / "old_wide"))
+    assert model.cfg.fp8_linears == ()
 
 
 class BlockReader:
@@ -110,5 +155,30 @@ def test_quantize_round_trip_and_random_fp8_model():
     assert (np.abs(back - w) <= 2 ** -4 * np.abs(w).max(axis=(1, 2))[:, None, None]).all()
     cfg = ModelConfig.named("tiny", fp8_linears=list(FP8_LINEARS_ALL))
     model = DsaModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    assert model.groups[-1].unit[0].mlp.experts_up[...].dtype == jnp.float8_e4m3fn
+    mlp = model.groups[-1].unit[0].mlp
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert mlp.experts_up[...].dtype == jnp.float8_e4m3fn
+    assert mlp.experts_up[...].shape[-3:] == (E, I, D) and mlp.experts_down[...].shape[-3:] == (E, D, I)   # K-major
+    assert mlp.experts_down_scale_inv[...].shape[-3:] == (E, *fp8.scale_shape((D, I)))
     assert np.isfinite(np.asarray(prefill_logits(model, np.arange(24)[None] % cfg.vocab_size))).all()
+
+
+def test_moe_with_some_experts_fp8_equals_their_dequantized_weights():
+    """A layer whose routed experts are fp8 for one projection only (gate_proj: K-major [E, I, D]) and
+    plain for the others: the layer dequantizes that one to [E, D, I] itself and equals a plain layer
+    holding the dequantized weights."""
+    from models.moe import MoE
+    from pallas_kernels.moe import fp8_experts_as_plain
+    cfg = ModelConfig.named("tiny", fp8_linears=["mlp.experts.gate_proj"])
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    mixed = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(2))
+    assert mixed.experts_gate[...].shape == (E, I, D) and mixed.experts_up[...].shape == (E, D, I)
+    assert mixed.experts_up_scale_inv is None
+    graph, state = nnx.split(MoE(cfg.replace(fp8_linears=()), dtype=jnp.float32, rngs=nnx.Rngs(3)))
+    pure = nnx.to_pure_dict(nnx.state(mixed))
+    pure["experts_gate"] = fp8_experts_as_plain(pure.pop("experts_gate"), pure.pop("experts_gate_scale_inv"),
+                                                jnp.float32)
+    nnx.replace_by_pure_dict(state, pure)
+    plain = nnx.merge(graph, state)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 9, D)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(mixed(x)), np.asarray(plain(x)))

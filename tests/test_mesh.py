@@ -104,6 +104,34 @@ def test_replicated_rows_dispatched_over_all_to_all_equal_one_device(ep):
     assert not np.asarray(got)[~np.asarray(valid)].any()
 
 
+@pytest.mark.parametrize("ep_dispatch, rows_split", [("psum", False), ("all_to_all", False), ("all_to_all", True)])
+def test_fp8_experts_under_expert_parallelism_equal_one_device(ep_dispatch, rows_split):
+    """Routed experts kept fp8 (stored K-major: gate / up [E, I, D], down [E, D, I], scales
+    [E, N/128, K/128]; hidden 128 != expert width 64) split 4 ways over 'ep' by their leading axis,
+    values and scales alike: each rank dequantizes its own experts to [E/ep, K, N] and the layer equals
+    the one-device layer, through the psum and both all-to-all dispatches."""
+    names = ["mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"]
+    cfg = ModelConfig.named("tiny", n_routed_experts=8, num_experts_per_tok=4, fp8_linears=names)
+    E, D, I, ep = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, 4
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    assert moe.experts_gate[...].shape == (E, I, D) and moe.experts_down[...].shape == (E, D, I)
+    assert moe.experts_gate[...].dtype == jnp.float8_e4m3fn
+    rng = np.random.default_rng(20)
+    x = jnp.asarray(rng.standard_normal((ep, 2, 19, D)), jnp.float32)
+    valid = jnp.asarray(rng.random((ep, 2, 19)) < 0.8)
+    want = moe(x, valid)
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+    place, step = _expert_parallel(moe, mesh, 2, ep_dispatch, rows_split=rows_split)
+    placed = place(nnx.to_pure_dict(nnx.state(moe)))
+    for leaf in ("experts_gate", "experts_down", "experts_up_scale_inv", "experts_down_scale_inv"):
+        whole = placed[leaf]
+        assert whole.addressable_shards[0].data.shape == (E // ep, *whole.shape[1:]), leaf
+    rows = NamedSharding(mesh, P("ep") if rows_split else P())
+    got = step(placed, jax.device_put(x, rows), jax.device_put(valid, rows))
+    assert rel_err(got, want) <= 1e-6
+    assert not np.asarray(got)[~np.asarray(valid)].any()
+
+
 def test_replicated_rows_send_each_real_rows_slots_once():
     """With the rows on every rank, the dispatch sends each real row's routed slots exactly once over
     all the ranks (not once per rank): rank r sends the slots of its strided rows r, r + ep, ... below

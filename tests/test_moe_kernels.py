@@ -90,10 +90,18 @@ def test_expert_mlp_blocked_interpret_equals_reference():
 
 
 def fp8_experts(rng, D, I, E):
-    """Random experts as fp8 blocks (models.fp8.quantize), stored [E, K, N] as the model holds them."""
+    """Random experts as fp8 blocks (models.fp8.quantize), stored K-major [E, N, K] as the model holds
+    them (gate / up [E, I, D], down [E, D, I]; scales [E, N/128, K/128])."""
     from models.fp8 import quantize
-    return [tuple(map(jnp.asarray, quantize(rng.standard_normal((E, K, N)) * K ** -0.5)))
+    from pallas_kernels.moe import expert_shape
+    return [tuple(map(jnp.asarray, quantize(rng.standard_normal(expert_shape(E, K, N, fp8=True)) * K ** -0.5)))
             for K, N in ((D, I), (D, I), (I, D))]
+
+
+def plain_f32(w, scale):
+    """fp8 experts [E, N, K] dequantized to the plain [E, K, N] layout in fp32."""
+    from pallas_kernels.moe import fp8_experts_as_plain
+    return fp8_experts_as_plain(w, scale, jnp.float32)
 
 
 def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference():
@@ -102,7 +110,7 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference():
     K = N = 256), plain and gate/up fused; an unused tile stays unwritten (NaN from the interpreter)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.moe import dequantize_blocks, grouped_matmul, quantize_rows
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
     from pallas_kernels.moe.fp8_rows import dequantize_rows
     rng = np.random.default_rng(4)
     E, K, N, bm = 3, 256, 256, 64
@@ -110,16 +118,15 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference():
     x = jnp.asarray(rng.standard_normal((bm * 4, K)) * np.repeat(rng.uniform(0.1, 10, (1, 2)), 128, axis=1),
                     jnp.float32)   # the two column groups at different scales
     xq, xs = quantize_rows(x)
-    (gq, gs), (uq, us) = [tuple(map(jnp.asarray, w)) for w in fp8_experts(rng, K, N, E)[:2]]
-    k_major = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
+    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]          # K-major [E, N, K], as the kernel takes them
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
-    gd, ud = (np.asarray(dequantize_blocks(w, sc, jnp.float32), np.float64) for w, sc in ((gq, gs), (uq, us)))
+    gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))   # [E, K, N]
     t = Tiling(block_m=bm, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
     interp = plgpu.InterpretGPUParams(detect_races=True)
-    plain = np.asarray(grouped_matmul(xq, k_major(gq), tile_expert, tiling=t, interpret=interp, x_scale=xs,
-                                      w_scale=k_major(gs)), np.float64)
-    fused = np.asarray(grouped_matmul(xq, k_major(gq), tile_expert, up=k_major(uq), tiling=t, interpret=interp,
-                                      x_scale=xs, w_scale=k_major(gs), up_scale=k_major(us)), np.float64)
+    plain = np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs),
+                       np.float64)
+    fused = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, interpret=interp, x_scale=xs,
+                                      w_scale=gs, up_scale=us), np.float64)
     for i, e in enumerate(np.asarray(tile_expert)):
         rows = slice(i * bm, (i + 1) * bm)
         if e < 0:
@@ -130,26 +137,29 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference():
         assert np.abs(plain[rows] - a).max() <= 8e-3 * np.abs(a).max()            # bf16 output rounding
         assert np.abs(fused[rows] - want).max() <= 8e-3 * np.abs(want).max()
     with pytest.raises(ValueError, match="x_scale must be fp32"):
-        grouped_matmul(xq, k_major(gq), tile_expert, tiling=t, interpret=interp, x_scale=xs[:1], w_scale=k_major(gs))
+        grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs[:1], w_scale=gs)
 
 
 def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
-    """The fp8 path of the dispatch (interpreter) against the same arithmetic in float64 (rows quantized
-    per 128 columns before each matmul, dequantized weights), and within fp8's error of the bf16 path
-    on the dequantized weights (what the dispatch runs when the fp8 kernel does not)."""
+    """The fp8 path of the dispatch (interpreter) on K-major experts (hidden 256 != expert width 128, so
+    gate / up [E, 128, 256] and down [E, 256, 128] are told apart by shape) against the same arithmetic
+    in float64 (rows quantized per 128 columns before each matmul, dequantized weights), and within
+    fp8's error of the bf16 path on the dequantized weights (what the dispatch runs when the fp8 kernel
+    does not: fp8_experts_as_plain, [E, K, N])."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.moe import dequantize_blocks, expert_mlp_blocked_fp8, quantize_rows
+    from pallas_kernels.moe import expert_mlp_blocked_fp8, fp8_experts_as_plain, quantize_rows
     from pallas_kernels.moe.fp8_rows import dequantize_rows
     rng = np.random.default_rng(5)
-    N, k, D, I, E = 40, 2, 128, 128, 4
+    N, k, D, I, E = 40, 2, 256, 128, 4
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
     (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    assert gq.shape == (E, I, D) and dq.shape == (E, D, I) and gs.shape == (E, 1, 2) and ds.shape == (E, 2, 1)
     fe = jnp.asarray(routings(rng, N * k, E).__next__(), jnp.int32)      # random, with dummies
     t = Tiling(block_m=64, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
     got = np.asarray(expert_mlp_blocked_fp8(x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=t, down_tiling=t,
                                             interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
-    g, u, d = (np.asarray(dequantize_blocks(w, sc, jnp.float32), np.float64) for w, sc in ((gq, gs), (uq, us), (dq, ds)))
+    g, u, d = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us), (dq, ds)))
     fe_np = np.asarray(fe)
     want = np.zeros((N * k, D))
     for s_, e in enumerate(fe_np):
@@ -167,8 +177,99 @@ def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
     assert np.abs(got - want).mean() <= 2e-3 * scale and np.abs(got - want).max() <= 4e-2 * scale
     bf16 = np.asarray(expert_mlp(x, fe, gq, uq, dq, k, scales=(gs, us, ds)), np.float64)   # CPU: dequantized
     np.testing.assert_array_equal(bf16, np.asarray(expert_mlp_ragged(
-        x, fe, *(dequantize_blocks(w, sc, x.dtype) for w, sc in ((gq, gs), (uq, us), (dq, ds))), k), np.float64))
+        x, fe, *(fp8_experts_as_plain(w, sc, x.dtype) for w, sc in ((gq, gs), (uq, us), (dq, ds))), k), np.float64))
     assert np.abs(got - bf16).max() <= 0.1 * scale      # fp8 activations: a few % of the largest output
+
+
+def test_fp8_experts_in_the_plain_layout_are_refused():
+    """The layout is checked where the experts enter the dispatch: fp8 experts given [E, K, N] (the
+    plain layout, as before they were stored K-major) are a ValueError naming the K-major layout, on
+    the fp8 kernel's path and on the dequantizing one; plain experts given K-major likewise. (Where
+    D == I the shapes cannot tell; the numeric tests above would then go red, see
+    test_fp8_experts_transposed_change_the_result.)"""
+    from pallas_kernels.moe import expert_mlp_blocked_fp8
+    rng = np.random.default_rng(7)
+    N, k, D, I, E = 8, 2, 256, 128, 4
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
+    t = jnp.swapaxes
+    swapped = dict(gate=(t(gq, 1, 2), uq, dq, (t(gs, 1, 2), us, ds)), up=(gq, t(uq, 1, 2), dq, (gs, t(us, 1, 2), ds)),
+                   down=(gq, uq, t(dq, 1, 2), (gs, us, t(ds, 1, 2))),
+                   all=(t(gq, 1, 2), t(uq, 1, 2), t(dq, 1, 2), tuple(t(s, 1, 2) for s in (gs, us, ds))))
+    tiling = Tiling(block_m=64, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
+    for name, (g, u, d, sc) in swapped.items():
+        with pytest.raises(ValueError, match=r"fp8 experts are K-major \[E, N, K\]"):
+            expert_mlp(x, fe, g, u, d, k, scales=sc)
+        with pytest.raises(ValueError, match=r"fp8 experts are K-major \[E, N, K\]"):
+            expert_mlp_blocked_fp8(x, fe, g, u, d, sc, k, up_tiling=tiling, down_tiling=tiling, interpret=True)
+    with pytest.raises(ValueError, match="scales"):                        # scales that do not match
+        expert_mlp(x, fe, gq, uq, dq, k, scales=(gs, us, t(ds, 1, 2)))
+    _, gate, up, down = mlp_inputs(rng, N, D, I, E)
+    with pytest.raises(ValueError, match=r"plain experts are \[E, K, N\]"):
+        expert_mlp(x, fe, t(gate, 1, 2), t(up, 1, 2), t(down, 1, 2), k)
+    with pytest.raises(ValueError, match="scales are given exactly"):      # fp8 weights without scales
+        expert_mlp(x, fe, gq.reshape(E, D, I), uq.reshape(E, D, I), dq.reshape(E, I, D), k)
+
+
+def test_fp8_experts_transposed_change_the_result():
+    """Where D == I a transposed fp8 expert has the right shape: the dispatch's result then differs
+    from the K-major one by far more than the fp8 tests' tolerance, so a layout slip goes red there."""
+    rng = np.random.default_rng(8)
+    N, k, D, I, E = 16, 2, 128, 128, 4
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
+    good = np.asarray(expert_mlp(x, fe, gq, uq, dq, k, scales=(gs, us, ds)))
+    want = np.asarray(expert_mlp_ragged(x, fe, *(plain_f32(w, s) for w, s in ((gq, gs), (uq, us), (dq, ds))), k))
+    np.testing.assert_allclose(good, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    t = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
+    bad = np.asarray(expert_mlp(x, fe, t(gq), t(uq), t(dq), k, scales=(t(gs), t(us), t(ds))))
+    assert np.abs(bad - want).max() > 0.3 * np.abs(want).max()
+
+
+def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
+    """With the fp8 kernel chosen (the GPU and policy.fp8_moe_kernel, faked here), the dispatch passes
+    the stored K-major arrays to expert_mlp_blocked_fp8 untouched (the same arrays: no transpose, no
+    copy)."""
+    import pallas_kernels.moe.dispatch as dispatch
+    rng = np.random.default_rng(9)
+    N, k, D, I, E = 8, 2, 256, 128, 4
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
+    seen = []
+    monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
+    monkeypatch.setattr(dispatch, "expert_mlp_blocked_fp8",
+                        lambda x, fe, g, u, d, sc, *a, **kw: seen.append((g, u, d, sc)))
+    dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_moe_kernel=True), scales=(gs, us, ds))
+    (g, u, d, sc), = seen
+    assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds)))
+
+
+def test_expert_mlp_fp8_lowers_for_cuda_reading_the_stored_weights():
+    """The fp8 kernel path traced and lowered for CUDA on this machine (Mosaic GPU lowering errors show
+    here): the two kernel calls take the function's weight and scale arguments themselves (gate, up and
+    their scales in the first, down and its scale in the second), and no fp8 tensor is transposed."""
+    import functools
+    import re
+
+    from pallas_kernels.moe import expert_mlp_blocked_fp8
+    from pallas_kernels.moe.dispatch import fp8_tilings
+    rng = np.random.default_rng(10)
+    N, k, D, I, E = 16, 4, 256, 128, 8
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
+    up_t, down_t = fp8_tilings(N * k, E)
+    f = functools.partial(expert_mlp_blocked_fp8, topk=k, up_tiling=up_t, down_tiling=down_t)
+    text = jax.jit(lambda x, fe, g, u, d, sg, su, sd: f(x, fe, g, u, d, (sg, su, sd))).trace(
+        x, fe, gq, uq, dq, gs, us, ds).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [set(re.findall(r"%arg\d+", line.split("{")[0])) for line in text.splitlines()
+             if "custom_call @mosaic_gpu" in line]
+    # args: x 0, fe 1, gate 2, up 3, down 4, their scales 5, 6, 7
+    assert calls == [{"%arg2", "%arg3", "%arg5", "%arg6"}, {"%arg4", "%arg7"}], calls
+    assert not [line for line in text.splitlines() if "stablehlo.transpose" in line and "f8E4M3FN" in line]
 
 
 def test_expert_mlp_dispatch_takes_ragged_dot_off_the_gpu(monkeypatch):

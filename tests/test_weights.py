@@ -13,8 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from safetensors.numpy import load_file, save_file
 
 from models.config import ModelConfig
-from models.weights import (CheckpointError, SafetensorsReader, abstract_model, iter_hf_parts, load_checkpoint,
-                            load_hf, load_model, save_checkpoint)
+from models.weights import (FORMAT_VERSION, CheckpointError, SafetensorsReader, abstract_model, iter_hf_parts,
+                            load_checkpoint, load_hf, load_model, model_parts, save_checkpoint)
 from tests.helpers import FIXTURES, hf_model
 
 
@@ -115,6 +115,36 @@ def test_sharded_restore_on_8_device_mesh(converted):
     assert experts.addressable_shards[0].data.shape == (2, 1, 64, 32)  # 8 experts / 8 devices
     assert model.embed_tokens[...].sharding.is_fully_replicated
     assert_trees_equal(pure(model), pure(hf_model("glm_indexcache")))
+
+
+def test_fp8_experts_round_trip_k_major_and_restore_sharded(tmp_path):
+    """The fp8 fixture converted with its fp8 kept: the manifest records the routed experts K-major
+    ([E, N, K]: gate [E, I, D], scales [E, I/128, D/128]), the checkpoint loads back equal to the in-memory
+    HF load, restores sharded over 8 devices with the expert axis split (values and scales alike), and a
+    live model's parts (model_parts) save and load back unchanged."""
+    src = FIXTURES / "glm_tiny_fp8"
+    cfg = ModelConfig.from_json_file(src)
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    out = tmp_path / "fp8"
+    reader = SafetensorsReader(src)
+    kept_cfg = cfg.replace(fp8_linears=reader.fp8_linears())
+    save_checkpoint(out, {**json.loads((src / "config.json").read_text()), "fp8_linears": list(kept_cfg.fp8_linears)},
+                    iter_hf_parts(reader, kept_cfg, abstract_model(kept_cfg, jnp.dtype(cfg.dtype)), cfg.dtype))
+    arrays = json.loads((out / "cpkv_checkpoint.json").read_text())["arrays"]["layer:1"]
+    assert arrays["mlp/experts_gate"] == [[E, I, D], "float8_e4m3fn"]
+    assert arrays["mlp/experts_down"] == [[E, D, I], "float8_e4m3fn"]
+    assert arrays["mlp/experts_gate_scale_inv"] == [[E, -(-I // 128), -(-D // 128)], "float32"]
+    ref = pure(hf_model("glm_tiny_fp8"))
+    assert_trees_equal(pure(load_checkpoint(out)), ref)
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(AxisType.Auto,))
+    model = load_checkpoint(out, mesh=mesh)
+    for leaf, shape in (("experts_gate", (1, I, D)), ("experts_down", (1, D, I)), ("experts_up_scale_inv", (1, 1, 1))):
+        arr = getattr(model.groups[1].unit[0].mlp, leaf)[...]
+        assert arr.sharding.spec == jax.sharding.PartitionSpec(None, "ep", None, None), leaf
+        assert arr.addressable_shards[0].data.shape[1:] == shape, leaf      # 8 experts / 8 devices
+    assert_trees_equal(pure(model), ref)
+    again = save_checkpoint(tmp_path / "again", json.loads((out / "config.json").read_text()), model_parts(model))
+    assert_trees_equal(pure(load_checkpoint(again)), ref)
 
 
 def test_restore_with_dtype_override(converted):
@@ -271,7 +301,7 @@ def test_verified_load_reads_back_what_conversion_wrote(converted):
     """The manifest's hashes and shapes come from the parts as written: a clean checkpoint verifies, and
     skipping verification loads the same weights."""
     m = json.loads((converted / "cpkv_checkpoint.json").read_text())
-    assert m["format_version"] == 2 and set(m["digests"]) == set(m["parts"])
+    assert m["format_version"] == FORMAT_VERSION and set(m["digests"]) == set(m["parts"])
     assert m["arrays"]["top"]["embed_tokens"][0] == [ModelConfig.from_json_file(converted / "config.json").vocab_size,
                                                      ModelConfig.from_json_file(converted / "config.json").hidden_size]
     assert_trees_equal(pure(load_checkpoint(converted, verify=False)), pure(load_checkpoint(converted)))

@@ -6,6 +6,12 @@
 reference on every backend; on the GPU XLA turns it into padded per-expert dense matmuls, 6% of the
 dense rate at 16 experts and unrunnable at 256: docs/perf.md). `expert_mlp_blocked` lays the slots out
 by `plan.block_plan` and runs the grouped_matmul kernel twice: gate/up fused with SiLU * up, then down.
+`expert_mlp_blocked_fp8` does the same with fp8 experts kept fp8.
+
+Layouts (pallas_kernels/moe/layout.py): plain experts are [E, K, N] (gate / up [E, D, I], down
+[E, I, D]); fp8 experts are K-major [E, N, K] (gate / up [E, I, D], down [E, D, I]) with block scales
+[E, N/128, K/128], as stored by the model: the fp8 kernel reads them as they are, every other path
+dequantizes them to the plain layout first.
 """
 
 from __future__ import annotations
@@ -13,16 +19,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.fp8_rows import dequantize_blocks, quantize_rows
+from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error
+from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.row_gather import expert_order, gather_rows
 
 
 def expert_mlp_ragged(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY):
-    """x [N, D]; flat_expert [N * topk] (slot s belongs to row s // topk; E: no expert). Returns [N * topk, D]
-    in slot order, in x's dtype."""
+    """x [N, D]; flat_expert [N * topk] (slot s belongs to row s // topk; E: no expert); plain experts
+    gate / up [E, D, I], down [E, I, D]. Returns [N * topk, D] in slot order, in x's dtype."""
     E = gate.shape[0]
     order, sizes = expert_order(flat_expert, E)
     xs = gather_rows(x, order // topk, policy=policy)
@@ -36,7 +43,8 @@ def expert_mlp_ragged(x, flat_expert, gate, up, down, topk: int, *, policy: Kern
 
 def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: Tiling, down_tiling: Tiling,
                        policy: KernelPolicy = DEFAULT_POLICY, interpret=False):
-    """expert_mlp_ragged through the grouped_matmul kernel (both tilings must share block_m)."""
+    """expert_mlp_ragged through the grouped_matmul kernel (both tilings must share block_m); plain
+    experts gate / up [E, D, I], down [E, I, D]."""
     if up_tiling.block_m != down_tiling.block_m:
         raise ValueError(f"the two tilings must share block_m ({up_tiling.block_m} != {down_tiling.block_m})")
     E = gate.shape[0]
@@ -72,56 +80,59 @@ def fp8_tilings(slots: int, E: int) -> tuple[Tiling, Tiling]:
 
 
 def fp8_shape_error(x, gate, down, slots: int) -> str | None:
-    """Why the fp8 kernel path cannot take these operands (stored [E, K, N] e4m3 weights; None: it can)."""
+    """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
+    gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
     up_t, down_t = fp8_tilings(slots, gate.shape[0])
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
-    E, D, I = gate.shape
-    return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((E, I, D), gate.dtype),
-                        up_t, fp8=True)
-            or shape_error(jax.ShapeDtypeStruct((P, I), jnp.float8_e4m3fn),
-                           jax.ShapeDtypeStruct((E, D, I), down.dtype), down_t, fp8=True))
+    E, I, D = gate.shape
+    return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
+            or shape_error(jax.ShapeDtypeStruct((P, I), jnp.float8_e4m3fn), down, down_t, fp8=True))
 
 
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
-    """Whether expert_mlp runs fp8 experts through the fp8 kernel (else they are dequantized first)."""
+    """Whether expert_mlp runs fp8 experts (K-major: gate [E, I, D], down [E, D, I]) through the fp8
+    kernel (else they are dequantized first)."""
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
             and fp8_shape_error(x, gate, down, slots) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
                            down_tiling: Tiling, policy: KernelPolicy = DEFAULT_POLICY, interpret=False):
-    """expert_mlp_ragged with fp8 weights kept fp8: gate / up / down stored [E, K, N] e4m3 with
-    scales (gate, up, down) [E, K / 128, N / 128] fp32; the rows quantized per row per 128 columns
-    (quantize_rows) before each grouped matmul, fp8 x fp8 products with fp32 sums, bf16 out.
-    The weights are transposed to the kernel's K-major [E, N, K] here (a one-byte transient; the
-    checkpoints store them K-major, as the kernel wants them)."""
-    E = gate.shape[0]
+    """expert_mlp_ragged with fp8 experts kept fp8, in their stored K-major layout (layout.py):
+    gate / up [E, I, D] and down [E, D, I] e4m3, scales (gate, up, down) [E, N / 128, K / 128] fp32
+    (gate / up [E, I/128, D/128], down [E, D/128, I/128]), passed to the kernel as they are (no
+    transpose). The rows are quantized per row per 128 columns (quantize_rows) before each grouped
+    matmul; fp8 x fp8 products with fp32 sums, x's dtype out. x [N, D]; returns [N * topk, D]."""
+    E, _ = check_experts(x.shape[1], gate, up, down, scales)
     slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m)
     xp = gather_rows(x, jnp.where(row_slot >= 0, row_slot // topk, -1), policy=policy)
-    k_major = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
     xq, xs = quantize_rows(xp)
-    h = grouped_matmul(xq, k_major(gate), tile_expert, up=k_major(up), tiling=up_tiling, interpret=interpret,
-                       x_scale=xs, w_scale=k_major(scales[0]), up_scale=k_major(scales[1]), out_dtype=x.dtype)
+    h = grouped_matmul(xq, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret,
+                       x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype)
     hq, hs = quantize_rows(h)
-    y = grouped_matmul(hq, k_major(down), tile_expert, tiling=down_tiling, interpret=interpret, x_scale=hs,
-                       w_scale=k_major(scales[2]), out_dtype=x.dtype)
+    y = grouped_matmul(hq, down, tile_expert, tiling=down_tiling, interpret=interpret, x_scale=hs,
+                       w_scale=scales[2], out_dtype=x.dtype)
     return gather_rows(y, slot_row, policy=policy)
 
 
 def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY, scales=None):
     """The dispatch: the grouped_matmul kernel on GPU with policy.moe_kernel where its shapes fit (K
-    and N multiples of its blocks, bf16), else expert_mlp_ragged. scales (gate, up, down): the weights
-    are fp8 blocks; the fp8 kernel takes them where fp8_kernel_applies, else they are dequantized to
-    x's dtype first."""
+    and N multiples of its blocks, bf16), else expert_mlp_ragged. x [N, D], flat_expert [N * topk].
+    Layouts (layout.py, checked: a mismatch is a ValueError):
+      scales None: plain experts gate / up [E, D, I], down [E, I, D];
+      scales (gate, up, down): fp8 e4m3 experts, K-major: gate / up [E, I, D], down [E, D, I], scales
+        [E, N/128, K/128]. The fp8 kernel takes them as they are where fp8_kernel_applies; else they
+        are dequantized to x's dtype in the plain layout first (fp8_experts_as_plain)."""
     slots = flat_expert.shape[0]
+    check_experts(x.shape[1], gate, up, down, scales)
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
             up_t, down_t = fp8_tilings(slots, gate.shape[0])
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
-        gate, up, down = (dequantize_blocks(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
+        gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
     up_t, down_t = blocked_tilings(slots, gate.shape[0])
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
