@@ -42,6 +42,7 @@ gather and its same-size copy by `pipelined_time` (back-to-back calls: a chain w
 its gather to the one element the chain reads)."""
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -656,8 +657,9 @@ def bench_sparse_mla(args, ceil):
         entry = {"case": kind, "queries": N, "k": K, "flops": flops, "bytes": nbytes}
         variants = {}
         for spec in [t for t in (args.mla_tilings if prefill else args.mla_decode_tilings).split(",") if t]:
-            if spec == "mgpu":      # the Mosaic GPU prefill kernel (one program per query)
-                variants["mgpu"] = jax.jit(sparse_mla_mgpu, static_argnums=(4, 6))
+            if spec in ("mgpu", "mgpu_split"):      # the Mosaic GPU prefill kernel (one program per query)
+                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, split_keys=spec == "mgpu_split"),
+                                         static_argnums=(4, 6))
                 continue
             if spec == "dispatch":
                 t = tiling_for(N, H, K)
@@ -817,9 +819,10 @@ def main() -> int:
                    help="tiny shapes and ceilings (CPU smoke test: lax.ragged_dot only)")
     p.add_argument("--mla-prefill", default="8192,32768", help="sparse_mla prefill queries (one causal request)")
     p.add_argument("--mla-decode", default="1,8,64", help="sparse_mla decode queries")
-    p.add_argument("--mla-tilings", default="mgpu,dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
+    p.add_argument("--mla-tilings", default="mgpu,mgpu_split,dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
                    help="sparse MLA prefill variants: Triton tilings block_h:block_k:warps:stages[:splits], 'dispatch' "
-                        "(the Triton tiling the dispatch picks) or 'mgpu' (the Mosaic GPU kernel)")
+                        "(the Triton tiling the dispatch picks), 'mgpu' or 'mgpu_split' (the Mosaic GPU kernel, "
+                        "split_keys off / on)")
     p.add_argument("--mla-decode-tilings", default="dispatch,64:32:8:2:8,64:64:8:2:16,64:32:4:2:33")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()

@@ -1,6 +1,7 @@
 """The sparse MLA kernel equals its reference, and the reference equals a float64 loop written another
 way: interpret mode on CPU (semantics), compiled on the GPU (marked gpu)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -179,18 +180,20 @@ def test_kernel_compiled_equals_reference(N, H, K, P):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_keys", [False, True])
 @pytest.mark.parametrize("N,H,K,P", [(300, 64, 2048, 4096), (64, 8, 512, 1024), (450, 16, 100, 600), (5, 64, 64, 64)])
-def test_mgpu_kernel_compiled_equals_reference(N, H, K, P):
-    """The Mosaic GPU prefill kernel (rows gathered by cp.async): GLM-5's widths, full / short / empty
-    rows with -1 anywhere, K not a multiple of its 64-row blocks, heads fewer than 64 (padded), layer 1 of
-    a two-layer pool; its output written whole (no row left as the buffer held it)."""
+def test_mgpu_kernel_compiled_equals_reference(N, H, K, P, split_keys):
+    """The Mosaic GPU prefill kernel (rows gathered by cp.async), both ways of splitting a block between
+    its compute warpgroups: GLM-5's widths, full / short / empty rows with -1 anywhere, K not a multiple
+    of its 64-row blocks, heads fewer than 64 (padded), layer 1 of a two-layer pool; its output written
+    whole (no row left as the buffer held it)."""
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
 
     q_lat, q_rope, latent, k_rope, slots = make_case(N, H, 512, 64, K, P=P, L=2, seed=N + K)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
     want = np.asarray(sparse_mla_reference(*args), np.float32)
-    got = np.asarray(sparse_mla_mgpu(*args), np.float32)
+    got = np.asarray(sparse_mla_mgpu(*args, split_keys=split_keys), np.float32)
     assert got.shape == want.shape and np.all(np.isfinite(got))
     err = np.max(np.abs(got - want)) / np.max(np.abs(want))
     assert err < 2e-2, err
@@ -214,3 +217,20 @@ def test_selected_first_keeps_each_rows_selection_in_order():
     args = (*map(jnp.asarray, (q_lat, q_rope, latent, k_rope)), 1)
     np.testing.assert_allclose(np.asarray(sparse_mla_reference(*args, jnp.asarray(front), 0.3)),
                                np.asarray(sparse_mla_reference(*args, jnp.asarray(slots), 0.3)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("split_keys", [False, True])
+def test_mgpu_kernel_lowers_for_cuda(split_keys):
+    """Both block splits of the Mosaic GPU kernel trace and lower for CUDA on any machine (layout
+    inference, shared memory within the H100/H200 limit); the gpu test above runs them."""
+    import functools
+
+    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
+
+    N, H, C, R, L, P, K = 300, 64, 512, 64, 2, 4096, 2048
+    sds = jax.ShapeDtypeStruct
+    args = (sds((N, H, C), jnp.bfloat16), sds((N, H, R), jnp.bfloat16), sds((L, P, C), jnp.bfloat16),
+            sds((L, P, R), jnp.bfloat16), 1, sds((N, K), jnp.int32), 0.1)
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, split_keys=split_keys), static_argnums=(4, 6))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -18,6 +18,7 @@ score product."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -30,12 +31,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.sparse_mla.common import check_sparse_mla_args
 
 BLOCK = 64            # selected rows per step: the scores' N and the value product's K
+_HALF_BLOCK = BLOCK // 2   # split_keys: each compute warpgroup's rows of a block
 HEADS = 64            # the MMA's M: queries with fewer heads are padded to it
 STAGES = 2
 _NEG = -1e30          # the running max starts finite: a block with nothing selected gives exp2(-inf) = 0
 _CHUNK = 16           # bytes per cp.async
 _SWIZZLE = 128        # bytes: the tile row of the (8, 64) bf16 tiling
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))
+# The row reductions of wgmma-layout tiles stay within a warp's quad: the shared memory Pallas reserves
+# for cross-warp reductions (2 KiB by default) is not needed, and split_keys' buffers need it.
+_NO_REDUCTION_SCRATCH = ({"reduction_scratch_bytes": 0} if "reduction_scratch_bytes" in
+                         {f.name for f in dataclasses.fields(plgpu.CompilerParams)} else {})
 
 
 def mgpu_shape_error(q_lat, q_rope) -> str | None:
@@ -116,14 +122,128 @@ def _await_copies(ctx):
     nvvm.cp_async_wait_group(0)
 
 
+def _online_softmax_step(s, m_new, m, l, acc):
+    """exp2 probabilities of the scaled scores s against the new running max, and the running sum and
+    output rescaled to it."""
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    return p, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+
+def _row_stats(value):
+    return plgpu.layout_cast(jnp.full((HEADS,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+
+def _write_out(wg, n, acc, l, o_ref, smem):
+    """acc / l through the query's shared-memory buffer (free once both warpgroups are past their last
+    score product) to the warpgroup's output columns."""
+    q_lat_smem, done = smem["q_lat"], smem["done"]
+    half = q_lat_smem.shape[-1]
+    some = l > 0
+    out = acc * lax.broadcast_in_dim(jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0), acc.shape, [0])
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+    q_lat_smem[wg] = out.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_lat_smem.at[wg], o_ref.at[n, :, pl.ds(wg * half, half)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _compute_all_keys(wg, n, end, blocks, scale, o_ref, smem):
+    """Compute warpgroup wg: the whole block's scores (so it has every probability without exchanging
+    any), its own half of the output columns."""
+    q_lat_smem, q_rope_smem, lat_smem, rope_smem = smem["q_lat"], smem["q_rope"], smem["lat"], smem["rope"]
+    k_bar, k_free = smem["k_bar"], smem["k_free"]
+    half = q_lat_smem.shape[-1]
+    c = scale * math.log2(math.e)
+    acc = plgpu.layout_cast(jnp.full((HEADS, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def block(j, carry):
+        acc, m, l = carry
+        slot = lax.rem(j, STAGES)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def scores(acc_ref):
+            for h in range(2):
+                plgpu.wgmma(acc_ref, q_lat_smem.at[h], lat_smem.at[slot, h].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_rope_smem, rope_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+        s = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK), jnp.float32))
+        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + j * BLOCK
+        s = jnp.where(cols < end, s * c, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p, l, acc = _online_softmax_step(s, m_new, m, l, acc)
+
+        def values(acc_ref):
+            plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), lat_smem.at[slot, wg])
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(k_free.at[slot])
+        return acc, m_new, l
+
+    acc, _, l = lax.fori_loop(0, blocks, block, (acc, _row_stats(_NEG), _row_stats(0.0)))
+    _write_out(wg, n, acc, l, o_ref, smem)
+
+
+def _compute_split_keys(w, n, end, blocks, scale, o_ref, smem):
+    """Compute warpgroup w (static): the scores of its half of the block's rows only, the running max
+    and the probabilities exchanged with the other warpgroup through shared memory (so the 576-wide
+    score product is computed once, not twice), then its half of the output columns over all rows.
+    One shared buffer each suffices: a warpgroup writes its max of block j + 1 only after passing block
+    j's probability barrier, which the other reaches after reading that max; it writes its
+    probabilities of block j + 1 only after passing block j + 1's max barrier, which the other reaches
+    after its value product of block j completed."""
+    q_lat_smem, q_rope_smem, lat_smem, rope_smem = smem["q_lat"], smem["q_rope"], smem["lat"], smem["rope"]
+    k_bar, k_free, stat_smem, p_smem = smem["k_bar"], smem["k_free"], smem["stat"], smem["p"]
+    x_bar, p_bar = smem["x_bar"], smem["p_bar"]
+    half = q_lat_smem.shape[-1]
+    rows = pl.ds(w * _HALF_BLOCK, _HALF_BLOCK)
+    c = scale * math.log2(math.e)
+    acc = plgpu.layout_cast(jnp.full((HEADS, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def other_stat(value):
+        stat_smem[w] = value
+        plgpu.barrier_arrive(x_bar)
+        plgpu.barrier_wait(x_bar)
+        return plgpu.load(stat_smem.at[1 - w], layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def block(j, carry):
+        acc, m, l = carry
+        slot = lax.rem(j, STAGES)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def scores(acc_ref):
+            for h in range(2):
+                plgpu.wgmma(acc_ref, q_lat_smem.at[h], lat_smem.at[slot, h, rows].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_rope_smem, rope_smem.at[slot, rows].transpose((1, 0)))
+            return acc_ref[...]
+        s = pl.run_scoped(scores, plgpu.ACC((HEADS, _HALF_BLOCK), jnp.float32))
+        cols = (plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                + (j * BLOCK + w * _HALF_BLOCK))
+        s = jnp.where(cols < end, s * c, -jnp.inf)
+        m_mine = jnp.maximum(m, s.max(axis=1))
+        m_new = jnp.maximum(m_mine, other_stat(m_mine))
+        p, l, acc = _online_softmax_step(s, m_new, m, l, acc)
+        p_smem[:, pl.ds(w * _HALF_BLOCK, _HALF_BLOCK)] = p.astype(jnp.bfloat16)
+        plgpu.barrier_arrive(p_bar)
+        plgpu.barrier_wait(p_bar)
+        p_all = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA)   # A from registers: K = 64 rows
+
+        def values(acc_ref):
+            plgpu.wgmma(acc_ref, p_all, lat_smem.at[slot, w])
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(k_free.at[slot])
+        return acc, m_new, l
+
+    acc, _, l = lax.fori_loop(0, blocks, block, (acc, _row_stats(_NEG), _row_stats(0.0)))
+    _write_out(w, n, acc, l + other_stat(l), o_ref, smem)
+
+
 def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, o_ref, *, scale: float,
-            n_queries: int, **smem):
-    q_lat_smem, q_rope_smem = smem["q_lat"], smem["q_rope"]
-    lat_smem, rope_smem = smem["lat"], smem["rope"]
+            n_queries: int, split_keys: bool, **smem):
+    q_lat_smem = smem["q_lat"]
     k_bar, k_free, q_bar, done = smem["k_bar"], smem["k_free"], smem["q_bar"], smem["done"]
     n = n_queries - 1 - lax.axis_index("n")            # the latest queries first: they select the most rows
     wg = lax.axis_index("wg")
-    half = q_lat_smem.shape[-1]                        # the latent's columns per compute warpgroup
     end = ends_ref[n]                                  # the query's selected rows: slots [0, end)
     blocks = (end + BLOCK - 1) // BLOCK
 
@@ -131,49 +251,16 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar)
-        log2e = math.log2(math.e)
-        m = plgpu.layout_cast(jnp.full((HEADS,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.full((HEADS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((HEADS, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-        def block(j, carry):
-            acc, m, l = carry
-            slot = lax.rem(j, STAGES)
-            plgpu.barrier_wait(k_bar.at[slot])
-
-            def scores(acc_ref):
-                for h in range(2):
-                    plgpu.wgmma(acc_ref, q_lat_smem.at[h], lat_smem.at[slot, h].transpose((1, 0)))
-                plgpu.wgmma(acc_ref, q_rope_smem, rope_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
-            s = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK), jnp.float32))
-            cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + j * BLOCK
-            s = jnp.where(cols < end, s * (scale * log2e), -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), lat_smem.at[slot, wg])
-            acc = pl.run_state(values)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(k_free.at[slot])
-            return acc, m_new, l
-
-        acc, m, l = lax.fori_loop(0, blocks, block, (acc, m, l))
-        some = l > 0
-        out = acc * lax.broadcast_in_dim(jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0), acc.shape, [0])
-        plgpu.barrier_arrive(done)                      # both past their last read of the queries
-        plgpu.barrier_wait(done)
-        q_lat_smem[wg] = out.astype(jnp.bfloat16)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_lat_smem.at[wg], o_ref.at[n, :, pl.ds(wg * half, half)])
-        plgpu.wait_smem_to_gmem(0)
+        if split_keys:
+            for w in range(2):
+                pl.when(wg == w)(functools.partial(_compute_split_keys, w, n, end, blocks, scale, o_ref, smem))
+        else:
+            _compute_all_keys(wg, n, end, blocks, scale, o_ref, smem)
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
+        q_rope_smem, lat_smem, rope_smem = smem["q_rope"], smem["lat"], smem["rope"]
         half = q_lat_smem.shape[-1]
         for h in range(2):
             plgpu.copy_gmem_to_smem(q_lat_ref.at[n, :, pl.ds(h * half, half)], q_lat_smem.at[h], q_bar)
@@ -220,9 +307,12 @@ def selected_first(slots):
     return front, jnp.sum(sel, axis=1, dtype=jnp.int32)
 
 
-def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False):
+def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
+                    split_keys: bool = False):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
-    query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K]."""
+    query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
+    split_keys: the two compute warpgroups split each block's rows for the scores and exchange the
+    running max and the probabilities (_compute_split_keys), instead of each computing all scores."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
@@ -238,18 +328,22 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     smem = dict(q_lat=plgpu.SMEM((2, HEADS, C // 2), jnp.bfloat16, transforms=tiled),
                 q_rope=plgpu.SMEM((HEADS, R), jnp.bfloat16, transforms=tiled),
                 lat=plgpu.SMEM((STAGES, 2, BLOCK, C // 2), jnp.bfloat16, transforms=tiled),
-                rope=plgpu.SMEM((STAGES, BLOCK, R), jnp.bfloat16, transforms=tiled),
-                k_bar=plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),
+                rope=plgpu.SMEM((STAGES, BLOCK, R), jnp.bfloat16, transforms=tiled))
+    if split_keys:   # allocated before the barriers: 64 bytes short of the limit otherwise (alignment)
+        smem.update(p=plgpu.SMEM((HEADS, BLOCK), jnp.bfloat16),
+                    stat=plgpu.SMEM((2, HEADS), jnp.float32),
+                    x_bar=plgpu.Barrier(num_arrivals=2), p_bar=plgpu.Barrier(num_arrivals=2))
+    smem.update(k_bar=plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),
                 k_free=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
                 q_bar=plgpu.Barrier(num_arrivals=3),
                 done=plgpu.Barrier(num_arrivals=2))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, n_queries=N),
+        functools.partial(_kernel, scale=scale, n_queries=N, split_keys=split_keys),
         out_type=jax.ShapeDtypeStruct((N, HEADS, C), jnp.bfloat16), grid=(N,), grid_names=("n",),
         num_threads=3, thread_name="wg", scratch_types=smem,
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane if lane_semantics
-            else plgpu.LoweringSemantics.Warpgroup))
+            else plgpu.LoweringSemantics.Warpgroup, **_NO_REDUCTION_SCRATCH))
     out = kernel(jnp.asarray(layer, jnp.int32).reshape(1), ends, q_lat.astype(jnp.bfloat16),
                  q_rope.astype(jnp.bfloat16), slots, latent.astype(jnp.bfloat16), k_rope.astype(jnp.bfloat16))
     return out[:, :H]
