@@ -32,11 +32,19 @@ class KernelPolicy:
     moe_kernel: bool = True
     """The routed experts' grouped matmuls run the Mosaic GPU kernel (pallas_kernels/moe) where its
     shapes fit; off: XLA's lax.ragged_dot (the reference)."""
-    fp8_moe_kernel: bool = False
+    fp8_moe_kernel: bool = True
     """fp8 routed experts stay fp8 through the grouped matmul (fp8 x fp8, block scales, fp32 sums;
-    rows quantized per 128 columns) where its shapes fit; off: they are dequantized to the compute
-    dtype first. Off by default until it is compiled and measured on the H200 (checked so far in
-    Mosaic GPU's interpreter only)."""
+    rows quantized per 128 columns) where its shapes fit and the rows per expert are fewer than
+    fp8_moe_dequant_rows_per_expert; off: they are dequantized to the compute dtype first. On the H200
+    (docs/perf.md, 2026-12-03 second session; experts stored K-major), 256 experts: decode of 1 / 8 /
+    64 tokens 0.19 / 0.82 / 3.07 ms (bf16 weights 0.22 / 1.33 / 5.45, dequantizing per call 7.6 -
+    12.9), prefill of 8192 tokens 13.5 ms (dequantizing 19.3)."""
+    fp8_moe_dequant_rows_per_expert: int = 1024
+    """fp8 expert calls routing at least this many rows per expert dequantize the weights and run the
+    bf16 kernel instead: dequantizing costs a pass over the weights (~30 us per expert at GLM-5's
+    widths), the fp8 kernel's shortfall against the bf16 one grows with the rows (~25-35 ns per
+    routed row); they cross near 1000 rows per expert (H200: 8192 tokens x top-8 over 16 experts,
+    4096 rows each, dequantized 9.0 ms vs fp8 10.7; over 256 experts, 256 rows each, 19.3 vs 13.5)."""
     sparse_mla_kernel: bool = True
     """Absorbed attention over the selected rows runs the sparse MLA kernel (pallas_kernels/sparse_mla)
     where its shapes fit, reading the rows from the pool in the kernel; with it, long prefill chunks

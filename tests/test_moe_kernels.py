@@ -349,3 +349,23 @@ def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
             for name, on in (("kernel", True), ("ragged_dot", False))}
     print(f"bf16 logits vs fp32: {errs}")
     assert errs["kernel"] <= 1.25 * errs["ragged_dot"]
+
+
+def test_fp8_experts_dequantize_past_the_rows_per_expert_threshold(monkeypatch):
+    """The dispatch keeps fp8 experts fp8 (the fp8 kernel) while few rows reach each expert, and
+    dequantizes them for the bf16 kernel from policy.fp8_moe_dequant_rows_per_expert rows per expert on
+    (the GPU faked; both kernels replaced by recorders)."""
+    import pallas_kernels.moe.dispatch as dispatch
+    rng = np.random.default_rng(11)
+    k, D, I, E = 2, 256, 128, 4
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
+    took = []
+    monkeypatch.setattr(dispatch, "expert_mlp_blocked_fp8", lambda *a, **kw: took.append("fp8"))
+    monkeypatch.setattr(dispatch, "expert_mlp_blocked", lambda x, fe, g, *a, **kw: took.append(str(g.dtype)))
+    policy = KernelPolicy(fp8_moe_dequant_rows_per_expert=8)
+    for N in (15, 16, 64):                 # 30, 32, 128 slots over 4 experts: 7.5, 8, 32 rows each
+        x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+        fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
+        dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=policy, scales=(gs, us, ds))
+    assert took == ["fp8", "bfloat16", "bfloat16"]

@@ -93,8 +93,10 @@ def fp8_shape_error(x, gate, down, slots: int) -> str | None:
 
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     """Whether expert_mlp runs fp8 experts (K-major: gate [E, I, D], down [E, D, I]) through the fp8
-    kernel (else they are dequantized first)."""
+    kernel (else they are dequantized first): on the GPU, with fewer routed rows per expert than
+    policy.fp8_moe_dequant_rows_per_expert (past that, dequantizing once is cheaper)."""
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
+            and slots < policy.fp8_moe_dequant_rows_per_expert * gate.shape[0]
             and fp8_shape_error(x, gate, down, slots) is None)
 
 
