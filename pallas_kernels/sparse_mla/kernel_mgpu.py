@@ -149,10 +149,23 @@ def _write_out(wg, n, acc, l, o_ref, smem):
     plgpu.wait_smem_to_gmem(0)
 
 
+def _block_scores(smem, slot, rows: pl.Slice):
+    """Scores [64 heads, rows] of the query against the stage's selected rows `rows`: the latent's two
+    halves and the rope part, three wgmmas into one fp32 accumulator."""
+    q_lat_smem, q_rope_smem, lat_smem, rope_smem = smem["q_lat"], smem["q_rope"], smem["lat"], smem["rope"]
+
+    def scores(acc_ref):
+        for h in range(2):
+            plgpu.wgmma(acc_ref, q_lat_smem.at[h], lat_smem.at[slot, h, rows].transpose((1, 0)))
+        plgpu.wgmma(acc_ref, q_rope_smem, rope_smem.at[slot, rows].transpose((1, 0)))
+        return acc_ref[...]
+    return pl.run_scoped(scores, plgpu.ACC((HEADS, rows.size), jnp.float32))
+
+
 def _compute_all_keys(wg, n, end, blocks, scale, o_ref, smem):
     """Compute warpgroup wg: the whole block's scores (so it has every probability without exchanging
     any), its own half of the output columns."""
-    q_lat_smem, q_rope_smem, lat_smem, rope_smem = smem["q_lat"], smem["q_rope"], smem["lat"], smem["rope"]
+    q_lat_smem, lat_smem = smem["q_lat"], smem["lat"]
     k_bar, k_free = smem["k_bar"], smem["k_free"]
     half = q_lat_smem.shape[-1]
     c = scale * math.log2(math.e)
@@ -162,13 +175,7 @@ def _compute_all_keys(wg, n, end, blocks, scale, o_ref, smem):
         acc, m, l = carry
         slot = lax.rem(j, STAGES)
         plgpu.barrier_wait(k_bar.at[slot])
-
-        def scores(acc_ref):
-            for h in range(2):
-                plgpu.wgmma(acc_ref, q_lat_smem.at[h], lat_smem.at[slot, h].transpose((1, 0)))
-            plgpu.wgmma(acc_ref, q_rope_smem, rope_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-        s = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK), jnp.float32))
+        s = _block_scores(smem, slot, pl.ds(0, BLOCK))
         cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + j * BLOCK
         s = jnp.where(cols < end, s * c, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -192,7 +199,7 @@ def _compute_split_keys(w, n, end, blocks, scale, o_ref, smem):
     j's probability barrier, which the other reaches after reading that max; it writes its
     probabilities of block j + 1 only after passing block j + 1's max barrier, which the other reaches
     after its value product of block j completed."""
-    q_lat_smem, q_rope_smem, lat_smem, rope_smem = smem["q_lat"], smem["q_rope"], smem["lat"], smem["rope"]
+    q_lat_smem, lat_smem = smem["q_lat"], smem["lat"]
     k_bar, k_free, stat_smem, p_smem = smem["k_bar"], smem["k_free"], smem["stat"], smem["p"]
     x_bar, p_bar = smem["x_bar"], smem["p_bar"]
     half = q_lat_smem.shape[-1]
@@ -210,13 +217,7 @@ def _compute_split_keys(w, n, end, blocks, scale, o_ref, smem):
         acc, m, l = carry
         slot = lax.rem(j, STAGES)
         plgpu.barrier_wait(k_bar.at[slot])
-
-        def scores(acc_ref):
-            for h in range(2):
-                plgpu.wgmma(acc_ref, q_lat_smem.at[h], lat_smem.at[slot, h, rows].transpose((1, 0)))
-            plgpu.wgmma(acc_ref, q_rope_smem, rope_smem.at[slot, rows].transpose((1, 0)))
-            return acc_ref[...]
-        s = pl.run_scoped(scores, plgpu.ACC((HEADS, _HALF_BLOCK), jnp.float32))
+        s = _block_scores(smem, slot, rows)
         cols = (plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                 + (j * BLOCK + w * _HALF_BLOCK))
         s = jnp.where(cols < end, s * c, -jnp.inf)
