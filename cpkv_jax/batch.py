@@ -106,19 +106,28 @@ class BatchBuilder:
         return plan, reqs
 
     def build(self, chunks: list[Chunk], prefill: bool, plan: CPPlan | None = None,
-              requests: list[CPRequest] | None = None, tokens: list | None = None, lanes: int | None = None
-              ) -> StepBatch:
+              requests: list[CPRequest] | None = None, tokens: list | None = None, lanes: int | None = None,
+              reach: int = 0) -> StepBatch:
         """Plan (allocating the pages the chunks reach; or reuse `plan`) and the padded host batch of
         one step (`tokens` replaces the chunks' tokens, `lanes` forces the lane count: both to line up
-        with an earlier step's rows)."""
+        with an earlier step's rows). `reach` (one rank): the step also writes up to that many
+        positions past each chunk (a fused round's draft chain): their pages are allocated too, as far
+        as the request's reservation goes (positions past it are never a running request's), and the
+        slot table covers them."""
         c = self.config
         if plan is None:
             plan, requests = self.plan(chunks)
+        ends = [ch.start + len(ch.tokens) for ch in chunks]
+        if reach:
+            for ch, end in zip(chunks, ends):
+                more = min(pages_for(end + reach, c.page_size) - len(ch.req.pages), ch.req.reserved)
+                if more > 0:
+                    self.scheduler.allocate(ch.req, [0] * more)
         B = self.rows(len(chunks))
         longest = max(int(plan.local_lengths.max()), 1)
         T = lanes or (bucket(longest, c.min_prefill_lanes, c.max_prefill_tokens) if prefill
                       else bucket(longest, 1, 1 << 30))
-        S = bucket(pages_for(max(ch.start + len(ch.tokens) for ch in chunks), c.page_size), 1, self.max_pages)
+        S = bucket(pages_for(max(ends) + reach, c.page_size), 1, self.max_pages)
         batch, last_lane, last_rank = build_batch(plan, requests, tokens or [ch.tokens for ch in chunks],
                                                   [ch.req.pages for ch in chunks], rows=B, lanes=T, table_pages=S)
         if self.trace is not None:
@@ -149,20 +158,22 @@ class BatchBuilder:
     def max_compilations(self, *, speculative: bool, hooked: bool) -> int:
         """Upper bound on compiled step variants: prefill B x T x S buckets (last-token logits, sampled in
         the step greedy or not or handed to the sampler, or every position's for prompt logprobs) and
-        decode B x S (the same three last-token ways; with speculative decoding the verify step per
-        top-N width, the draft extend of each and the chain step), twice that under CP (a plan is
-        page-aligned or not), twice again with the host tier's layer hook (`hooked`: a step that copies and one that does
-        not), plus the samplers: one variant per B bucket, sampler and top-N width (two for the token
-        sampler, with and without stochastic rows), and the prompt log-probability gather per prefill
-        B x T bucket and width."""
+        decode B x S (the same three last-token ways; with speculative decoding the prefill's draft
+        extend, the round (cpkv_jax.runner.run_round) per top-N width and the chain step, each greedy
+        or not), twice that under CP (a plan is page-aligned or not), twice again with the host tier's
+        layer hook (`hooked`: a step that copies and one that does not), plus the samplers: one
+        variant per B bucket, sampler and top-N width (two for the token sampler, with and without
+        stochastic rows), and the prompt log-probability gather per prefill B x T bucket and width."""
         c = self.config
         nB = len(bucket_set(1, c.max_running))
         nT = len(bucket_set(min(c.min_prefill_lanes, c.max_prefill_tokens), c.max_prefill_tokens))
         nS = len(bucket_set(1, self.max_pages))
         nK = 1 + len(bucket_set(1, MAX_TOP_LOGPROBS))
         # without speculative decoding a last-token step either samples in its own executable (greedy or
-        # not: two variants) or, with top-N alternatives, hands its logits to the sampler (a third)
-        # with speculative decoding the verify step holds the acceptance, whose top-N width is static
-        steps = (3 * nB * nT * nS + (2 + nK) * nB * nS) if speculative else (4 * nB * nT * nS + 3 * nB * nS)
+        # not: two variants) or, with top-N alternatives, hands its logits to the sampler (a third);
+        # with speculative decoding a prefill step returns its hidden rows (last-token or every
+        # position's logits) and its draft extend proposes greedy or not, and a round holds the
+        # acceptance, whose top-N width is static
+        steps = (4 * nB * nT * nS + 2 * (nK + 1) * nB * nS) if speculative else (4 * nB * nT * nS + 3 * nB * nS)
         samplers = nB * nK * (4 if speculative else 2) + nB * nT * nK
         return steps * (2 if c.cp_size > 1 else 1) * (2 if hooked else 1) + samplers

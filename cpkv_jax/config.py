@@ -43,7 +43,8 @@ class EngineConfig:
     hicache_policy: str = "write_through"  # or 'write_through_selective' (back up on the second hit)
     hicache_copy: str = "auto"       # 'side_stream' (GPU: copies at layer boundaries), 'jit', 'auto' (GPU -> side_stream)
     overlap: bool = True             # the host plans and dispatches step n+1 before taking step n's tokens
-                                     # (sampled tokens stay on the device; off with speculative decoding)
+                                     # (sampled tokens stay on the device; with speculative decoding a round's
+                                     # accepted tokens and next drafts too, on one rank: off under CP)
     kernels: KernelPolicy = DEFAULT_POLICY  # which Pallas kernels every step runs on GPU (pallas_kernels.policy)
     kv_trace: int = 0                # KV-integrity trace level (cpkv_jax.trace): 0 off, 1 transfers, 2 + page
                                      # hashes, 3 + per-layer forward hashes

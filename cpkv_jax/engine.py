@@ -30,7 +30,7 @@ from cpkv_jax.radix_cache import RadixCache
 from cpkv_jax.runner import ModelRunner
 from cpkv_jax.sampling import SamplingError, SamplingParams, position_logprobs
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, TokenEvent
-from cpkv_jax.spec import SpecDecoder
+from cpkv_jax.spec import Round, SpecDecoder
 from cpkv_jax.stop import StopMatcher
 from models.model import DsaModel
 from models.sharding import CP, EP, TP
@@ -211,15 +211,17 @@ class Engine:
         if config.kv_trace:
             from cpkv_jax.trace import Tracer
             self.tracer = Tracer.attach(self)
-        # the overlapped loop: a step's sampled tokens are taken by the host during the next step
-        self.overlap = config.overlap and self.spec_decoder is None
-        self._in_flight: list[Launch] = []
+        # the overlapped loop: a step's sampled tokens (a round's results) are taken by the host during
+        # the next step; with speculative decoding on one rank, where a round's chain runs on the device
+        self.overlap = config.overlap and (self.spec_decoder is None or self.spec_decoder.fused_chain)
+        self._in_flight: list[Launch | Round] = []
         self._taken_early: list[TokenEvent] = []     # taken by an abort between steps: the next step returns them
         # the device buffer of sampled tokens: per step parity, one region of max_running rows per launch
         # (prefill, prefill with prompt logprobs, decode), a step reading the previous step's regions
-        # only; then two regions of num_draft_tokens x max_running rows for the draft chains' proposals
-        # (cpkv_jax.spec: after a prefill step, and after a verify round, read by the next round there)
-        self.runner.hold_tokens((2 * LAUNCHES_PER_STEP + 2 * max(self.spec_tokens, 1)) * config.max_running)
+        # only; then speculative decoding's rows (SpecDecoder.rows: the draft chains' proposals, read
+        # by the next round there, and each request's next round's first token and position)
+        self.runner.hold_tokens(2 * LAUNCHES_PER_STEP * config.max_running
+                                + SpecDecoder.rows(max(self.spec_tokens, 1), config.max_running))
         self._rids = itertools.count()
         self._requests: dict[int, Request] = {}
         # the events of requests an open stream() yields, whichever caller's step sampled them
@@ -330,38 +332,47 @@ class Engine:
         returns the tokens sampled in this step (streams' tokens also wait in their own inboxes). With
         the overlapped loop (EngineConfig.overlap) this step's batches are dispatched first and the
         previous step's tokens are taken while they run: the events returned are the previous step's,
-        and a decode lane whose token the host has not seen reads it on the device."""
+        and a decode lane whose token the host has not seen reads it on the device (with speculative
+        decoding: a round's results, its first token, drafts and start read where the previous round
+        left them; prefill steps are taken at once, their drafts with their tokens)."""
         if self.hicache is not None:
             self.hicache.poll()
         self.scheduler.admit()
         decode = self.scheduler.plan_decode()   # planned first: requests finishing prefill now decode next step
         prefill = self.scheduler.plan_prefill()
         events, self._taken_early = self._taken_early, []
-        launched = []
+        launched, lagged = [], []
         region = (self.metrics["steps"] % 2) * LAUNCHES_PER_STEP
 
         def run(chunks, prefill):
             launch = self._launch(chunks, prefill, region + len(launched))
             launched.append(launch)
-            return [] if self.overlap else self._take(launch)
+            if self.overlap and self.spec_decoder is None:   # with speculative decoding the drafts come with the tokens
+                lagged.append(launch)
+                return []
+            return self._take(launch)
 
         for every_position in (False, True):     # prompt logprobs: a forward with every position's logits
             chunks = [ch for ch in prefill if ch.req.params.prompt_logprobs == every_position]
             if chunks:
                 events += run(chunks, prefill=True)
         if decode and self.spec_decoder is not None:
-            events += self._spec_round(decode)
+            rnd = self._spec_launch(decode)
+            if self.overlap:
+                lagged.append(rnd)
+            else:
+                events += self._spec_take(rnd)
         elif decode:
             events += run(decode, prefill=False)
         events += self._take_in_flight()
-        self._in_flight = launched if self.overlap else []
+        self._in_flight = lagged
         self.metrics["steps"] += 1
         self._file(events)
         return events
 
     def _take_in_flight(self) -> list[TokenEvent]:
         in_flight, self._in_flight = self._in_flight, []
-        return [ev for launch in in_flight for ev in self._take(launch)]
+        return [ev for x in in_flight for ev in (self._spec_take(x) if isinstance(x, Round) else self._take(x))]
 
     def _file(self, events: list[TokenEvent]) -> None:
         """Put each event in the inbox of the stream that owns its request, if one does."""
@@ -481,16 +492,23 @@ class Engine:
             return logits[rows, step.last_lane]
         return logits[step.last_rank, rows, step.last_lane]
 
-    def _spec_round(self, chunks: list[Chunk]) -> list[TokenEvent]:
-        """A decode step as a speculative verify round (cpkv_jax.spec), and its acceptance counts."""
+    def _spec_launch(self, chunks: list[Chunk]) -> Round:
+        """A decode step as a speculative verify round (cpkv_jax.spec), dispatched."""
         t0 = time.perf_counter()
-        reqs = [ch.req for ch in chunks]
-        events = self.spec_decoder.round(reqs)
+        rnd = self.spec_decoder.launch([ch.req for ch in chunks])
+        self.metrics["decode_s"] += time.perf_counter() - t0
+        return rnd
+
+    def _spec_take(self, rnd: Round) -> list[TokenEvent]:
+        """A round's tokens, and its acceptance counts."""
+        t0 = time.perf_counter()
+        events = self.spec_decoder.take(rnd)
+        took = len({ev.rid for ev in events})     # each request emits its accepted drafts and one more
         m = self.metrics
-        m["spec_accepted"] += len(events) - len(reqs)   # each request emits its accepted drafts and one more
+        m["spec_accepted"] += len(events) - took
         m["spec_rounds"] += 1
-        m["spec_request_rounds"] += len(reqs)
-        m["spec_drafts"] += self.spec_decoder.num_draft_tokens * len(reqs)
+        m["spec_request_rounds"] += took
+        m["spec_drafts"] += self.spec_decoder.num_draft_tokens * took
         m["decode_steps"] += 1
         m["decode_tokens"] += len(events)
         m["decode_s"] += time.perf_counter() - t0

@@ -569,8 +569,9 @@ class PDEngine(Engine):
                                     req.pages[first:n_prompt] if local else None)
                 if local:
                     commit(dst, staged, logical)
-            if req.draft_q:
-                req.draft_q = [_onto(q, replica_device(dst)) for q in req.draft_q] if local else []
+            if req.draft_q is not None:
+                q, row = req.draft_q
+                req.draft_q = (_onto(q[row:row + 1], replica_device(dst)), 0) if local else None
         except Exception as e:
             if not (local or isinstance(e, PDTransferError)):
                 raise                      # a process that only sends: the owner's outcome can't follow

@@ -91,15 +91,16 @@ def run_draft_leaves(graph: StaticGraph, leaves, hidden, next_tokens, batch: Bat
 
 
 def run_draft_proposed(graph: StaticGraph, leaves, hidden, next_tokens, batch: Batch, cache, last_tokens, first, live,
-                       temperature, top_p, top_k, seed, position, **kw):
+                       temperature, top_p, top_k, seed, position, *, stochastic: bool = True, **kw):
     """run_draft_leaves and, in the same executable, the draft proposals from its logits (rows not
     `live` zeroed first, their MTP hidden too, as a chain's padding rows are), kept in last_tokens at
-    first, first + 1, ...: one dispatch per chain step. Returns ((MTP hidden [B, D], proposals [B], their
-    distributions [B, V], last_tokens), cache)."""
+    first, first + 1, ...: one dispatch per chain step. `stochastic`: as propose_tokens' (False: no
+    distributions, None). Returns ((MTP hidden [B, D], proposals [B], their distributions [B, V],
+    last_tokens), cache)."""
     (dlogits, x_last), cache = run_draft_leaves(graph, leaves, hidden, next_tokens, batch, cache, last_tokens, **kw)
     dlogits = jnp.where(live[:, None], dlogits, 0.0)
     x_last = jnp.where(live[:, None], x_last, 0)
-    drafts, q = propose_tokens(dlogits, temperature, top_p, top_k, seed, position)
+    drafts, q = propose_tokens(dlogits, temperature, top_p, top_k, seed, position, stochastic=stochastic)
     return (x_last, drafts, q, jax.lax.dynamic_update_slice(last_tokens, drafts, (first,))), cache
 
 
@@ -123,29 +124,78 @@ def run_filled_sampled(graph: StaticGraph, leaves, batch: Batch, cache, last_tok
     return (logits, out, last_tokens), cache
 
 
-def run_filled_verified(graph: StaticGraph, leaves, batch: Batch, cache, last_tokens, rank_idx, lane_idx, lane_token,
-                        drafts, draft_probs, temperature, top_p, top_k, seed, position, *, top_n: int, **kw):
-    """A speculative verify round's target step and its acceptance in one executable, plus what the
-    draft extend over the same lanes needs, so the extend is dispatched before the host reads anything.
-    rank_idx / lane_idx [B, n+1]: where each request's tokens sit; lane_token [rows, T]: the token index
-    of each lane (-1: padding); drafts [B, n] (negative: read from last_tokens, as run_filled).
+def at_start(batch: Batch, start):
+    """The batch with row b's lanes at positions start[b], start[b] + 1, ... (one rank, where a round's
+    lanes are consecutive) and their write slots read from its slot table (the dummy slot 0 past its
+    width): a round whose start the device knows and the host does not yet (the overlapped loop)."""
+    valid = batch.positions >= 0
+    positions = jnp.where(valid, start[:, None] + jnp.arange(batch.positions.shape[1], dtype=jnp.int32), -1)
+    slots = jnp.take_along_axis(batch.slot_table, jnp.maximum(positions, 0), axis=1, mode="fill", fill_value=0)
+    return dataclasses.replace(batch, positions=positions, write_slots=jnp.where(valid, slots, 0))
+
+
+def _chain_batch(table, position, tokens, live):
+    """A chain step's one-lane batch: each live row's token at `position`, over the round's slot table."""
+    pos = jnp.where(live, position, -1)[:, None]
+    slots = jnp.take_along_axis(table, jnp.maximum(pos, 0), axis=1, mode="fill", fill_value=0)
+    return Batch(tokens[:, None], pos, jnp.where(pos >= 0, slots, 0), table)
+
+
+def run_round(graph: StaticGraph, leaves, batch: Batch, caches, last_tokens, start, rank_idx, lane_idx, lane_token,
+              drafts, draft_probs, q_rows, temperature, top_p, top_k, seed, live, first, keep, *, top_n: int,
+              stochastic: bool, chain: int, placed: bool, stride: int, draft_kw: tuple, **kw):
+    """A speculative round in one executable: the target step over each request's last token and its
+    drafts with the acceptance (greedy match or rejection sampling), the draft extend over the same
+    lanes with the first proposals, and `chain` chain steps (each MTP step takes its own last hidden and
+    the token just proposed, one position further), so a round dispatches once and the host reads it
+    once. start [B]: the position of each request's first lane, negative: -1 - i, read at
+    last_tokens[i] (a round the previous one, still running, placed); `placed`: the lanes' positions
+    and write slots come from start (one rank; False: as the host built them, under CP, where the
+    chain runs after the read). rank_idx / lane_idx [B, n+1]: where each request's tokens sit;
+    lane_token [rows, T]: the token index of each lane (-1: padding); drafts [B, n] (negative: read from
+    last_tokens, as run_filled); draft_probs[q_rows] [B, n, V]: their distributions (None when no row
+    samples). Proposal k of row b is kept at last_tokens[first + k * stride + b]; the token after each
+    row's accepted drafts at keep[0] + b and the position after it at keep[1] + b (the next round's
+    start). `draft_kw`: the draft steps' static arguments that differ from the target's (its trace tap).
     Returns ((accepted count [B], the token after them [B], the emitted tokens [B, n+1] (drafts[:a],
-    then that token), verify_tokens' log-probabilities and alternatives, the target logits [B, n+1, V]),
-    the hidden rows, (the extend's next token per lane (lane j of a request: emitted token j, which
-    lanes past the kept ones never use), the lane and rank of each request's last kept token, the
-    position of its next first draft))."""
+    then that token), verify_tokens' log-probabilities and alternatives, the target logits [B, n+1,
+    V]), (the extend's MTP hidden [B, D], the round's proposals [B, 1 + chain] and their distributions
+    [B, 1 + chain, V] or None), last_tokens), (cache, draft cache)."""
+    cache, draft = caches
+    start = fill_tokens(start, last_tokens)
+    if placed:
+        batch = at_start(batch, start)
     (logits, hidden), cache = run_filled(graph, leaves, batch, cache, last_tokens, output="logits_hidden", **kw)
     B = rank_idx.shape[0]
     rows = jnp.arange(B)[:, None]
     target = logits[rows, lane_idx] if logits.ndim == 3 else logits[rank_idx, rows, lane_idx]
     drafts = fill_tokens(drafts, last_tokens)
-    a, tok, lps, *top = verify_tokens(target, draft_probs, drafts, temperature, top_p, top_k, seed, position,
-                                      top_n=top_n)
+    q = None if draft_probs is None else jnp.where((q_rows >= 0)[:, None, None], draft_probs[jnp.maximum(q_rows, 0)], 0)
+    position = start + 1
+    params = (temperature, top_p, top_k, seed)
+    a, tok, lps, *top = verify_tokens(target, q, drafts, *params, position, top_n=top_n, stochastic=stochastic)
     emitted = jnp.concatenate([drafts, jnp.zeros((B, 1), drafts.dtype)], axis=1).at[rows[:, 0], a].set(tok)
+    last_tokens = jax.lax.dynamic_update_slice(last_tokens, tok, (keep[0],))
+    last_tokens = jax.lax.dynamic_update_slice(last_tokens, start + a + 1, (keep[1],))
     lane_row = (jnp.arange(lane_token.shape[0]) % B)[:, None]
     next_tokens = jnp.where(lane_token >= 0, emitted[lane_row, jnp.maximum(lane_token, 0)], 0)
-    last = (lane_idx[rows[:, 0], a], rank_idx[rows[:, 0], a])
-    return ((a, tok, emitted, lps, *top, target), hidden, (next_tokens,) + last + (position + a + 1,)), cache
+    next_position = position + a + 1       # of the first draft
+    dkw = {k: v for k, v in kw.items() if k not in ("boundary", "tap")} | dict(draft_kw)
+    dkw.update(last_index=lane_idx[rows[:, 0], a], last_rank=rank_idx[rows[:, 0], a])
+    (x, d, dq, last_tokens), draft = run_draft_proposed(
+        graph, leaves, hidden, next_tokens, dataclasses.replace(batch, tokens=next_tokens), draft, last_tokens,
+        first, live, *params, next_position, stochastic=stochastic, **dkw)
+    x_last, proposals, dists = x, [d], [dq]
+    dkw.update(attn_path="absorbed", last_index=jnp.zeros(B, jnp.int32), last_rank=jnp.zeros(B, jnp.int32))
+    for k in range(1, chain + 1):
+        (x, d, dq, last_tokens), draft = run_draft_proposed(
+            graph, leaves, x, d[:, None], _chain_batch(batch.slot_table, next_position - 2 + k, d, live), draft,
+            last_tokens, first + k * stride, live, *params, next_position + k, stochastic=stochastic, **dkw)
+        proposals.append(d)
+        dists.append(dq)
+    dists = jnp.stack(dists, axis=1) if stochastic else None
+    return (((a, tok, emitted, lps, *top, target), (x_last, jnp.stack(proposals, axis=1), dists), last_tokens),
+            (cache, draft))
 
 
 # The step every runner dispatches: the pool (argument 3) is donated; the graph definition and the
@@ -159,21 +209,21 @@ _step_sampled = jax.jit(run_filled_sampled, static_argnums=(0,),
                         static_argnames=("attn_path", "access", "kernels", "mesh", "boundary", "tap", "ep_dispatch",
                                          "micro_batches", "stochastic"),
                         donate_argnums=(3,))
-_step_verified = jax.jit(run_filled_verified, static_argnums=(0,),
-                         static_argnames=("attn_path", "access", "kernels", "mesh", "boundary", "tap", "ep_dispatch",
-                                          "micro_batches", "top_n"),
-                         donate_argnums=(3,))
+_round = jax.jit(run_round, static_argnums=(0,),
+                 static_argnames=("attn_path", "access", "kernels", "mesh", "boundary", "tap", "ep_dispatch",
+                                  "micro_batches", "top_n", "stochastic", "chain", "placed", "stride", "draft_kw"),
+                 donate_argnums=(3,))
 # The draft step every runner dispatches proposes in the same executable; _draft_step is the bare MTP
 # step inside it, for lowering that program on its own (tests/test_trace.py).
 _DRAFT_STATIC = ("attn_path", "access", "kernels", "mesh", "tap", "ep_dispatch", "micro_batches")
 _draft_step = jax.jit(run_draft_leaves, static_argnums=(0,), static_argnames=_DRAFT_STATIC, donate_argnums=(5,))
-_draft_step_proposed = jax.jit(run_draft_proposed, static_argnums=(0,), static_argnames=_DRAFT_STATIC,
+_draft_step_proposed = jax.jit(run_draft_proposed, static_argnums=(0,), static_argnames=_DRAFT_STATIC + ("stochastic",),
                                donate_argnums=(5,))
 
 
 def _index(x):
-    """Host indices as int32; indices a step computed on the device (the verify round's last kept lanes)
-    stay there: reading them would make the host wait for that step."""
+    """Host indices as int32; indices a step computed on the device stay there: reading them would make
+    the host wait for that step."""
     return x if isinstance(x, jax.Array) else np.asarray(x, np.int32)
 
 
@@ -262,37 +312,15 @@ class ModelRunner:
                            output="logits" if all_logits else "last_logits", **kw)
 
     def forward(self, batch: Batch, last_index=None, *, attn_path: str | None = None, output: str = "last_logits",
-                last_rank=None, page_aligned: bool = True, sample=None, verify=None):
+                last_rank=None, page_aligned: bool = True, sample=None):
         """Runs one target step; the pool is consumed and replaced. output (models.model.OUTPUTS):
         "last_logits" fp32 [B, V] at `last_index` (per request lane; under CP on rank `last_rank`),
         "logits" every position ([B, T, V]; under CP [cp, B, T, V]), "*_hidden" also this step's
         hidden rows, kept on device for the draft model. `sample` = (first, (temperature, top_p, top_k,
         seed), position), with output "last_logits": the step also samples, as `sample` does, in the
-        same executable, and returns (logits, sample_tokens' outputs). `verify` = (rank_idx, lane_idx,
-        lane_token, drafts, draft_probs, (temperature, top_p, top_k, seed), position, top_n), with output
-        "logits_hidden": a verify round's step with its acceptance in the same executable
-        (run_filled_verified's outputs)."""
-        batch, kw = self._common(batch, last_index, last_rank, page_aligned)
-        attn_path = attn_path or self.attn_path_for(batch)
-        if self.copier is not None:
-            copies = self.step_copies()
-            if any(c.loads or c.backups for c in copies):    # only forwards that copy pay for the hook
-                from cpkv_jax.hicache.side_stream import LayerHook
-                for c in copies:
-                    self.copier.push(c)
-                kw["boundary"] = LayerHook(() if self.mesh is None else tuple(self.mesh.axis_names))
-        kw.update(self._trace_kw("target"))
-        if verify is not None:
-            if output != "logits_hidden":
-                raise ValueError(f"a verify step returns every position's logits and hidden, not {output!r}")
-            *arrays, params, position, top_n = verify
-            self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, ("verified", top_n),
-                               kw["access"], "boundary" in kw))
-            out, self.pool.cache = _step_verified(self.graph, self.leaves, batch, self.pool.cache, self.last_tokens,
-                                                  *arrays, *params, np.asarray(position, np.int32),
-                                                  attn_path=attn_path, top_n=top_n, **kw)
-            logits = out[0][-1]
-        elif sample is None:
+        same executable, and returns (logits, sample_tokens' outputs)."""
+        batch, kw, attn_path = self._target_kw(batch, last_index, last_rank, page_aligned, attn_path)
+        if sample is None:
             self.variants.add(("target", batch.tokens.shape, batch.slot_table.shape, attn_path, output,
                                kw["access"], "boundary" in kw))
             out, self.pool.cache = _step(self.graph, self.leaves, batch, self.pool.cache, self.last_tokens,
@@ -313,27 +341,74 @@ class ModelRunner:
             self.trace.forward_done("target", logits)
         return out
 
+    def _target_kw(self, batch: Batch, last_index, last_rank, page_aligned: bool, attn_path: str | None):
+        """A target step's placed batch, static arguments and attention path; pushes the host tier's
+        side-stream copies pending for this forward, which then carries their layer hook."""
+        batch, kw = self._common(batch, last_index, last_rank, page_aligned)
+        attn_path = attn_path or self.attn_path_for(batch)
+        if self.copier is not None:
+            copies = self.step_copies()
+            if any(c.loads or c.backups for c in copies):    # only forwards that copy pay for the hook
+                from cpkv_jax.hicache.side_stream import LayerHook
+                for c in copies:
+                    self.copier.push(c)
+                kw["boundary"] = LayerHook(() if self.mesh is None else tuple(self.mesh.axis_names))
+        kw.update(self._trace_kw("target"))
+        return batch, kw, attn_path
+
+    def round(self, batch: Batch, last_index, start, verify, draft_probs, params, rows: int, first: int,
+              keep: tuple[int, int], *, stride: int, chain: int, placed: bool, attn_path: str | None = None,
+              last_rank=None, page_aligned: bool = True, top_n: int = 0):
+        """A speculative round (run_round) in one dispatch: `verify` = (rank_idx, lane_idx, lane_token,
+        drafts) of its `rows` requests, `draft_probs` = (distributions [R, n, V], the row of each request
+        there [B]) or None (no row samples: the greedy variant), `params` the per-row (temperature,
+        top_p, top_k, seed). Returns run_round's outputs less the buffer and the pools, which it keeps."""
+        batch, kw, attn_path = self._target_kw(batch, last_index, last_rank, page_aligned, attn_path)
+        stochastic = draft_probs is not None
+        probs, q_rows = draft_probs if stochastic else (None, np.zeros(len(params[0]), np.int32))
+        self.variants.add(("round", batch.tokens.shape, batch.slot_table.shape, attn_path, top_n, stochastic, chain,
+                           placed, kw["access"], "boundary" in kw))
+        (verified, drafted, self.last_tokens), (self.pool.cache, self.pool.draft) = _round(
+            self.graph, self.leaves, batch, (self.pool.cache, self.pool.draft), self.last_tokens,
+            np.asarray(start, np.int32), *verify, probs, np.asarray(q_rows, np.int32), *params,
+            np.arange(len(params[0])) < rows, np.int32(first), np.asarray(keep, np.int32),
+            draft_kw=tuple(self._trace_kw("draft").items()), attn_path=attn_path, top_n=top_n, stochastic=stochastic,
+            chain=chain, placed=placed, stride=stride, **kw)
+        if self.trace is not None:
+            self.trace.forward_done("target", verified[-1])
+            self.trace.forward_done("draft", drafted)
+        return verified, drafted
+
     def draft_forward(self, hidden, next_tokens, batch: Batch, last_index, *, propose, attn_path: str | None = None,
                       last_rank=None, page_aligned: bool = True):
         """One MTP step over the draft pool (same slots as the target's) and the proposals drawn from its
         logits at each request's last lane, in one executable (run_draft_proposed): `propose` = (first,
         live rows [B] bool, (temperature, top_p, top_k, seed), position of the drafted token [B]).
-        Returns (MTP hidden [B, D], proposals [B], their distributions [B, V])."""
+        Returns (MTP hidden [B, D], proposals [B], their distributions [B, V] or None when no row
+        samples)."""
         batch, kw = self._common(batch, last_index, last_rank, page_aligned)
         attn_path = attn_path or self.attn_path_for(batch)
         if self.mesh is not None:
             next_tokens = jax.device_put(next_tokens, self._rows)
             if hidden.ndim == 2:
                 hidden = jax.device_put(hidden, self._replicated)
-        self.variants.add(("draft", batch.tokens.shape, batch.slot_table.shape, hidden.ndim, attn_path, kw["access"]))
-        kw.update(self._trace_kw("draft"))
         first, live, params, position = propose
+        stochastic = is_stochastic(params[0])
+        self.variants.add(("draft", batch.tokens.shape, batch.slot_table.shape, hidden.ndim, attn_path,
+                           kw["access"], stochastic))
+        kw.update(self._trace_kw("draft"))
         (x_last, drafts, q, self.last_tokens), self.pool.draft = _draft_step_proposed(
             self.graph, self.leaves, hidden, jnp.asarray(next_tokens), batch, self.pool.draft, self.last_tokens,
-            np.int32(first), np.asarray(live, bool), *params, _index(position), attn_path=attn_path, **kw)
+            np.int32(first), np.asarray(live, bool), *params, _index(position), attn_path=attn_path,
+            stochastic=stochastic, **kw)
         if self.trace is not None:
             self.trace.forward_done("draft", (x_last, drafts, q))
         return x_last, drafts, q
+
+    @property
+    def taps(self) -> bool:
+        """Whether steps carry the trace's per-layer probes (one forward per executable, then)."""
+        return self.trace is not None and self.trace.level >= 3
 
     def _trace_kw(self, model: str) -> dict:
         """The KV-integrity trace's per-layer probe for a step of `model` ('target' / 'draft'), when the

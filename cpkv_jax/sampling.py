@@ -179,46 +179,59 @@ def token_probs(logits, temperature, top_p, top_k):
     return jnp.where((temperature > 0)[:, None], probs, onehot)
 
 
-@jax.jit
-def propose_tokens(draft_logits, temperature, top_p, top_k, seed, position):
-    """Draft proposals [B] and the distributions q [B, V] they were drawn from (greedy: argmax)."""
+@functools.partial(jax.jit, static_argnames=("stochastic",))
+def propose_tokens(draft_logits, temperature, top_p, top_k, seed, position, *, stochastic: bool = True):
+    """Draft proposals [B] and the distributions q [B, V] they were drawn from (greedy: argmax).
+    stochastic=False (no row samples, `is_stochastic`): the argmax alone and no q, which a greedy
+    row's verification never reads (verify_tokens)."""
+    greedy = jnp.argmax(draft_logits, axis=-1)
+    if not stochastic:
+        return greedy.astype(jnp.int32), None
     q = token_probs(draft_logits, temperature, top_p, top_k)
     keys = jax.vmap(lambda s, p: _key(s, p, 3))(seed, position)
     drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q))
-    return jnp.where(temperature > 0, drawn, jnp.argmax(draft_logits, axis=-1)).astype(jnp.int32), q
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32), q
 
 
-@functools.partial(jax.jit, static_argnames=("top_n",))
-def verify_tokens(target_logits, draft_probs, drafts, temperature, top_p, top_k, seed, position, *, top_n: int = 0):
+@functools.partial(jax.jit, static_argnames=("top_n", "stochastic"))
+def verify_tokens(target_logits, draft_probs, drafts, temperature, top_p, top_k, seed, position, *, top_n: int = 0,
+                  stochastic: bool = True):
     """Speculative acceptance. target_logits [B, n+1, V]: lane j predicts the token after drafts[:j];
     draft_probs [B, n, V]: the distributions the drafts were drawn from; drafts [B, n]; position [B]:
     the position of drafts[:, 0]. Greedy rows accept while the draft equals the target's argmax;
     sampling rows accept draft j with probability min(1, p/q) and on the first rejection draw from
     normalize(max(p - q, 0)) (after n acceptances: from p), which leaves the output distributed
-    exactly as plain sampling from p. Returns (accepted count a [B], the token after the accepted
-    drafts [B], target log-probabilities of drafts and that token [B, n+1], and the top_n alternatives
-    of each lane: ids and log-probabilities [B, n+1, top_n])."""
+    exactly as plain sampling from p. stochastic=False (no row samples): the greedy rule alone, no
+    draft_probs (None), none of the sampling rows' sorts and draws compiled. Returns (accepted count a
+    [B], the token after the accepted drafts [B], target log-probabilities of drafts and that token
+    [B, n+1], and the top_n alternatives of each lane: ids and log-probabilities [B, n+1, top_n])."""
     B, n1, V = target_logits.shape
     n = n1 - 1
-    rep = lambda x: jnp.repeat(x, n1)  # noqa: E731
-    p = token_probs(target_logits.reshape(B * n1, V), rep(temperature), rep(top_p), rep(top_k)).reshape(B, n1, V)
-    greedy = temperature <= 0
-    argmax = jnp.argmax(target_logits, axis=-1)
-    p_d = jnp.take_along_axis(p[:, :n], drafts[..., None], axis=-1)[..., 0]
-    q_d = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
-    pos = position[:, None] + jnp.arange(n)[None, :]
-    u = jax.vmap(jax.vmap(lambda s, q: jax.random.uniform(_key(s, q, 1))))(jnp.broadcast_to(seed[:, None], pos.shape), pos)
-    ok = jnp.where(greedy[:, None], drafts == argmax[:, :n], u * q_d < p_d)
-    a = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
     rows = jnp.arange(B)
-    p_a = p[rows, a]
-    q_a = jnp.where((a < n)[:, None], draft_probs[rows, jnp.minimum(a, n - 1)], 0.0)
-    resid = jnp.maximum(p_a - q_a, 0.0)
-    total = resid.sum(-1, keepdims=True)
-    resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p_a)
-    keys = jax.vmap(lambda s, q: _key(s, q, 2))(seed, position + a)
-    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(resid))
-    token = jnp.where(greedy, argmax[rows, a], drawn).astype(jnp.int32)
+    argmax = jnp.argmax(target_logits, axis=-1)
+    ok = drafts == argmax[:, :n]
+    if stochastic:
+        rep = lambda x: jnp.repeat(x, n1)  # noqa: E731
+        p = token_probs(target_logits.reshape(B * n1, V), rep(temperature), rep(top_p), rep(top_k)).reshape(B, n1, V)
+        greedy = temperature <= 0
+        p_d = jnp.take_along_axis(p[:, :n], drafts[..., None], axis=-1)[..., 0]
+        q_d = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+        pos = position[:, None] + jnp.arange(n)[None, :]
+        u = jax.vmap(jax.vmap(lambda s, q: jax.random.uniform(_key(s, q, 1))))(
+            jnp.broadcast_to(seed[:, None], pos.shape), pos)
+        ok = jnp.where(greedy[:, None], ok, u * q_d < p_d)
+    a = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
+    token = argmax[rows, a]
+    if stochastic:
+        p_a = p[rows, a]
+        q_a = jnp.where((a < n)[:, None], draft_probs[rows, jnp.minimum(a, n - 1)], 0.0)
+        resid = jnp.maximum(p_a - q_a, 0.0)
+        total = resid.sum(-1, keepdims=True)
+        resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p_a)
+        keys = jax.vmap(lambda s, q: _key(s, q, 2))(seed, position + a)
+        drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(resid))
+        token = jnp.where(greedy, token, drawn)
+    token = token.astype(jnp.int32)
     chosen = jnp.concatenate([drafts, jnp.zeros((B, 1), drafts.dtype)], axis=1).at[rows, a].set(token)
     target_logprobs = jax.nn.log_softmax(target_logits, axis=-1)
     logprobs = jnp.take_along_axis(target_logprobs, chosen[..., None], axis=-1)[..., 0]

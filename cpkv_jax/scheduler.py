@@ -39,7 +39,7 @@ class Request:
     pages: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     reserved: int = 0                   # pages reserved but not yet allocated
     drafts: list[int] = dataclasses.field(default_factory=list)   # speculative proposals for the next round
-    draft_q: list = dataclasses.field(default_factory=list)       # the distributions they were drawn from
+    draft_q: tuple | None = None        # the distributions they were drawn from: (q [R, n, V], row), None: greedy
     node: TreeNode | None = None        # locked radix node covering pages[:shared_pages]
     host_res: object | None = None      # HiCache reservation for the prompt's pages (set by its write policy)
     shared_pages: int = 0               # leading pages owned by the radix tree (not freed by us)
@@ -252,7 +252,8 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------------------
     def complete_step(self, chunks: list[Chunk], tokens: list, logprobs: list, logits: np.ndarray | None = None, *,
-                      top: list | None = None, verified: bool = False, before_release=None) -> list[TokenEvent]:
+                      top: list | None = None, verified: bool = False, before_release=None,
+                      in_flight_reach: int = 0) -> list[TokenEvent]:
         """Take a step's sampled tokens: chunk i emitted tokens[i] (none for a middle prefill chunk),
         appended until its request finishes; a chunk that ends a prompt publishes it first. `logits`
         (host, [rows, V] or [rows, tokens, V]) feed the requests that capture them; `top` (host ids and
@@ -261,7 +262,9 @@ class Scheduler:
         (a speculative round) only the lanes that produced a kept token hold KV. Then
         `before_release(taken)` runs with the count each chunk took (the draft extend, which needs the
         tokens and the pages), then prompts' backups complete and finished requests are released;
-        after a verified step the others give back the pages wholly past their KV."""
+        after a verified step the others give back the pages wholly past their KV, or past
+        `in_flight_reach` positions more for a request with a newer round still running (`pending`:
+        the overlapped loop), which writes there."""
         rows = None if logits is None else logits.reshape(len(logits), -1, logits.shape[-1])
         top_ids, top_lps = (None, None) if top is None else (a.reshape(len(a), -1, a.shape[-1]) for a in top)
         events, taken = [], []
@@ -281,7 +284,7 @@ class Scheduler:
                 k += 1
                 if req.finish_reason is not None:
                     break
-            if verified:
+            if verified and k:
                 req.computed = ch.start + k
             taken.append(k)
         if before_release is not None:
@@ -293,7 +296,7 @@ class Scheduler:
             if k and ch.req.finish_reason is not None:
                 self.finish(ch.req)
             elif verified:
-                self.release_pages_after(ch.req, ch.req.computed)
+                self.release_pages_after(ch.req, ch.req.computed + in_flight_reach * (ch.req.pending > 0))
         return events
 
     def prefill_done(self, req: Request) -> None:

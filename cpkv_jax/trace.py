@@ -253,12 +253,15 @@ class Tracer:
         """One record per (layer, request) of the forward just run, each rank's partial hashes summed."""
         hashes: dict[int, np.ndarray] = {}
         counts: dict[int, np.ndarray] = {}
+        others = []     # the other model's, of the same executable (a speculative round): for its own call
         while _received:
-            m, layer, _, h, c = _received.popleft()
+            m, layer, _, h, c = item = _received.popleft()
             if m != model:
+                others.append(item)
                 continue
             hashes[layer] = (hashes.get(layer, 0) + h.astype(np.uint64)) & _MASK32
             counts[layer] = counts.get(layer, 0) + c.astype(np.int64)
+        _received.extend(others)
         records = []
         for layer in sorted(hashes):
             for b, (rid, start, end) in enumerate(self.rows):

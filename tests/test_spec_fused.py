@@ -20,7 +20,8 @@ from tests.test_engine import pool_is_clean
 from tests.test_spec import copy_draft_model
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "fixtures", "spec_rounds.npz")
-CONFIG = EngineConfig(page_size=16, kv_pages=64, max_running=8, max_prefill_tokens=64, speculative="nextn")
+CONFIG = EngineConfig(page_size=16, kv_pages=64, max_running=8, max_prefill_tokens=64, speculative="nextn",
+                      overlap=False)   # the recorded loop (tests/test_spec_overlap.py: the overlapped one against it)
 STOP = (9, 38)   # stop tokens of requests 0 (greedy) and 4 (seeded), reached mid-round
 CASES = {"n1": dict(num_draft_tokens=1), "n3": dict(num_draft_tokens=3), "cp2_n2": dict(num_draft_tokens=2, cp_size=2)}
 
@@ -111,24 +112,31 @@ def test_rounds_equal_the_recorded_unfused_rounds(copy, case):
         assert got[k].shape == want[k].shape and np.array_equal(got[k], want[k]), k
 
 
-def test_round_dispatches_and_host_reads(tiny, monkeypatch):
-    """A verify round with n drafts: one target step (acceptance included), the draft extend (with the
-    first proposals), n - 1 chain steps (each with its proposal; none after the last round), and one
-    device-to-host read (jax.device_get of the round's results): every array brought to the host
-    (ArrayImpl._value, behind tolist, int(), ...; np.asarray in the modules a round runs) is counted,
-    and none is read outside that one call."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_round_dispatches_and_host_reads(tiny, monkeypatch, overlap):
+    """A verify round with n drafts on one rank is one dispatch (the target step with the acceptance,
+    the draft extend with the first proposals and the n - 1 chain steps in one executable), no other
+    device operation (greedy requests: no draft distributions gathered, nothing indexed or stacked),
+    and one device-to-host read (jax.device_get of the round's results): every array brought to the
+    host (ArrayImpl._value, behind tolist, int(), ...; np.asarray in the modules a round runs) is
+    counted, and none is read outside that one call. Without the overlapped loop a step dispatches a
+    round and reads it; with it a step dispatches the next round first and reads the one before, so
+    each round is still read once."""
     import jax
+    from jax._src import core
     from jax._src.array import ArrayImpl
 
-    from cpkv_jax import batch, runner, scheduler, spec
+    from cpkv_jax import batch, engine, runner, scheduler, spec
     n = 3
-    eng = Engine(tiny, dataclasses.replace(CONFIG, num_draft_tokens=n))
-    prompts, params, _ = workload(tiny.cfg.vocab_size)
-    for pr, sp in zip(prompts, params):
-        eng.add_request(pr, dataclasses.replace(sp, stop_token_ids=()))
+    eng = Engine(tiny, dataclasses.replace(CONFIG, num_draft_tokens=n, overlap=overlap))
+    assert eng.overlap == overlap
+    prompts, _, _ = workload(tiny.cfg.vocab_size)
+    for i, pr in enumerate(prompts):
+        eng.add_request(pr, SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True))
     while eng.scheduler.plan_prefill() or not eng.scheduler.plan_decode():
         eng.step()
-    calls = dict.fromkeys(("forward", "draft_forward", "sample", "device_get", "other_reads"), 0)
+    names = ("round", "forward", "draft_forward", "sample", "device_get", "other_reads", "eager_ops")
+    calls = dict.fromkeys(names, 0)
     in_device_get = []
 
     def counting(name, f):
@@ -140,7 +148,7 @@ def test_round_dispatches_and_host_reads(tiny, monkeypatch):
             finally:
                 in_device_get.pop()
         return call
-    for name in ("forward", "draft_forward", "sample"):
+    for name in ("round", "forward", "draft_forward", "sample"):
         monkeypatch.setattr(eng.runner, name, counting(name, getattr(eng.runner, name)))
     monkeypatch.setattr(spec.jax, "device_get", counting("device_get", jax.device_get))
     value = ArrayImpl._value
@@ -150,6 +158,12 @@ def test_round_dispatches_and_host_reads(tiny, monkeypatch):
             calls["other_reads"] += 1
         return value.fget(self)
     monkeypatch.setattr(ArrayImpl, "_value", property(counted_value))
+    eager = core.EvalTrace.process_primitive
+
+    def counted_primitive(self, *a, **kw):
+        calls["eager_ops"] += 1
+        return eager(self, *a, **kw)
+    monkeypatch.setattr(core.EvalTrace, "process_primitive", counted_primitive)
 
     class CountingNumpy:
         """numpy, but np.asarray / np.array of a device array (the buffer protocol: no _value) counted."""
@@ -160,17 +174,23 @@ def test_round_dispatches_and_host_reads(tiny, monkeypatch):
             calls["other_reads"] += isinstance(x, jax.Array) and not any(in_device_get)
             return np.asarray(x, *a, **kw)
         array = asarray
-    for module in (spec, scheduler, batch, runner):
+    for module in (spec, scheduler, batch, runner, engine):
         monkeypatch.setattr(module, "np", CountingNumpy())
-    rounds = 0
-    while eng.has_unfinished() and not eng.scheduler.plan_prefill():
+    steps, carried = [], len(eng._in_flight)     # a round dispatched by the last step above is read below
+    while eng.has_unfinished():
         before = dict(calls)
         eng.step()
-        rounds += 1
-        chain = eng.has_unfinished()       # the last round drafts for nobody
-        assert {k: calls[k] - before[k] for k in calls} == {
-            "forward": 1, "draft_forward": 1 + (n - 1) * chain, "sample": 0, "device_get": 1, "other_reads": 0}
-    assert rounds >= 3
+        steps.append({k: calls[k] - before[k] for k in calls})
+    quiet = dict.fromkeys(("forward", "draft_forward", "sample", "other_reads", "eager_ops"), 0)
+    for got in steps:
+        assert {k: got[k] for k in quiet} == quiet, got
+        assert got["round"] <= 1 and got["device_get"] <= 1
+        assert overlap or got["device_get"] == got["round"]    # without the overlap a round is read at once
+    rounds = sum(got["round"] for got in steps)
+    assert rounds >= 4 and sum(got["device_get"] for got in steps) == rounds + carried
+    if overlap:   # a step with a round in flight dispatches the next before it reads that one
+        assert sum(got["round"] == got["device_get"] == 1 for got in steps) >= rounds - 2
+    assert pool_is_clean(eng)
 
 
 if __name__ == "__main__":
