@@ -32,19 +32,23 @@ class KernelPolicy:
     moe_kernel: bool = True
     """The routed experts' grouped matmuls run the Mosaic GPU kernel (pallas_kernels/moe) where its
     shapes fit; off: XLA's lax.ragged_dot (the reference)."""
+    moe_compute_wgs: int = 2
+    """Compute warpgroups of the bf16 expert kernel: 2, the warp-specialized kernel (a producer
+    warpgroup's TMA loads feeding two compute warpgroups, each with half of the tile), or 1 (one
+    warpgroup pipelining its own loads). On the H200 (docs/perf.md, 2026-12-03 third session), 8192
+    tokens x top-8 over 256 experts, gate_up 5.87 vs 7.13 ms, down 3.18 vs 3.61."""
     fp8_moe_kernel: bool = True
     """fp8 routed experts stay fp8 through the grouped matmul (fp8 x fp8, block scales, fp32 sums;
-    rows quantized per 128 columns) where its shapes fit and the rows per expert are fewer than
-    fp8_moe_dequant_rows_per_expert; off: they are dequantized to the compute dtype first. On the H200
-    (docs/perf.md, 2026-12-03 second session; experts stored K-major), 256 experts: decode of 1 / 8 /
-    64 tokens 0.19 / 0.82 / 3.07 ms (bf16 weights 0.22 / 1.33 / 5.45, dequantizing per call 7.6 -
-    12.9), prefill of 8192 tokens 13.5 ms (dequantizing 19.3)."""
-    fp8_moe_dequant_rows_per_expert: int = 1024
-    """fp8 expert calls routing at least this many rows per expert dequantize the weights and run the
-    bf16 kernel instead: dequantizing costs a pass over the weights (~30 us per expert at GLM-5's
-    widths), the fp8 kernel's shortfall against the bf16 one grows with the rows (~25-35 ns per
-    routed row); they cross near 1000 rows per expert (H200: 8192 tokens x top-8 over 16 experts,
-    4096 rows each, dequantized 9.0 ms vs fp8 10.7; over 256 experts, 256 rows each, 19.3 vs 13.5)."""
+    rows quantized per 128 columns) where its shapes fit; off: they are dequantized to the compute
+    dtype first. On the H200 (docs/perf.md, 2026-12-03 third session), GLM-5 widths, 256 experts:
+    decode of 1 / 8 / 64 tokens 0.16 / 0.65 / 2.40 ms (bf16 weights 0.23 / 1.33 / 5.45); prefill of
+    8192 tokens over 16 experts 6.3 ms (bf16 8.4, dequantizing per call 9.0), over 256 8.0 (bf16
+    12.1, dequantizing 19.2)."""
+    fp8_moe_compute_wgs: int = 2
+    """Compute warpgroups of the fp8 expert kernel: 2, the warp-specialized kernel (a producer
+    warpgroup's TMA loads feeding two compute warpgroups, each rescaling its half of the tile while
+    the other's wgmma runs), or 1 (one warpgroup pipelining its own loads; 9.8 ms where the two take
+    6.3 in the prefill above)."""
     sparse_mla_kernel: bool = True
     """Absorbed attention over the selected rows runs the sparse MLA kernel (pallas_kernels/sparse_mla)
     where its shapes fit, reading the rows from the pool in the kernel; with it, long prefill chunks

@@ -739,9 +739,11 @@ def bench_moe_fp8(args, ceil):
         entry = {"case": kind, "tokens": T, "experts": E, "flops": flops, "touched_experts": touched}
         want = run(x, fe, *bf16, k, policy=KernelPolicy()).astype(jnp.float32)
         variants = {
-            "bf16_weights": lambda: run(x, fe, *bf16, k, policy=KernelPolicy()),
+            "bf16_weights": lambda: run(x, fe, *bf16, k, policy=KernelPolicy(moe_compute_wgs=1)),
+            "bf16_weights_2wg": lambda: run(x, fe, *bf16, k, policy=KernelPolicy(moe_compute_wgs=2)),
             "fp8_dequantized": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_kernel=False), scales=scales),
-            "fp8_kernel": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_kernel=True), scales=scales),
+            "fp8_kernel_1wg": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=1), scales=scales),
+            "fp8_kernel": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=2), scales=scales),
         }
         for name, fn in variants.items():
             def one(fn=fn):

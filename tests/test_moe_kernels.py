@@ -73,7 +73,12 @@ def test_expert_mlp_blocked_interpret_equals_reference():
     x, gate, up, down = mlp_inputs(rng, N, D, I, E)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     tilings = ((Tiling(block_m=64, block_n=64, stages=2, grid_block_n=1, programs=3),
-                Tiling(block_m=64, block_n=128, stages=3, grid_block_n=2, programs=5)),)
+                Tiling(block_m=64, block_n=128, stages=3, grid_block_n=2, programs=5)),
+               # two compute warpgroups: split 128 rows (gate_up), split 128 columns of 64 rows (down)
+               (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
+                Tiling(block_m=128, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
+               (Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
+                Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)))
     for fe in routings(rng, N * k, E):
         fe = jnp.asarray(fe, jnp.int32)
         ref = slot_reference(x, np.asarray(fe), gate, up, down, k)
@@ -104,16 +109,18 @@ def plain_f32(w, scale):
     return fp8_experts_as_plain(w, scale, jnp.float32)
 
 
-def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference():
+@pytest.mark.parametrize("bm,bn,compute_wgs", [(64, 64, 1), (128, 64, 2), (64, 128, 2)])
+def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, compute_wgs):
     """The fp8 kernel (interpreter, race detector on) against float64 products of the dequantized
     operands: row scales per 128 columns, weight scales per 128 x 128 block (distinct per block:
-    K = N = 256), plain and gate/up fused; an unused tile stays unwritten (NaN from the interpreter)."""
+    K = N = 256), plain and gate/up fused; an unused tile stays unwritten (NaN from the interpreter).
+    Two compute warpgroups split a 128-row tile's rows, or a 64-row tile's columns."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
     from pallas_kernels.moe.fp8_rows import dequantize_rows
     rng = np.random.default_rng(4)
-    E, K, N, bm = 3, 256, 256, 64
+    E, K, N = 3, 256, 256
     tile_expert = jnp.asarray([0, 2, -1, 1], jnp.int32)
     x = jnp.asarray(rng.standard_normal((bm * 4, K)) * np.repeat(rng.uniform(0.1, 10, (1, 2)), 128, axis=1),
                     jnp.float32)   # the two column groups at different scales
@@ -121,7 +128,7 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference():
     (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]          # K-major [E, N, K], as the kernel takes them
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
     gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))   # [E, K, N]
-    t = Tiling(block_m=bm, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
+    t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=1, programs=3, compute_wgs=compute_wgs)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     plain = np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs),
                        np.float64)
@@ -247,7 +254,8 @@ def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds)))
 
 
-def test_expert_mlp_fp8_lowers_for_cuda_reading_the_stored_weights():
+@pytest.mark.parametrize("compute_wgs", [1, 2])
+def test_expert_mlp_fp8_lowers_for_cuda_reading_the_stored_weights(compute_wgs):
     """The fp8 kernel path traced and lowered for CUDA on this machine (Mosaic GPU lowering errors show
     here): the two kernel calls take the function's weight and scale arguments themselves (gate, up and
     their scales in the first, down and its scale in the second), and no fp8 tensor is transposed."""
@@ -261,7 +269,7 @@ def test_expert_mlp_fp8_lowers_for_cuda_reading_the_stored_weights():
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
     (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
     fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
-    up_t, down_t = fp8_tilings(N * k, E)
+    up_t, down_t = fp8_tilings(N * k, E, compute_wgs)
     f = functools.partial(expert_mlp_blocked_fp8, topk=k, up_tiling=up_t, down_tiling=down_t)
     text = jax.jit(lambda x, fe, g, u, d, sg, su, sd: f(x, fe, g, u, d, (sg, su, sd))).trace(
         x, fe, gq, uq, dq, gs, us, ds).lower(lowering_platforms=("cuda",)).as_text()
@@ -287,10 +295,12 @@ def test_expert_mlp_dispatch_takes_ragged_dot_off_the_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_expert_mlp_kernel_compiled_equals_reference():
-    """Compiled on the GPU through the dispatch, at prefill and decode row counts, 16 and 256 experts,
-    skewed and one-expert routings, and a shape the kernel cannot take (hidden 96: the dispatch falls
-    back instead of failing)."""
+@pytest.mark.parametrize("compute_wgs", [1, 2])
+def test_expert_mlp_kernel_compiled_equals_reference(compute_wgs):
+    """Compiled on the GPU through the dispatch (one compute warpgroup or the warp-specialized two), at
+    prefill and decode row counts, 16 and 256 experts, skewed and one-expert routings, and a shape the
+    kernel cannot take (hidden 96: the dispatch falls back instead of failing)."""
+    policy = KernelPolicy(moe_compute_wgs=compute_wgs)
     rng = np.random.default_rng(4)
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256),
                           (64, 4, 96, 64, 6)):
@@ -298,18 +308,22 @@ def test_expert_mlp_kernel_compiled_equals_reference():
         for fe in (rng.integers(0, E + 1, N * k), np.full(N * k, E - 1)):
             fe = jnp.asarray(fe, jnp.int32)
             ref = slot_reference(x, np.asarray(fe), gate, up, down, k)
-            got = np.asarray(jax.jit(expert_mlp, static_argnums=5)(x, fe, gate, up, down, k), np.float64)
+            got = np.asarray(jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")(
+                x, fe, gate, up, down, k, policy=policy), np.float64)
             assert np.isfinite(got).all()
             assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), (N, k, D, I, E)
 
 
 @pytest.mark.gpu
-def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path():
-    """fp8 experts through the compiled fp8 kernel (policy.fp8_moe_kernel) against the same weights
-    dequantized to bf16 (the bf16 kernel path): prefill and decode row counts, 16 and 256 experts."""
+@pytest.mark.parametrize("compute_wgs", [1, 2])
+def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs):
+    """fp8 experts through the compiled fp8 kernel (policy.fp8_moe_kernel; one compute warpgroup or the
+    warp-specialized two) against the same weights dequantized to bf16 (the bf16 kernel path):
+    prefill and decode row counts, 16 and 256 experts."""
     from pallas_kernels.moe import fp8_kernel_applies
     rng = np.random.default_rng(6)
-    on, off = KernelPolicy(fp8_moe_kernel=True), KernelPolicy(fp8_moe_kernel=False)
+    on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs)
+    off = KernelPolicy(fp8_moe_kernel=False)
     run = jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
         x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
@@ -350,22 +364,3 @@ def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
     print(f"bf16 logits vs fp32: {errs}")
     assert errs["kernel"] <= 1.25 * errs["ragged_dot"]
 
-
-def test_fp8_experts_dequantize_past_the_rows_per_expert_threshold(monkeypatch):
-    """The dispatch keeps fp8 experts fp8 (the fp8 kernel) while few rows reach each expert, and
-    dequantizes them for the bf16 kernel from policy.fp8_moe_dequant_rows_per_expert rows per expert on
-    (the GPU faked; both kernels replaced by recorders)."""
-    import pallas_kernels.moe.dispatch as dispatch
-    rng = np.random.default_rng(11)
-    k, D, I, E = 2, 256, 128, 4
-    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
-    monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    took = []
-    monkeypatch.setattr(dispatch, "expert_mlp_blocked_fp8", lambda *a, **kw: took.append("fp8"))
-    monkeypatch.setattr(dispatch, "expert_mlp_blocked", lambda x, fe, g, *a, **kw: took.append(str(g.dtype)))
-    policy = KernelPolicy(fp8_moe_dequant_rows_per_expert=8)
-    for N in (15, 16, 64):                 # 30, 32, 128 slots over 4 experts: 7.5, 8, 32 rows each
-        x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
-        fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
-        dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=policy, scales=(gs, us, ds))
-    assert took == ["fp8", "bfloat16", "bfloat16"]

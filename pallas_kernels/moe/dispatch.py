@@ -55,11 +55,19 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
     return gather_rows(y, slot_row, policy=policy)
 
 
-def blocked_tilings(slots: int, E: int) -> tuple[Tiling, Tiling]:
-    """The kernel's tilings for a call of `slots` routed rows (tuning in docs/perf.md): 64-row tiles
-    when few rows reach each expert (decode), else 128."""
+def blocked_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tiling]:
+    """The kernel's tilings for a call of `slots` routed rows (tuning in docs/perf.md, 2026-12-03
+    third session): 64-row tiles when few rows reach each expert (decode), else 128. Two compute
+    warpgroups (warp-specialized) split a 128-row tile's rows (64 each) or a 64-row tile's columns;
+    at decode the gate_up call keeps one (two were no faster there)."""
     if slots < 4 * E:
-        return Tiling(block_m=64, block_n=128, grid_block_n=1), Tiling(block_m=64, block_n=128, grid_block_n=1)
+        one = Tiling(block_m=64, block_n=128, grid_block_n=1)
+        if compute_wgs == 2:
+            return one, Tiling(block_m=64, block_n=256, grid_block_n=1, compute_wgs=2)
+        return one, one
+    if compute_wgs == 2:
+        return (Tiling(block_m=128, block_n=128, stages=3, compute_wgs=2),
+                Tiling(block_m=128, block_n=256, stages=3, compute_wgs=2))
     # gate_up holds two accumulators: 128 x 128 each spills (4x slower on the H200)
     return Tiling(block_m=128, block_n=64), Tiling(block_m=128, block_n=128)
 
@@ -71,20 +79,26 @@ def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling)
             or shape_error(h, down, down_t))
 
 
-def fp8_tilings(slots: int, E: int) -> tuple[Tiling, Tiling]:
-    """The fp8 kernel's tilings: one 128-wide scale block per K step; 64 columns per accumulator (the
-    per-step product and the running sum each hold a [block_m, block_n] fp32 tile in registers)."""
+def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tiling]:
+    """The fp8 kernel's tilings: one 128-wide scale block per K step. Two compute warpgroups
+    (warp-specialized) each hold half the tile, 64 of 128 rows or, at block_m 64 (few rows per
+    expert), half of 128 columns. One warpgroup: 64 columns per accumulator (the per-step product and
+    the running sum each hold a [block_m, block_n] fp32 tile in registers)."""
     block_m = 64 if slots < 4 * E else 128
+    if compute_wgs == 2:
+        t = Tiling(block_m=block_m, block_n=128, block_k=128, stages=4, compute_wgs=2,
+                   grid_block_n=1 if block_m == 64 else 16)
+        return t, t
     return (Tiling(block_m=block_m, block_n=64, block_k=128, stages=3),
             Tiling(block_m=block_m, block_n=64, block_k=128, stages=4))
 
 
-def fp8_shape_error(x, gate, down, slots: int) -> str | None:
+def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
-    up_t, down_t = fp8_tilings(slots, gate.shape[0])
+    up_t, down_t = fp8_tilings(slots, gate.shape[0], compute_wgs)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -93,11 +107,9 @@ def fp8_shape_error(x, gate, down, slots: int) -> str | None:
 
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     """Whether expert_mlp runs fp8 experts (K-major: gate [E, I, D], down [E, D, I]) through the fp8
-    kernel (else they are dequantized first): on the GPU, with fewer routed rows per expert than
-    policy.fp8_moe_dequant_rows_per_expert (past that, dequantizing once is cheaper)."""
+    kernel (else they are dequantized first): on the GPU, where its shapes fit."""
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
-            and slots < policy.fp8_moe_dequant_rows_per_expert * gate.shape[0]
-            and fp8_shape_error(x, gate, down, slots) is None)
+            and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -109,8 +121,11 @@ def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *,
     matmul; fp8 x fp8 products with fp32 sums, x's dtype out. x [N, D]; returns [N * topk, D]."""
     E, _ = check_experts(x.shape[1], gate, up, down, scales)
     slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m)
-    xp = gather_rows(x, jnp.where(row_slot >= 0, row_slot // topk, -1), policy=policy)
-    xq, xs = quantize_rows(xp)
+    src = jnp.where(row_slot >= 0, row_slot // topk, -1)
+    tq, ts = quantize_rows(x)      # each token once, then its rows gathered as bytes (half of bf16's)
+    xq = jax.lax.bitcast_convert_type(
+        gather_rows(jax.lax.bitcast_convert_type(tq, jnp.uint8), src, policy=policy), jnp.float8_e4m3fn)
+    xs = jnp.where(src >= 0, ts[:, jnp.maximum(src, 0)], 1.0)    # padding rows: zeros at scale 1
     h = grouped_matmul(xq, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret,
                        x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype)
     hq, hs = quantize_rows(h)
@@ -131,11 +146,11 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     check_experts(x.shape[1], gate, up, down, scales)
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
-            up_t, down_t = fp8_tilings(slots, gate.shape[0])
+            up_t, down_t = fp8_tilings(slots, gate.shape[0], policy.fp8_moe_compute_wgs)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
-    up_t, down_t = blocked_tilings(slots, gate.shape[0])
+    up_t, down_t = blocked_tilings(slots, gate.shape[0], policy.moe_compute_wgs)
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)

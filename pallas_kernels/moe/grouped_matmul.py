@@ -40,6 +40,10 @@ class Tiling:
     """Column blocks walked together before moving to the next row tiles (L2 reuse of the x tiles)."""
     programs: int = 132
     """Persistent programs: one per SM of the H100/H200."""
+    compute_wgs: int = 1
+    """2 runs the warp-specialized kernel (_kernel_ws): a producer warpgroup issues the
+    TMA loads and two compute warpgroups each take half of a tile (rows when block_m is 128, columns
+    otherwise), so one rescales its step's product while the other's wgmma runs (DeepGEMM's scheme)."""
 
 
 def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
@@ -64,6 +68,10 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"rows {P} must be a multiple of block_m {tiling.block_m} (the padded layout)"
     if tiling.block_m % 64 or tiling.block_n % 8 or tiling.block_k * x.dtype.itemsize != 128:
         return f"tiling {tiling} does not fit one warpgroup's wgmma with 128-byte swizzled K blocks"
+    if tiling.compute_wgs not in (1, 2):
+        return f"compute_wgs {tiling.compute_wgs}: 1 or 2"
+    if tiling.compute_wgs == 2 and (tiling.block_m not in (64, 128) or tiling.block_m == 64 and tiling.block_n % 128):
+        return f"two compute warpgroups split 128 rows or, at block_m 64, a multiple of 128 columns ({tiling})"
     return None
 
 
@@ -138,6 +146,104 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: int, k_steps: int,
+               fp8: bool):
+    """The kernel with a producer warpgroup and two compute warpgroups (axis "wg": 0, 1 compute, 2
+    memory), which each own half of the tile: 64 of its 128 rows, or half of its columns when block_m
+    is 64. bf16: each accumulates its wgmma in place. fp8: every step each waits on its own 128-deep
+    product and adds it scaled into its fp32 sums while the other's wgmma occupies the tensor cores."""
+    if fp8:
+        xs_ref, *refs = refs
+        n_w = (len(refs) - 1) // 2
+        w_refs, ws_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[-1]
+    else:
+        *w_refs, o_ref = refs
+        n_w = len(w_refs)
+    bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
+    split_rows = bm == 128
+    sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
+    wg = jax.lax.axis_index("wg")
+    # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn])
+    w_block, w_index = ((bn, bk), lambda k: (0, k)) if fp8 else ((bk, bn), lambda k: (k, 0))
+    specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, k))]
+             + ([plgpu.BlockSpec((1, bm), lambda k: (k, 0))] if fp8 else [])
+             + [plgpu.BlockSpec(w_block, w_index)] * n_w)
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs)
+
+    ignore = lambda *_, **__: None   # noqa: E731 (allocations do not depend on the body)
+    K = x_ref.shape[1]
+    shapes = ([jax.ShapeDtypeStruct((bm, K), x_ref.dtype)]
+              + ([jax.ShapeDtypeStruct((xs_ref.shape[0], bm), xs_ref.dtype)] if fp8 else [])
+              + [jax.ShapeDtypeStruct((bn, K) if fp8 else (K, bn), w_refs[0].dtype)] * n_w)
+
+    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*shapes),
+                       o_smem=plgpu.SMEM((2, sm, sn), o_ref.dtype), collective_axes="wg")
+    def _scope(allocs, o_smem):
+        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        def _tile(info):
+            mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, tiling.grid_block_n)
+            expert = tile_expert_ref[mi]
+            rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
+            cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
+
+            def step_fp8(idx, x_smem, xs_smem, *rest):
+                *w_smems, sums = rest
+                row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
+                row_scale = jax.lax.broadcast_in_dim(row_scale, (sm, sn), [0])
+                block = (ni * bn + (0 if split_rows else wg * sn)) // FP8_BLOCK
+                new = []
+                for total, w_smem, ws_ref in zip(sums, w_smems, ws_refs):
+                    def product(acc_ref, w_smem=w_smem):
+                        plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
+                        return acc_ref[...]
+                    part = pl.run_scoped(product, plgpu.ACC((sm, sn), jnp.float32))
+                    new.append(total + part * row_scale * ws_ref[expert, block, idx[0]])
+                return tuple(new)
+
+            def step_bf16(_, x_smem, *rest):
+                *w_smems, accs = rest
+                for acc, w_smem in zip(accs, w_smems):
+                    plgpu.wgmma(acc, x_smem.at[rows], w_smem.at[:, cols])
+                plgpu.wgmma_wait(0)
+                return accs
+
+            def store(out):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_smem[wg] = out.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)].at[rows, cols])
+
+            def context_fp8(run):
+                zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
+                sums = run((zeros,) * n_w)
+                store(_silu_mul(*sums) if n_w == 2 else sums[0])
+
+            def context_bf16(run):
+                def scoped(*accs):
+                    run(accs)
+                    vals = [acc[...] for acc in accs]
+                    store(_silu_mul(*vals) if n_w == 2 else vals[0])
+                pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * n_w)
+
+            if fp8:
+                operands = (x_ref.at[pl.ds(mi * bm, bm)], xs_ref.at[:, pl.ds(mi * bm, bm)],
+                            *[w.at[expert, pl.ds(ni * bn, bn)] for w in w_refs])
+            else:
+                operands = (x_ref.at[pl.ds(mi * bm, bm)], *[w.at[expert, :, pl.ds(ni * bn, bn)] for w in w_refs])
+
+            @pl.when(expert >= 0)
+            def _():
+                pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16)(
+                    *operands, allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), interpret=False, x_scale=None,
                    w_scale=None, up_scale=None, out_dtype=None):
     """x [P, K] in the padded layout (P a multiple of block_m), w [E, K, N], tile_expert [P // block_m]
@@ -170,12 +276,13 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     weights = (w,) if up is None else (w, up)
     if fp8:
         weights = (x_scale,) + weights + ((w_scale,) if up is None else (w_scale, up_scale))
+    grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tiling.block_n, k_steps=K // tiling.block_k)
+    body = functools.partial(_kernel_ws if tiling.compute_wgs == 2 else _kernel, fp8=fp8, **grid)
+    threads = dict(num_threads=3, thread_name="wg") if tiling.compute_wgs == 2 else {}
     kernel = plgpu.kernel(
-        functools.partial(_kernel, tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tiling.block_n,
-                          k_steps=K // tiling.block_k, fp8=fp8),
-        out_type=jax.ShapeDtypeStruct((P, N), out_dtype or (jnp.bfloat16 if fp8 else x.dtype)),
+        body, out_type=jax.ShapeDtypeStruct((P, N), out_dtype or (jnp.bfloat16 if fp8 else x.dtype)),
         grid=(tiling.programs,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
+        interpret=interpret, **threads,
     )
     return kernel(tile_expert.astype(jnp.int32), x, *weights)

@@ -1,0 +1,115 @@
+"""The routed experts' grouped matmul kernel, one call at a time, over tilings: one compute warpgroup
+vs the warp-specialized two, bf16 and fp8 (block-scaled, K-major experts), the gate_up call (SiLU *
+up fused) and the down call apart, at GLM-5's widths (hidden 6144, expert width 2048, top-8, uniform
+routing): prefill 8192 tokens over 16 and 256 experts, decode 64 tokens over 256. Prints a table
+(ms, TFLOP/s, max error against the first tiling of its group) and writes JSON.
+
+    python3 scripts/bench_moe_tilings.py --json moe_tilings.json
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpkv_jax.perf import pipelined_time, print_table
+from pallas_kernels.moe import grouped_matmul, quantize_rows
+from pallas_kernels.moe.grouped_matmul import Tiling
+from pallas_kernels.moe.plan import block_plan
+
+
+def tilings(bm: int, fp8: bool):
+    """(gate_up, down) tilings to compare at row tile bm: the first of each is the reference."""
+    T = lambda bn, st, w, g=8: Tiling(block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st,  # noqa: E731
+                                      compute_wgs=w, grid_block_n=g if bm == 128 else 1)
+    if fp8 and bm == 128:
+        return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_g16": T(128, 4, 2, 16)},
+                {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_g16": T(128, 4, 2, 16)})
+    if fp8:
+        return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2)}, {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2)})
+    if bm == 128:
+        return ({"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_s3": T(128, 3, 2)},
+                {"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n256_s3": T(256, 3, 2)})
+    return ({"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2)},
+            {"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n256": T(256, 4, 2)})
+
+
+def timed(f, *a):
+    jax.block_until_ready(f(*a))
+    t = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    one = time.perf_counter() - t
+    return pipelined_time(f, *a, n=max(2, min(20, int(0.05 / max(one, 1e-6)))), repeat=3)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--cases", default="8192x16,8192x256,64x256", help="tokens x experts, comma-separated")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    D, I, k = args.hidden, args.width, args.top_k
+    res, rows = [], [["case", "dtype", "call", "tiling", "ms", "TFLOP/s", "err"]]
+    for case in args.cases.split(","):
+        tokens, E = map(int, case.split("x"))
+        key = jax.random.split(jax.random.key(E + tokens), 8)
+        mk = lambda kk, shape: (jax.random.normal(kk, shape, jnp.bfloat16) * 64).astype(jnp.float8_e4m3fn)  # noqa: E731
+        g, u, d = mk(key[0], (E, I, D)), mk(key[1], (E, I, D)), mk(key[2], (E, D, I))     # K-major fp8
+        sc = lambda kk, shape: jax.random.uniform(kk, shape, jnp.float32, 0.5, 1.5) / 4096  # noqa: E731
+        gs, us, ds = sc(key[3], (E, I // 128, D // 128)), sc(key[4], (E, I // 128, D // 128)), sc(key[5], (E, D // 128, I // 128))
+        x = jax.random.normal(key[6], (tokens, D), jnp.bfloat16)
+        fe = jax.random.randint(key[7], (tokens * k,), 0, E, jnp.int32)
+        slots = tokens * k
+        bm = 64 if slots < 4 * E else 128
+        _, row_slot, te = block_plan(fe, E, bm)
+        xp = jnp.where((row_slot >= 0)[:, None], x[jnp.maximum(row_slot, 0) // k], 0)
+        h = jax.random.normal(key[6], (xp.shape[0], I), jnp.bfloat16)
+        used = np.repeat(np.asarray(te) >= 0, bm)
+        flops = {"gate_up": 4.0 * slots * D * I, "down": 2.0 * slots * D * I}
+        for fp8 in (False, True):
+            if fp8:
+                (xq, xs), (hq, hs) = quantize_rows(xp), quantize_rows(h)
+                calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a[0], b[0], te, up=c[0], tiling=t, x_scale=a[1],
+                                                                             w_scale=b[1], up_scale=c[1]),
+                                     ((xq, xs), (g, gs), (u, us))),
+                         "down": (lambda t: lambda a, b: grouped_matmul(a[0], b[0], te, tiling=t, x_scale=a[1], w_scale=b[1]),
+                                  ((hq, hs), (d, ds)))}
+            else:
+                gb, ub, db = (jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16) for w in (g, u, d))   # [E, K, N]
+                calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a, b, te, up=c, tiling=t), (xp, gb, ub)),
+                         "down": (lambda t: lambda a, b: grouped_matmul(a, b, te, tiling=t), (h, db))}
+            for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
+                make, operands = calls[call]
+                ref = None
+                for name, t in group.items():
+                    entry = dict(tokens=tokens, experts=E, dtype="fp8" if fp8 else "bf16", call=call, tiling=name,
+                                 config=dataclasses.asdict(t))
+                    try:
+                        f = jax.jit(make(t))
+                        s = timed(f, *operands)
+                        out = np.asarray(f(*operands).astype(jnp.float32))[used]
+                        ref = out if ref is None else ref
+                        entry.update(s=s, tflops=flops[call] / s / 1e12,
+                                     err=float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)))
+                        rows.append([case, entry["dtype"], call, name, f"{s * 1e3:.3f}", f"{entry['tflops']:.0f}",
+                                     f"{entry['err']:.1e}"])
+                    except Exception as e:          # a tiling over the shared memory, say: a row, not a stop
+                        entry["error"] = str(e)[:300]
+                        rows.append([case, entry["dtype"], call, name, entry["error"][:60], "", ""])
+                    res.append(entry)
+            if not fp8:
+                del gb, ub, db
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
