@@ -37,7 +37,18 @@ digits where a carry and a digit are computed. A curriculum on the number of rec
 --max-pairs) and digit embeddings that start with the digit's value on a circle (--digit-fourier) help
 too.
 
+A second stage, --stage mtp (mtp_stage), then retrains the MTP layer alone on top of the trained
+checkpoint, the main model frozen and written back bit for bit (recall, arithmetic, perplexity stay
+exactly as they are): on the engine's own greedy continuations of training-text prompts (48 tokens as
+the eval's held-out prompts, 32 more), towards the frozen model's greedy tokens and distributions,
+chained to 3 drafts as the engine chains them, with a few recall / arithmetic / copy / drill sequences
+so that the draft keeps following those, the router's score-correction bias balanced as DeepSeek-V3
+does. It records its arguments, history and the acceptance measured through the engine under
+"mtp_stage" in training.json (the main stage's record stays as it was).
+
     JAX_PLATFORMS=cpu .venv/bin/python scripts/train_tiny.py --out models/checkpoints/tiny
+    JAX_PLATFORMS=cpu .venv/bin/python scripts/train_tiny.py --stage mtp --init models/checkpoints/tiny \
+        --out models/checkpoints/tiny
 """
 
 from __future__ import annotations
@@ -392,6 +403,7 @@ def build_forward(cfg):
         x = x + sa.o_proj(out.reshape(B, T, H * dv))
         h = layer.post_attention_layernorm(x)
         m = layer.mlp(h, None, kernels=policy) if isinstance(layer.mlp, MoE) else layer.mlp(h)
+        cur["mlp_in"] = h
         return x + m, topk, raw, sg(dense_p.mean(axis=1)), dense_p, cur
 
     def kl_loss(raw, target, causal, k_sel):
@@ -404,16 +416,19 @@ def build_forward(cfg):
         w = (jnp.arange(T) >= k_sel).astype(jnp.float32)
         return jnp.sum(kl * w[None]) / (kl.shape[0] * jnp.maximum(w.sum(), 1.0))
 
-    def forward(model, tokens, sparse, depths: int = 1):
-        """tokens [B, T] -> (logits [B, T, V], [MTP logits [B, T-1, V] of chain depth 1..depths] (index u
-        predicts token u + 2 at every depth; depth d reads its own output at u - 1, as the engine's
-        chain does), KL loss, per-layer dense attention (the main layers', then the MTP layer's at depth 1))."""
-        B, T = tokens.shape
-        places = layer_places(model.groups_plan)
+    def geometry(B, T):
+        """Rope tables, the causal mask and the top-k width of a [B, T] forward."""
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = rope_cos_sin(positions, cfg.rope, dr, jnp.float32)
         causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-        k_sel = min(cfg.index_topk, T)
+        return cos, sin, causal, min(cfg.index_topk, T)
+
+    def trunk(model, tokens, sparse):
+        """The main model: tokens [B, T] -> (final-normed hidden [B, T, D], logits [B, T, V], the
+        indexers' KL losses, per-layer dense attention)."""
+        B, T = tokens.shape
+        places = layer_places(model.groups_plan)
+        cos, sin, causal, k_sel = geometry(B, T)
         x = model.embed(tokens)
         topk = jnp.full((B, T, k_sel), -1, jnp.int32)
         raws, targets, probs = [], [], []
@@ -429,16 +444,24 @@ def build_forward(cfg):
             else:
                 targets[-1].append(pbar)
         h = model.norm(x)
-        logits = model.logits(h)
         kls = [kl_loss(raw, sum(t) / len(t), causal, k_sel) for raw, t in zip(raws, targets)]
-        # MTP: index u combines a hidden state with the embedding of token u+1 and predicts token u+2;
-        # depth 1 takes the target's h_u, depth d > 1 the MTP layer's own output (before its norm) at u - 1
+        return h, model.logits(h), kls, probs
+
+    def mtp_chain(model, h, tokens, sparse, depths: int = 1):
+        """The MTP layer over the main model's hidden states h [B, T, D] of tokens [B, T], chained on its
+        own output: [MTP logits [B, T-1, V] of chain depth 1..depths], its indexer's KL loss (depth 1),
+        its dense attention (depth 1), [its output hidden [B, T-1, D] (before its norm) per depth], [its
+        MLP's input per depth] (for the router's load). Index u combines a hidden state with the embedding of token u+1
+        and predicts token u+2; depth 1 takes the target's h_u, depth d > 1 the MTP layer's own output
+        (before its norm) at u - 1."""
+        B, T = tokens.shape
+        cos, sin, causal, _ = geometry(B, T)
         m = model.mtp
         emb = model.embed(tokens[:, 1:]) if m.embed_tokens is None else m.embed_tokens[...][tokens[:, 1:]]
         e = m.enorm(emb)
         Tm = T - 1
         km = min(cfg.index_topk, Tm)
-        hid, past, outs = h[:, :-1], [], []
+        hid, past, outs, kl, p_first = h[:, :-1], [], [], None, None
         for d in range(depths):
             if d:
                 hid = jnp.concatenate([jnp.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], axis=1)
@@ -446,12 +469,22 @@ def build_forward(cfg):
             xm, _, raw, pbar, p_mtp, pr = layer_forward(m.layer, xm, jnp.full((B, Tm, km), -1, jnp.int32), cos[:, :Tm],
                                                    sin[:, :Tm], causal[:Tm, :Tm], sparse, km, past=past)
             if not d:
-                kls.append(kl_loss(raw, pbar, causal[:Tm, :Tm], km))
-                probs.append(p_mtp)
+                kl, p_first = kl_loss(raw, pbar, causal[:Tm, :Tm], km), p_mtp
             past.append(pr)
             outs.append(xm)
-        return logits, [model.mtp_logits(o) for o in outs], sum(kls) / len(kls), probs
+        return [model.mtp_logits(o) for o in outs], kl, p_first, outs, [pr["mlp_in"] for pr in past]
 
+    def forward(model, tokens, sparse, depths: int = 1):
+        """tokens [B, T] -> (logits [B, T, V], [MTP logits [B, T-1, V] of chain depth 1..depths] (index u
+        predicts token u + 2 at every depth; depth d reads its own output at u - 1, as the engine's
+        chain does), KL loss, per-layer dense attention (the main layers', then the MTP layer's at depth 1))."""
+        h, logits, kls, probs = trunk(model, tokens, sparse)
+        mtp_logits, kl, p_mtp, _, _ = mtp_chain(model, h, tokens, sparse, depths)
+        kls.append(kl)
+        probs.append(p_mtp)
+        return logits, mtp_logits, sum(kls) / len(kls), probs
+
+    forward.trunk, forward.mtp_chain = trunk, mtp_chain
     return forward
 
 
@@ -471,7 +504,13 @@ def masked_means(nll, mask, kinds):
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="checkpoint directory to write (must not exist)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write (must not exist; --stage mtp: "
+                                                 "may be --init, which is then replaced)")
+    p.add_argument("--stage", choices=("main", "mtp"), default="main",
+                   help="main: train the whole model from scratch; mtp: train the MTP layer alone against the "
+                        "frozen main model of --init (mtp_stage: the --draft-* options)")
+    p.add_argument("--init", help="--stage mtp: the checkpoint whose main model is kept bit for bit and whose MTP "
+                                  "layer the stage starts from")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--dense-steps", type=int, default=650, help="dense warm-up steps (then sparse)")
@@ -536,11 +575,41 @@ def parse(argv=None):
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--save-every", type=int, default=0, help="also save <out>.latest every N steps (at a probe)")
     p.add_argument("--no-check", action="store_true", help="skip the final check against the engine's logits")
+    d = p.add_argument_group("--stage mtp", "the MTP layer alone, on the frozen main model's greedy continuations "
+                                            "of training-text prompts (mtp_stage)")
+    d.add_argument("--draft-seqs", type=int, default=2048, help="training sequences (prompt + greedy continuation)")
+    d.add_argument("--draft-val", type=int, default=64, help="validation sequences (probe: simulated acceptance)")
+    d.add_argument("--draft-prompt", type=int, default=48, help="prompt tokens of each sequence (as the eval's)")
+    d.add_argument("--draft-len", type=int, default=80, help="tokens of each sequence, prompt included")
+    d.add_argument("--draft-steps", type=int, default=500)
+    d.add_argument("--draft-batch", type=int, default=32)
+    d.add_argument("--draft-lr", type=float, default=6e-3)
+    d.add_argument("--draft-warmup", type=int, default=30)
+    d.add_argument("--draft-depths", default="1,0.5,0.25",
+                   help="loss weight of each chain depth (the engine's drafts 1, 2, 3, ...): their number is the depth")
+    d.add_argument("--draft-hard", type=float, default=0.5,
+                   help="share of the loss on the target's greedy token (the rest: its whole distribution)")
+    d.add_argument("--draft-prompt-weight", type=float, default=1.0,
+                   help="loss weight of positions predicting a prompt token (the continuation's: 1)")
+    d.add_argument("--draft-kl", type=float, default=1.0, help="weight of the MTP indexer's KL loss")
+    d.add_argument("--draft-task-mix", default="1,1,1,1",
+                   help="sequences of recall, arithmetic, copy and drill (the main stage's generators) in each "
+                        "batch beside the text continuations: the draft keeps following the other tasks")
+    d.add_argument("--draft-task-seqs", type=int, default=512, help="the task sequences' pool")
+    d.add_argument("--draft-balance", type=float, default=0.005,
+                   help="per step, move the MTP router's score-correction bias by this toward balanced expert "
+                        "loads (DeepSeek-V3's auxiliary-loss-free balancing; 0: the bias stays)")
+    d.add_argument("--draft-eval-every", type=int, default=100, help="probe every N steps")
+    d.add_argument("--draft-eval-windows", type=int, default=32,
+                   help="held-out text windows of the final acceptance measurement through the engine "
+                        "(cpkv_jax.eval.run_eval, 1 and 3 drafts; 0: skip)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.stage == "mtp":
+        return mtp_stage(args)
     out = Path(args.out)
     if out.exists():
         print(f"{out} exists; remove it first", file=sys.stderr)
@@ -737,6 +806,333 @@ def main(argv=None) -> int:
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"saved {out} ({size / 1e6:.2f} MB); total {time.time() - t_start:.0f}s", flush=True)
     return 0
+
+
+# ---- the MTP stage: the draft layer alone, against the frozen main model ---------------------------
+
+DRAFT_ARGS = ("init", "out", "seed", "draft_seqs", "draft_val", "draft_prompt", "draft_len", "draft_steps",
+              "draft_batch", "draft_lr", "draft_warmup", "draft_depths", "draft_hard", "draft_prompt_weight",
+              "draft_kl", "draft_balance", "draft_task_mix", "draft_task_seqs", "draft_eval_every",
+              "draft_eval_windows", "clip", "min_lr_ratio")
+
+
+def mtp_stage(args) -> int:
+    """--stage mtp: train the MTP (NextN) layer of --init alone, its main model frozen (written back bit
+    for bit: every other number of the checkpoint stays as it is), for what the engine asks of it: a
+    draft is accepted when it is the target's greedy token. The data are the engine's own greedy
+    continuations of training-text prompts (--draft-prompt tokens, as the eval's held-out prompts; the
+    held-out text is never read), the targets the frozen model's greedy tokens and distributions there
+    (--draft-hard), its hidden states computed once up front through the engine's prefill (fp8 index
+    keys); the layer runs chained on its own output to len(--draft-depths) as the engine chains drafts
+    2, 3 (build_forward's mtp_chain); a few sequences of the other tasks (--draft-task-mix) keep it
+    following those. The MTP-owned parameters train (its norms, eh_proj, its decoder layer with its
+    indexer, shared_head.norm; the router's score-correction bias by --draft-balance only); the
+    embedding and lm_head it reads are the main model's and stay. Records its arguments, history and
+    the acceptance measured through the engine (cpkv_jax.eval.run_eval on the held-out text windows)
+    under "mtp_stage" in training.json; the main stage's record stays as it was."""
+    import optax
+    from flax import nnx
+    from tokenizers import Tokenizer
+
+    from models.moe import route
+    from models.weights import load_checkpoint
+
+    sg = jax.lax.stop_gradient
+    if not args.init:
+        raise SystemExit("--stage mtp needs --init (the checkpoint to start from)")
+    init, out = Path(args.init), Path(args.out)
+    in_place = out.exists() and out.resolve() == init.resolve()
+    if out.exists() and not in_place:
+        print(f"{out} exists; remove it first (or give --out {init} to replace it)", file=sys.stderr)
+        return 2
+    importlib.import_module("cpkv_jax.engine")
+    t_start = time.time()
+    model = load_checkpoint(init)
+    cfg = model.cfg
+    if model.mtp is None:
+        raise SystemExit(f"{init} has no MTP layer")
+    tok = Tokenizer.from_file(str(init / "tokenizer.json"))
+    tt = tasks.TaskTokenizer.from_dir(init)          # applies the task formats the main stage trained with
+    cfg_json = json.loads((init / "config.json").read_text())
+    meta = json.loads((init / "training.json").read_text())
+    depth_w = [float(x) for x in args.draft_depths.split(",")]
+    P, L = args.draft_prompt, args.draft_len
+
+    train_text, _ = tasks.corpus_split()
+    text_ids = np.asarray(tt.encode(train_text), np.int32)
+    rng = np.random.default_rng([args.seed, 41])
+    starts = rng.integers(0, len(text_ids) - P, args.draft_seqs + args.draft_val)
+    t0 = time.time()
+    seqs = greedy_continuations(model, [text_ids[o:o + P].tolist() for o in starts], L - P)
+    t_gen = time.time() - t0
+    # the other tasks' sequences (the main stage's generators, training seeds; the model answers them,
+    # so its greedy outputs are their answers): the draft keeps following recall, copies and arithmetic
+    mix = [int(c) for c in args.draft_task_mix.split(",")]
+    task_kinds = [k for k, c in zip((KIND_RECALL, KIND_ARITH, KIND_COPY, KIND_DRILL), mix) for _ in range(c)]
+    # (recall contexts of at most (L - 32) / 4 pairs, ~4 tokens each: room for the answers in L tokens)
+    stream = Stream(tt, text_ids, argparse.Namespace(**(vars(args) | {
+        "seq": L - 1, "topk": cfg.index_topk,
+        "max_pairs": max(args.min_pairs, min(args.max_pairs, (L - 32) // 4))})))
+    pool = args.draft_task_seqs if task_kinds else 0
+    task_seqs, task_masks = [], []
+    for i in range(pool + (args.draft_val if task_kinds else 0)):
+        ids, mask, _ = stream.sequence(task_kinds[i % len(task_kinds)],
+                                       random.Random(f"mtp-stage:{args.seed}:{i}"))
+        task_seqs.append(ids)
+        task_masks.append(mask)
+    task_seqs = np.asarray(task_seqs, np.int32).reshape(-1, L)
+    task_masks = np.asarray(task_masks, bool).reshape(-1, L)
+    t0 = time.time()
+    hidden = target_hidden(model, seqs)
+    task_hidden = (target_hidden(model, task_seqs) if len(task_seqs)
+                   else np.zeros((0, L, cfg.hidden_size), np.float32))
+    t_hidden = time.time() - t0
+    # per sequence and index u (predicting token u + 2): scored (the continuation, the answers: loss weight
+    # 1, the rest --draft-prompt-weight) and whether the target is the sequence's token (the target's own
+    # greedy continuation) rather than its argmax
+    U = L - 2
+    gen = np.broadcast_to(np.arange(U) + 2 >= P, (len(seqs), U))
+    data = {"tokens": np.concatenate([seqs, task_seqs]), "hidden": np.concatenate([hidden, task_hidden]),
+            "scored": np.concatenate([gen, task_masks[:, 2:]]),
+            "own": np.concatenate([gen, np.zeros((len(task_seqs), U), bool)])}
+    nv, nt = args.draft_val, len(seqs) - args.draft_val
+    text_rows, val_rows = np.arange(nv, len(seqs)), np.arange(nv)
+    task_rows = len(seqs) + np.arange(pool)
+    task_val_rows = len(seqs) + pool + np.arange(len(task_seqs) - pool)
+    print(f"{nt} + {nv} greedy continuations ({P} + {L - P} tokens) in {t_gen:.0f}s; {pool} + {len(task_val_rows)} "
+          f"task sequences; hidden states in {t_hidden:.0f}s", flush=True)
+
+    forward = build_forward(cfg)
+    graphdef, mtp_params, rest = nnx.split(model, nnx.PathContains("mtp"), ...)
+    sparse = jnp.bool_(True)
+
+    def loss_fn(mtp_params, tokens, h, scored, own):
+        m = nnx.merge(graphdef, mtp_params, rest)
+        outs, kl, _, _, mlp_in = forward.mtp_chain(m, h, tokens, sparse, len(depth_w))
+        # index u predicts token u + 2: the target's logits at u + 1
+        teacher = m.logits(h[:, 1:U + 1])
+        want = jnp.where(own, tokens[:, 2:], jnp.argmax(teacher, -1))
+        p_teacher = jax.nn.softmax(teacher, -1)
+        weight = jnp.where(scored, 1.0, args.draft_prompt_weight)
+        u = jnp.arange(U)[None]
+        total, accs = args.draft_kl * kl, []
+        for d, (w_d, ml) in enumerate(zip(depth_w, outs)):
+            ml = ml[:, :U]                       # index T - 2 would predict token T
+            logp = jax.nn.log_softmax(ml, -1)
+            hard = -jnp.take_along_axis(logp, want[..., None], -1)[..., 0]
+            soft = -jnp.sum(p_teacher * logp, -1)
+            wu = weight * (u >= d)               # depth d has no input before index d - 1
+            nll = args.draft_hard * hard + (1 - args.draft_hard) * soft
+            total = total + w_d * jnp.sum(nll * wu) / jnp.sum(wu)
+            on = scored & (u >= d)
+            accs.append(jnp.sum((jnp.argmax(ml, -1) == want) & on) / jnp.sum(on))
+        # the routed experts' load (share of the top-k slots, every depth): --draft-balance
+        mlp = m.mtp.layer.mlp
+        rows = jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in mlp_in])
+        idx, _ = route(cfg, jnp.dot(rows.astype(jnp.float32), mlp.gate.weight(jnp.float32)),
+                       mlp.e_score_correction_bias[...])
+        load = jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts) / idx.size
+        return total, (jnp.stack(accs), sg(load))
+
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.draft_lr, args.draft_warmup, args.draft_steps,
+                                               args.draft_lr * args.min_lr_ratio)
+    is_bias = jax.tree_util.tree_map_with_path(
+        lambda p, x: "e_score_correction_bias" in "/".join(str(getattr(k, "key", k)) for k in p), mtp_params)
+    opt = optax.chain(optax.clip_by_global_norm(args.clip), optax.adam(sched, b1=0.9, b2=0.95))
+    opt = optax.chain(optax.masked(opt, jax.tree.map(lambda f: not f, is_bias)),
+                      optax.masked(optax.set_to_zero(), is_bias))
+    opt_state = opt.init(mtp_params)
+
+    @jax.jit
+    def train_step(mtp_params, opt_state, tokens, h, scored, own):
+        (loss, (accs, load)), grads = jax.value_and_grad(loss_fn, has_aux=True)(mtp_params, tokens, h, scored,
+                                                                                own)
+        updates, opt_state = opt.update(grads, opt_state, mtp_params)
+        mtp_params = optax.apply_updates(mtp_params, updates)
+        # DeepSeek-V3's auxiliary-loss-free balancing: the router's score-correction bias (selection
+        # only) moves each expert's load toward the mean
+        step_bias = args.draft_balance * jnp.sign(jnp.mean(load) - load)
+        mtp_params = jax.tree.map(lambda f, x: x + step_bias if f else x, is_bias, mtp_params)
+        return mtp_params, opt_state, loss, accs, load
+
+    @jax.jit
+    def chain_argmax(mtp_params, tokens, h):
+        m = nnx.merge(graphdef, mtp_params, rest)
+        outs, _, _, _, _ = forward.mtp_chain(m, h, tokens, sparse, 3)
+        return jnp.stack([jnp.argmax(o, -1) for o in outs])
+
+    def probe(mtp_params):
+        """Validation continuations: the acceptance replayed from teacher-forced chains (1, 3 drafts);
+        validation task sequences: the first draft's accuracy on the answers."""
+        val = data["tokens"][val_rows]
+        chains = np.asarray(chain_argmax(mtp_params, jnp.asarray(val), jnp.asarray(data["hidden"][val_rows])))
+        res = {f"accept{n}": round(simulated_acceptance(chains, val, P, L - P, n), 4) for n in (1, 3)}
+        if len(task_val_rows):
+            tv = data["tokens"][task_val_rows]
+            first = np.asarray(chain_argmax(mtp_params, jnp.asarray(tv),
+                                            jnp.asarray(data["hidden"][task_val_rows])))[0]
+            on = data["scored"][task_val_rows]
+            res["task_draft1"] = round(float(np.sum((first[:, :U] == tv[:, 2:]) & on) / np.sum(on)), 4)
+        return res
+
+    history = [{"step": 0, "probe": probe(mtp_params)}]
+    print(f"probe (validation continuations, teacher-forced chains): {history[0]['probe']}", flush=True)
+    order = np.random.default_rng([args.seed, 43])
+    t_train = time.time()
+    for step in range(args.draft_steps):
+        idx = np.concatenate([order.choice(text_rows, args.draft_batch - len(task_kinds)),
+                              order.choice(task_rows, len(task_kinds)) if task_kinds else np.zeros(0, int)])
+        batch = (jnp.asarray(data[k][idx]) for k in ("tokens", "hidden", "scored", "own"))
+        mtp_params, opt_state, loss, accs, load = train_step(mtp_params, opt_state, *batch)
+        if step % 25 == 0 or step == args.draft_steps - 1:
+            loss, accs = float(loss), [round(float(a), 4) for a in np.asarray(accs)]
+            load = [round(float(x), 3) for x in np.asarray(load)]
+            print(f"{step:5d} loss {loss:.3f} draft accuracy by depth {accs} expert load {load} "
+                  f"{time.time() - t_train:.0f}s", flush=True)
+            history.append({"step": step, "loss": loss, "accuracy": accs, "expert_load": load})
+            if not math.isfinite(loss):
+                raise SystemExit("loss is not finite")
+        if (step + 1) % args.draft_eval_every == 0 or step == args.draft_steps - 1:
+            history[-1]["probe"] = probe(mtp_params)
+            print(f"      probe: {history[-1]['probe']}", flush=True)
+    train_s = time.time() - t_train
+    stage_s = time.time() - t_start
+    print(f"trained {args.draft_steps} steps in {train_s:.0f}s; the stage took {stage_s:.0f}s", flush=True)
+    model = nnx.merge(graphdef, mtp_params, rest)
+
+    record = {"args": {k: getattr(args, k) for k in DRAFT_ARGS}, "generate_seconds": round(t_gen, 1),
+              "hidden_seconds": round(t_hidden, 1), "train_seconds": round(train_s, 1),
+              "stage_seconds": round(stage_s, 1), "history": history}
+    if args.draft_eval_windows:
+        t0 = time.time()
+        record["acceptance"] = engine_acceptance(model, init, args.draft_eval_windows)
+        print(f"acceptance through the engine: {record['acceptance']} ({time.time() - t0:.0f}s)", flush=True)
+    if args.no_save:
+        return 0
+    target = out.with_name(out.name + ".mtp-stage") if in_place else out
+    shutil.rmtree(target, ignore_errors=True)
+    save(target, tok, cfg_json, model, meta | {"mtp_stage": record})
+    same = main_model_identical(init, target)
+    print(f"main model (every array but the MTP layer's) bit-identical to {init}: {same}", flush=True)
+    if not same:
+        raise SystemExit(f"the main model of {target} differs from {init}'s")
+    keep_main_parts(init, target)
+    if in_place:
+        old = out.with_name(out.name + ".before-mtp-stage")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        target.rename(out)
+        shutil.rmtree(old)
+    print(f"saved {out}; total {time.time() - t_start:.0f}s", flush=True)
+    return 0
+
+
+def greedy_continuations(model, prompts, new_tokens: int) -> np.ndarray:
+    """Each prompt followed by the engine's greedy continuation of it (fp8 index keys, the engine's
+    default: as the eval generates): [n, len(prompt) + new_tokens]."""
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.sampling import SamplingParams
+
+    pages = -(-(len(prompts[0]) + new_tokens) // 16) + 1
+    eng = Engine(model, EngineConfig(page_size=16, kv_pages=256 * pages + 64, max_running=256,
+                                     max_prefill_tokens=8192))
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    return np.asarray([p + o.token_ids for p, o in zip(prompts, outs)], np.int32)
+
+
+def target_hidden(model, seqs: np.ndarray, chunk: int = 128) -> np.ndarray:
+    """The main model's final-normed hidden states [n, T, D] of whole sequences, through the engine's
+    prefill (fp8 index keys): what the engine hands the MTP layer."""
+    from models.kv import contiguous_batch, empty_kv_cache
+    from models.model import jit_forward
+
+    run = jit_forward(model, with_logits=False)
+    out = []
+    for i in range(0, len(seqs), chunk):
+        part = seqs[i:i + chunk]
+        h, _ = run(contiguous_batch(part), empty_kv_cache(model.cfg, 1 + part.size, model.dtype, "fp8"))
+        out.append(np.asarray(h))
+    return np.concatenate(out)
+
+
+def simulated_acceptance(chains: np.ndarray, seqs: np.ndarray, prompt: int, new_tokens: int, n: int) -> float:
+    """Greedy speculative decoding of seqs' continuations with n drafts, replayed from teacher-forced
+    chains (chains[k, b, u]: the MTP's argmax at index u, chain depth k + 1, drafting from u - k): the
+    first draft after the prompt's prefill is index prompt - 1's (predicting token prompt + 1); a round
+    accepts the drafts up to the first miss and emits them and the target's token, counted (as the
+    engine counts them) up to the request's new_tokens-th token. Returns the acceptance length
+    (accepted + rounds) / rounds."""
+    accepted = rounds = 0
+    T = seqs.shape[1]
+    for b in range(seqs.shape[0]):
+        u, emitted = prompt - 1, 1
+        while emitted < new_tokens:
+            k = 0
+            while k < n and u + k + 2 < T and chains[k, b, u + k] == seqs[b, u + k + 2]:
+                k += 1
+            # the engine counts the tokens appended: none past the request's last
+            accepted, rounds = accepted + min(k, new_tokens - emitted - 1), rounds + 1
+            emitted, u = emitted + k + 1, u + k + 1
+    return (accepted + rounds) / rounds
+
+
+def engine_acceptance(model, model_dir: Path, windows: int) -> dict:
+    """Acceptance length through the engine (cpkv_jax.eval.run_eval: greedy continuations of 32 tokens
+    from the first 48 of each held-out text window), 1 and 3 drafts; and with 3 drafts on as many
+    held-out recall and arithmetic examples."""
+    from cpkv_jax.engine import Engine, EngineConfig
+    from cpkv_jax.eval import run_eval
+
+    res = {"windows": windows}
+    for n in (1, 3):
+        eng = Engine(model, EngineConfig(page_size=16, kv_pages=512, max_running=32, max_prefill_tokens=4096,
+                                         speculative="nextn", num_draft_tokens=n))
+        r = run_eval(str(model_dir), "text", windows, engine=eng, batch=32)
+        res[f"drafts{n}"] = round(r["acceptance_length"], 4)
+        if n == 3:
+            # the other tasks' held-out sets (their first `windows` examples), 3 drafts
+            for task in ("recall", "arith"):
+                r = run_eval(str(model_dir), task, windows, engine=eng, batch=32)
+                res[f"{task}_drafts3"] = round(r["acceptance_length"], 4)
+    return res
+
+
+def keep_main_parts(init: Path, target: Path) -> None:
+    """The main model's part directories of `target` (arrays bit-equal to init's, main_model_identical)
+    replaced by init's own files, so that only the MTP part's files change (orbax writes new file names
+    each save); the manifest's digests follow, and the checkpoint is loaded back with its digests
+    verified."""
+    from models.weights import MANIFEST, load_checkpoint, part_digest
+
+    manifest = json.loads((target / MANIFEST).read_text())
+    for name in manifest["parts"]:
+        if name == "mtp":
+            continue
+        sub = name.replace(":", "_")
+        shutil.rmtree(target / sub)
+        shutil.copytree(init / sub, target / sub)
+        manifest["digests"][name] = part_digest(target / sub)
+    (target / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    load_checkpoint(target, verify=True)
+
+
+def main_model_identical(a: Path, b: Path) -> bool:
+    """Every array of the two checkpoints but the MTP layer's bit-equal (restored with orbax)."""
+    from models.weights import load_checkpoint, model_parts
+
+    pa, pb = (dict(model_parts(load_checkpoint(p))) for p in (a, b))
+    if set(pa) != set(pb):
+        return False
+    for name in pa:
+        if name == "mtp":
+            continue
+        la, lb = jax.tree_util.tree_leaves_with_path(pa[name]), jax.tree_util.tree_leaves_with_path(pb[name])
+        if [k for k, _ in la] != [k for k, _ in lb]:
+            return False
+        if not all(np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(np.asarray(x), np.asarray(y))
+                   for (_, x), (_, y) in zip(la, lb)):
+            return False
+    return True
 
 
 def save(out: Path, tok, cfg_json: dict, model, meta: dict) -> None:

@@ -135,3 +135,30 @@ def test_training_forward_chains_the_mtp_layer_as_the_engine_drafts(monkeypatch)
         mtp = mtp_logits(jnp.asarray([seq + [0] * (96 - len(seq))]))
         L = len(tokens)
         assert [int(jnp.argmax(mtp[d][0, L - 2 + d])) for d in range(3)] == drafts
+
+
+def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path):
+    """scripts/train_tiny.py --stage mtp (a few sequences and steps): only the MTP layer changes; every
+    other part of the checkpoint is the initial one's, file for file and array for array, and the
+    stage's arguments are recorded beside the main stage's record in training.json."""
+    import importlib.util
+    from pathlib import Path
+
+    from models.weights import MANIFEST
+
+    script = Path(__file__).parent.parent / "scripts" / "train_tiny.py"
+    mod_spec = importlib.util.spec_from_file_location("train_tiny", script)
+    train = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(train)
+    out = tmp_path / "tiny-mtp"
+    assert train.main(["--stage", "mtp", "--init", str(TINY_DIR), "--out", str(out), "--draft-seqs", "6",
+                       "--draft-val", "2", "--draft-steps", "2", "--draft-warmup", "1", "--draft-batch", "6",
+                       "--draft-task-seqs", "4",
+                       "--draft-eval-every", "2", "--draft-eval-windows", "0"]) == 0
+    before, after = (json.loads((d / MANIFEST).read_text())["digests"] for d in (TINY_DIR, out))
+    assert before.keys() == after.keys()
+    assert all(after[k] == before[k] for k in after if k != "mtp") and after["mtp"] != before["mtp"]
+    assert train.main_model_identical(TINY_DIR, out)
+    meta, init_meta = (json.loads((d / "training.json").read_text()) for d in (out, TINY_DIR))
+    assert meta["args"] == init_meta["args"] and meta["history"] == init_meta["history"]
+    assert meta["mtp_stage"]["args"]["draft_steps"] == 2
