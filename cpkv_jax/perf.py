@@ -5,6 +5,7 @@ query, plus the indexer's scoring of every visible key on full-indexer layers.""
 
 from __future__ import annotations
 
+import json
 import time
 
 import jax
@@ -82,6 +83,14 @@ def print_table(rows) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+
+
+def report(rows, results, json_path: str | None) -> None:
+    """A benchmark's ending: its table printed (print_table) and its results written as JSON."""
+    print_table(rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def best_time(fn, *args, repeat: int = 5) -> float:

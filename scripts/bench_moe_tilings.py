@@ -9,14 +9,13 @@ routing): prefill 8192 tokens over 16 and 256 experts, decode 64 tokens over 256
 
 import argparse
 import dataclasses
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpkv_jax.perf import pipelined_time, print_table
+from cpkv_jax.perf import pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling
 from pallas_kernels.moe.plan import block_plan
@@ -105,10 +104,7 @@ def main():
                     res.append(entry)
             if not fp8:
                 del gb, ub, db
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    report(rows, res, args.json)
 
 
 if __name__ == "__main__":

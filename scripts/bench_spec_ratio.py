@@ -7,14 +7,13 @@ table (ms per token, acceptance length, speed-up over plain, same tokens as plai
 """
 
 import argparse
-import json
 import time
 
 import jax
 
 from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.eval import TaskTokenizer, _spec_counts, text_windows
-from cpkv_jax.perf import print_table
+from cpkv_jax.perf import report
 from cpkv_jax.sampling import SamplingParams
 from models.weights import TINY_DIR
 
@@ -59,10 +58,7 @@ def main():
         r = res[name]
         rows.append([name, f"{r['ms_per_token']:.3f}", f"{r.get('acceptance_length', 1.0):.3f}",
                      f"{r['speedup_vs_plain']:.2f}x", r["same_tokens_as_plain"]])
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    report(rows, res, args.json)
 
 
 if __name__ == "__main__":

@@ -364,3 +364,30 @@ def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
     print(f"bf16 logits vs fp32: {errs}")
     assert errs["kernel"] <= 1.25 * errs["ragged_dot"]
 
+
+
+@pytest.mark.parametrize("compute_wgs", [1, 2])
+@pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
+def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_wgs):
+    """The dispatch's tilings (blocked_tilings, fp8_tilings) at GLM-5's widths (hidden 6144, expert
+    width 2048, top-8), prefill and decode row counts, bf16 and fp8, traced and lowered for CUDA on this
+    machine from shapes alone: a tiling over the shared memory (Mosaic GPU checks it while lowering)
+    fails here instead of on the GPU."""
+    import functools
+
+    from pallas_kernels.moe import expert_mlp_blocked, expert_mlp_blocked_fp8, expert_shape
+    from pallas_kernels.moe.dispatch import blocked_tilings, fp8_tilings
+    D, I, k = 6144, 2048, 8
+    sds = jax.ShapeDtypeStruct
+    x, fe = sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32)
+    up_t, down_t = blocked_tilings(tokens * k, experts, compute_wgs)
+    plain = [sds((experts, D, I), jnp.bfloat16)] * 2 + [sds((experts, I, D), jnp.bfloat16)]
+    f = functools.partial(expert_mlp_blocked, topk=k, up_tiling=up_t, down_tiling=down_t)
+    jax.jit(f).trace(x, fe, *plain).lower(lowering_platforms=("cuda",))
+    up_t, down_t = fp8_tilings(tokens * k, experts, compute_wgs)
+    shapes = [expert_shape(experts, K, N, fp8=True) for K, N in ((D, I), (D, I), (I, D))]
+    q8 = [sds(s, jnp.float8_e4m3fn) for s in shapes]
+    sc = [sds((e, n // 128, kk // 128), jnp.float32) for e, n, kk in shapes]
+    f = functools.partial(expert_mlp_blocked_fp8, topk=k, up_tiling=up_t, down_tiling=down_t)
+    jax.jit(lambda x, fe, g, u, d, sg, su, sd: f(x, fe, g, u, d, (sg, su, sd))).trace(
+        x, fe, *q8, *sc).lower(lowering_platforms=("cuda",))
