@@ -119,6 +119,18 @@ def pipelined_time(fn, *args, n: int = 20, repeat: int = 5) -> float:
     return best
 
 
+def fitted_pipelined_time(fn, *args) -> float:
+    """Per-call time of back-to-back calls (pipelined_time) with the chain length fitted to the
+    kernel: one call compiles, one more is timed alone, then ~50 ms of calls (2 to 20), best of 3
+    (2 when one call passes 0.1 s)."""
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t
+    n = max(2, min(20, int(0.05 / max(one, 1e-6))))
+    return pipelined_time(fn, *args, n=n, repeat=2 if one > 0.1 else 3)
+
+
 def chained_time(fn, x, *rest, n: int = 10, repeat: int = 5) -> float:
     """Per-call device time of fn(x, *rest) for kernels too short to time one host call each: n calls
     chained in one executable (each call's x depends on the previous result through a negligible

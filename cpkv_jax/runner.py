@@ -408,7 +408,7 @@ class ModelRunner:
     @property
     def taps(self) -> bool:
         """Whether steps carry the trace's per-layer probes (one forward per executable, then)."""
-        return self.trace is not None and self.trace.level >= 3
+        return self.trace is not None and self.trace.per_layer
 
     def _trace_kw(self, model: str) -> dict:
         """The KV-integrity trace's per-layer probe for a step of `model` ('target' / 'draft'), when the

@@ -230,9 +230,14 @@ class Tracer:
         """The batch just built is the next forward's: remember which request each row is."""
         self.rows = [(ch.req.rid, ch.start, ch.start + len(ch.tokens)) for ch in chunks]
 
+    @property
+    def per_layer(self) -> bool:
+        """Whether forwards carry per-layer probes (level 3)."""
+        return self.level >= 3
+
     def tap(self, model: str, mesh_axes: tuple[str, ...]) -> LayerTap | None:
         """The forward's per-layer probe (level 3) for a step of `model` over a mesh of `mesh_axes`, or None."""
-        if self.level < 3:
+        if not self.per_layer:
             return None
         return LayerTap(model, mesh_axes)
 
@@ -243,7 +248,7 @@ class Tracer:
             loads, self.pending_loads = self.pending_loads, []
             for hicache, rid, fps, host_pages, dev_pages in loads:
                 self._page_hash_records("reload", hicache, rid, fps, host_pages, dev_pages)
-        if self.level >= 3:
+        if self.per_layer:
             jax.block_until_ready(out)
             jax.effects_barrier()
             self._write(self._forward_records(model))

@@ -361,23 +361,6 @@ def moe_group_sizes(tokens: int, experts: int, top_k: int, skew: float, seed: in
     return np.bincount(top.ravel(), minlength=experts).astype(np.int32)
 
 
-def _moe_timed(fn, *args):
-    """Per-call time of back-to-back calls (pipelined_time) with the chain length fitted to the
-    kernel: one call compiles, one more is timed alone, then ~50 ms of calls (2 to 20), best of 3
-    (2 when one call passes 0.1 s)."""
-    import time
-
-    import jax
-
-    from cpkv_jax.perf import pipelined_time
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = time.perf_counter() - t
-    n = max(2, min(20, int(0.05 / max(one, 1e-6))))
-    return pipelined_time(fn, *args, n=n, repeat=2 if one > 0.1 else 3)
-
-
 def _mgpu_variant(tiling: str):
     """'bm x bn x bk x steps x grid_block_n' [+ 't': rhs stored [E, N, K], transpose_rhs=True]."""
     transpose = tiling.endswith("t")
@@ -443,6 +426,8 @@ def bench_moe_case(args, ceil, label, tokens, E, proj, K, N, mgpu_tilings, tokam
     import jax.numpy as jnp
     import numpy as np
 
+    from cpkv_jax.perf import fitted_pipelined_time
+
     gpu = jax.default_backend() == "gpu"
     sizes_np = moe_group_sizes(tokens, E, args.moe_top_k, args.moe_skew)
     rows = int(sizes_np.sum())
@@ -470,7 +455,7 @@ def bench_moe_case(args, ceil, label, tokens, E, proj, K, N, mgpu_tilings, tokam
         if check:
             got = np.asarray(f(*a)[jnp.asarray(ids)].astype(jnp.float32))
             out["max_rel_err"] = float(np.abs(got - ref).max() / scale)
-        s = _moe_timed(f, *a)
+        s = fitted_pipelined_time(f, *a)
         out.update({"s": s, "tflops": flops / s / 1e12, "bytes_per_s": moved / s,
                     "matmul_util": flops / s / ceil["matmul_flops_per_s"],
                     "copy_util": moved / s / ceil["copy_bytes_per_s"]})
@@ -526,7 +511,7 @@ def bench_moe_case(args, ceil, label, tokens, E, proj, K, N, mgpu_tilings, tokam
                 a, b = ref[:, :N // 2], ref[:, N // 2:]
                 want = a / (1 + np.exp(-a)) * b
             r["max_rel_err"] = float(np.abs(got - want).max() / np.abs(want).max())
-            r["plan_gather_s"] = _moe_timed(jax.jit(plan_gather), x)
+            r["plan_gather_s"] = fitted_pipelined_time(jax.jit(plan_gather), x)
             return r
         entry[name] = _try(run_blocked)
     dense = entry.get("dense_same_flops", {}).get("s")
@@ -638,7 +623,7 @@ def bench_sparse_mla(args, ceil):
     import jax
     import jax.numpy as jnp
 
-    from cpkv_jax.perf import print_table
+    from cpkv_jax.perf import fitted_pipelined_time, print_table
     from pallas_kernels.sparse_mla import Tiling, sparse_mla_pallas, sparse_mla_reference
     from pallas_kernels.sparse_mla.dispatch import tiling_for
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
@@ -669,7 +654,7 @@ def bench_sparse_mla(args, ceil):
             variants[f"kernel_{spec}"] = jax.jit(lambda *a, t=t: sparse_mla_pallas(*a, tiling=t), static_argnums=(4, 6))
         for name, fn in variants.items():
             def one(fn=fn):
-                sec = _moe_timed(fn, *ops)
+                sec = fitted_pipelined_time(fn, *ops)
                 got = fn(ops[0][check], ops[1][check], *ops[2:5], ops[5][check], ops[6]).astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                 return {"s": sec, "err": err}
@@ -678,14 +663,14 @@ def bench_sparse_mla(args, ceil):
         m = min(N, 1024)
         sl = (ops[0][:m], ops[1][:m], *ops[2:5], ops[5][:m], ops[6])
         ref = jax.jit(sparse_mla_reference, static_argnums=(4, 6))
-        entry["jnp_composition"] = _try(lambda: {"s": _moe_timed(ref, *sl) * N / m, "scaled_from": m})
+        entry["jnp_composition"] = _try(lambda: {"s": fitted_pipelined_time(ref, *sl) * N / m, "scaled_from": m})
         if prefill and N <= 8192:
             kx = jax.random.split(jax.random.key(1), 2)
             w_uk = (0.05 * jax.random.normal(kx[0], (C, H, 192))).astype(jnp.bfloat16)
             w_uv = (0.05 * jax.random.normal(kx[1], (C, H, 256))).astype(jnp.bfloat16)
             q_nope = (0.05 * jax.random.normal(kx[0], (N, H, 192))).astype(jnp.bfloat16)
             exp_fn = jax.jit(_expanded_attention, static_argnums=(6,))
-            entry["expanded_path"] = _try(lambda: {"s": _moe_timed(exp_fn, q_nope, ops[1], ops[2][0], ops[3][0],
+            entry["expanded_path"] = _try(lambda: {"s": fitted_pipelined_time(exp_fn, q_nope, ops[1], ops[2][0], ops[3][0],
                                                                    w_uk, w_uv, 0.1)})
         out.append(entry)
         for name, v in entry.items():
@@ -711,7 +696,7 @@ def bench_moe_fp8(args, ceil):
     import jax
     import jax.numpy as jnp
 
-    from cpkv_jax.perf import print_table
+    from cpkv_jax.perf import fitted_pipelined_time, print_table
     from pallas_kernels.moe import expert_mlp, expert_shape, fp8_experts_as_plain
     from pallas_kernels.policy import KernelPolicy
     D, I, k = args.moe_hidden, args.moe_width, args.moe_top_k
@@ -747,7 +732,7 @@ def bench_moe_fp8(args, ceil):
         }
         for name, fn in variants.items():
             def one(fn=fn):
-                sec = _moe_timed(lambda: fn())
+                sec = fitted_pipelined_time(lambda: fn())
                 err = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
                 return {"s": sec, "err": err}
             entry[name] = _try(one)

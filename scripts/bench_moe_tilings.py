@@ -9,13 +9,12 @@ routing): prefill 8192 tokens over 16 and 256 experts, decode 64 tokens over 256
 
 import argparse
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpkv_jax.perf import pipelined_time, report
+from cpkv_jax.perf import fitted_pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling
 from pallas_kernels.moe.plan import block_plan
@@ -35,14 +34,6 @@ def tilings(bm: int, fp8: bool):
                 {"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n256_s3": T(256, 3, 2)})
     return ({"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2)},
             {"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n256": T(256, 4, 2)})
-
-
-def timed(f, *a):
-    jax.block_until_ready(f(*a))
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    one = time.perf_counter() - t
-    return pipelined_time(f, *a, n=max(2, min(20, int(0.05 / max(one, 1e-6)))), repeat=3)
 
 
 def main():
@@ -91,7 +82,7 @@ def main():
                                  config=dataclasses.asdict(t))
                     try:
                         f = jax.jit(make(t))
-                        s = timed(f, *operands)
+                        s = fitted_pipelined_time(f, *operands)
                         out = np.asarray(f(*operands).astype(jnp.float32))[used]
                         ref = out if ref is None else ref
                         entry.update(s=s, tflops=flops[call] / s / 1e12,

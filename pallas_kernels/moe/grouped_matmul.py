@@ -79,13 +79,18 @@ def _silu_mul(gate, up):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
+def _operand_refs(refs, fp8: bool):
+    """The kernel's refs after x, as grouped_matmul passes them: (row scales or None, weights, their
+    block scales (empty for bf16), output)."""
+    if not fp8:
+        return None, refs[:-1], (), refs[-1]
+    xs_ref, *refs = refs
+    n_w = (len(refs) - 1) // 2
+    return xs_ref, refs[:n_w], refs[n_w:2 * n_w], refs[-1]
+
+
 def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: int, k_steps: int, fp8: bool):
-    if fp8:
-        xs_ref, *refs = refs
-        n_w = (len(refs) - 1) // 2
-        w_refs, ws_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[-1]
-    else:
-        *w_refs, o_ref = refs
+    xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
 
     @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
@@ -152,13 +157,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     memory), which each own half of the tile: 64 of its 128 rows, or half of its columns when block_m
     is 64. bf16: each accumulates its wgmma in place. fp8: every step each waits on its own 128-deep
     product and adds it scaled into its fp32 sums while the other's wgmma occupies the tensor cores."""
-    if fp8:
-        xs_ref, *refs = refs
-        n_w = (len(refs) - 1) // 2
-        w_refs, ws_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[-1]
-    else:
-        *w_refs, o_ref = refs
-        n_w = len(w_refs)
+    xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
+    n_w = len(w_refs)
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
@@ -174,13 +174,16 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             body, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs)
 
-    ignore = lambda *_, **__: None   # noqa: E731 (allocations do not depend on the body)
-    K = x_ref.shape[1]
-    shapes = ([jax.ShapeDtypeStruct((bm, K), x_ref.dtype)]
-              + ([jax.ShapeDtypeStruct((xs_ref.shape[0], bm), xs_ref.dtype)] if fp8 else [])
-              + [jax.ShapeDtypeStruct((bn, K) if fp8 else (K, bn), w_refs[0].dtype)] * n_w)
+    def operands(mi, ni, expert):
+        """The pipeline's inputs for the tile (row tile mi, column block ni) of `expert`."""
+        tile_rows = pl.ds(mi * bm, bm)
+        scales = [xs_ref.at[:, tile_rows]] if fp8 else []
+        ws = [w.at[expert, pl.ds(ni * bn, bn)] if fp8 else w.at[expert, :, pl.ds(ni * bn, bn)] for w in w_refs]
+        return (x_ref.at[tile_rows], *scales, *ws)
 
-    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*shapes),
+    ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
+
+    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
                        o_smem=plgpu.SMEM((2, sm, sn), o_ref.dtype), collective_axes="wg")
     def _scope(allocs, o_smem):
         @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
@@ -230,16 +233,10 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     store(_silu_mul(*vals) if n_w == 2 else vals[0])
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * n_w)
 
-            if fp8:
-                operands = (x_ref.at[pl.ds(mi * bm, bm)], xs_ref.at[:, pl.ds(mi * bm, bm)],
-                            *[w.at[expert, pl.ds(ni * bn, bn)] for w in w_refs])
-            else:
-                operands = (x_ref.at[pl.ds(mi * bm, bm)], *[w.at[expert, :, pl.ds(ni * bn, bn)] for w in w_refs])
-
             @pl.when(expert >= 0)
             def _():
                 pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16)(
-                    *operands, allocations=allocs)
+                    *operands(mi, ni, expert), allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
