@@ -123,7 +123,7 @@ def weight_bytes(cfg: ModelConfig, dtype, mesh: MeshShape) -> tuple[dict, dict]:
             n = mesh.ep if logical == "experts" else mesh.size(getattr(RULES, logical) if logical else None)
             if n == 1:
                 continue
-            if shape[dim] % n or (leaf.dtype.itemsize == 1 and path[-1] == "kernel" and (shape[dim] // n) % 128):
+            if shape[dim] % n or (leaf.dtype.itemsize == 1 and path[-1] == "fp8_weight" and (shape[dim] // n) % 128):
                 raise MeshPlanError(f"{'/'.join(map(str, path))} {tuple(shape)}: dimension {dim} ({logical}) "
                                     f"of {shape[dim]} does not split {n} ways"
                                     + (" into whole 128-wide fp8 blocks" if leaf.dtype.itemsize == 1 else ""))

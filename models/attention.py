@@ -53,9 +53,9 @@ class Indexer(nnx.Module):
         (axes.tp) before the selection."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.wq_b(q_resid).reshape(B, T, -1, cfg.index_head_dim)   # this rank's heads
+        q = self.wq_b(q_resid, kernels).reshape(B, T, -1, cfg.index_head_dim)   # this rank's heads
         q = self._rope(q, cos[:, :, None, :], sin[:, :, None, :])
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [B, T, D]
+        k = self._rope(self.k_norm(self.wk(x, kernels)), cos, sin)  # [B, T, D]
 
         if cache.index_fp8:
             kq, ks = quantize_index_k(k)
@@ -121,14 +121,14 @@ class MLA(nnx.Module):
         dn, dr, dv, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         cos, sin = rope_cos_sin(batch.positions, cfg.rope, dr, x.dtype)
 
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x, kernels))
+        q = self.q_b_proj(q_resid, kernels)
         H = q.shape[-1] // (dn + dr)   # this rank's heads
         q = q.reshape(B, T, H, dn + dr)
         q_nope = q[..., :dn]
         q_rope = apply_rope_interleaved(q[..., dn:], cos[:, :, None, :], sin[:, :, None, :])
 
-        ckv = self.kv_a_proj_with_mqa(x)
+        ckv = self.kv_a_proj_with_mqa(x, kernels)
         latent = self.kv_a_layernorm(ckv[..., :C])
         k_rope = apply_rope_interleaved(ckv[..., C:], cos, sin)
         cache = KVCache(access.write(cache.latent, layer_id, batch.write_slots, latent),
@@ -190,4 +190,4 @@ class MLA(nnx.Module):
             out = jnp.einsum("bthc,chd->bthd", o_lat, w_uv)
         else:
             raise ValueError(f"attn_path must be one of {ATTN_PATHS}, got {attn_path!r}")
-        return axes.psum_tp(self.o_proj(out.reshape(B, T, H * dv))), topk, cache
+        return axes.psum_tp(self.o_proj(out.reshape(B, T, H * dv), kernels)), topk, cache

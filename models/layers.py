@@ -12,6 +12,8 @@ from flax import nnx
 
 from models.config import RopeConfig, yarn_mscale
 from models.fp8 import dequantize, scale_shape
+from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_applies
+from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 
 def normal_param(rngs: nnx.Rngs, shape, dtype, std: float) -> nnx.Param:
@@ -27,16 +29,27 @@ def const_param(shape, dtype, value: float) -> nnx.Param:
 
 
 class Dense(nnx.Module):
-    """y = x @ kernel, kernel [*stack, in, out] (the transpose of HF's [out, in] Linear weight). fp8:
-    the kernel is stored e4m3 with 128 x 128 block scales (models/fp8.py), dequantized at use."""
+    """y = x @ W for a Linear whose HF weight is [out, in]. Plain: `kernel` [*stack, in, out] (that
+    weight transposed). Kept fp8: `fp8_weight` [*stack, out, in] e4m3, the checkpoint's own layout
+    (K-major, what Hopper's 8-bit wgmma reads), with `scale_inv` [*stack, out/128, in/128] block scales
+    (models/fp8.py): fp8 x fp8 on the GPU (pallas_kernels/fp8_linear.py), dequantized elsewhere."""
 
     def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs, stack=(), fp8: bool = False):
-        self.kernel, self.scale_inv = fp8_or_plain_param(rngs, (*stack, din, dout), dtype, din ** -0.5, fp8)
+        shape = (*stack, dout, din) if fp8 else (*stack, din, dout)
+        w, self.scale_inv = fp8_or_plain_param(rngs, shape, dtype, din ** -0.5, fp8)
+        self.kernel, self.fp8_weight = (None, w) if fp8 else (w, None)
 
     def weight(self, dtype):
-        return stored_weight(self.kernel, self.scale_inv, dtype)
+        """The weight [*stack, in, out] in dtype (kept fp8: dequantized and transposed)."""
+        if self.fp8_weight is None:
+            return self.kernel[...].astype(dtype)
+        return jnp.swapaxes(dequantize(self.fp8_weight[...], self.scale_inv[...], dtype), -1, -2)
 
-    def __call__(self, x):
+    def __call__(self, x, kernels: KernelPolicy = DEFAULT_POLICY):
+        if self.fp8_weight is not None:
+            w, scale = self.fp8_weight[...], self.scale_inv[...]
+            if fp8_linear_applies(x, w, scale, kernels):
+                return fp8_linear(x, w, scale)
         return jnp.dot(x, self.weight(x.dtype))
 
 
@@ -46,11 +59,6 @@ def fp8_or_plain_param(rngs: nnx.Rngs, shape, dtype, std: float, fp8: bool):
     if not fp8:
         return normal_param(rngs, shape, dtype, std), None
     return normal_param(rngs, shape, jnp.float8_e4m3fn, 1.0), const_param(scale_shape(shape), jnp.float32, std)
-
-
-def stored_weight(w: nnx.Param, scale_inv: nnx.Param | None, dtype):
-    """A weight as the computation uses it: cast, or dequantized from fp8 blocks."""
-    return w[...].astype(dtype) if scale_inv is None else dequantize(w[...], scale_inv[...], dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -127,7 +127,7 @@ class DecoderLayer(nnx.Module):
         h = self.post_attention_layernorm(x)
         with jax.named_scope("mlp"):
             m = (self.mlp(h, batch.valid, kernels=kernels, axes=axes) if isinstance(self.mlp, MoE)
-                 else self.mlp(h, axes))
+                 else self.mlp(h, axes, kernels))
         if tap is not None:
             tap(layer_id, full_id if self.self_attn.indexer is not None else None, batch, cache, access,
                 attn_in=attn_in, topk=topk, attn_out=a, mlp_in=h, mlp_out=m)
@@ -273,7 +273,7 @@ class DsaModel(nnx.Module):
         if m is None:
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers == 0)")
         emb = axes.embed((m.embed_tokens if m.embed_tokens is not None else self.embed_tokens)[...], next_tokens)
-        x = m.eh_proj(jnp.concatenate([m.enorm(emb), m.hnorm(hidden.astype(emb.dtype))], axis=-1))
+        x = m.eh_proj(jnp.concatenate([m.enorm(emb), m.hnorm(hidden.astype(emb.dtype))], axis=-1), kernels)
         micro = MicroBatches.of(batch, micro_batches, access)
         width = self.topk_width(batch.slot_table.shape[1])
         topks = tuple(jnp.full(part.tokens.shape + (width,), -1, jnp.int32) for part in micro.parts)

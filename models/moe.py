@@ -22,9 +22,10 @@ class MLP(nnx.Module):
         self.up_proj = Dense(dim, inter, dtype=dtype, rngs=rngs, stack=stack, fp8=fp8("up_proj"))
         self.down_proj = Dense(inter, dim, dtype=dtype, rngs=rngs, stack=stack, fp8=fp8("down_proj"))
 
-    def __call__(self, x, axes: MeshAxes = NO_AXES):
+    def __call__(self, x, axes: MeshAxes = NO_AXES, kernels: KernelPolicy = DEFAULT_POLICY):
         """Under tensor parallelism gate/up are column-parallel and down row-parallel: one psum."""
-        return axes.psum_tp(self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)))
+        h = jax.nn.silu(self.gate_proj(x, kernels)) * self.up_proj(x, kernels)
+        return axes.psum_tp(self.down_proj(h, kernels))
 
 
 def route(cfg: ModelConfig, logits32, bias):
@@ -245,7 +246,7 @@ class MoE(nnx.Module):
         else:
             out = self.routed(xc, n_valid, kernels, axes)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(xc, axes)
+            out = out + self.shared_experts(xc, axes, kernels)
         return restore_rows(out, dest, kernels).reshape(shape)
 
     def routed(self, xc, n_valid, kernels: KernelPolicy, axes: MeshAxes):

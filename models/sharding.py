@@ -56,9 +56,9 @@ class ShardingRules:
 RULES = ShardingRules()
 
 
-# (module, leaf) -> the logical axes of a 2-D linear's kernel [in, out] and of its fp8 block scales
-# [in/128, out/128]: column-parallel where the output splits by heads (or intermediate, or vocabulary),
-# row-parallel where the input does. The low-rank down projections (q_a, kv_a), the indexer's wk, the
+# module -> the logical axes of a 2-D linear's kernel [in, out] (reversed for a kept-fp8 linear's
+# fp8_weight [out, in] and its block scales [out/128, in/128]): column-parallel where the output splits
+# by heads (or intermediate, or vocabulary), row-parallel where the input does. The low-rank down projections (q_a, kv_a), the indexer's wk, the
 # router and MTP's eh_proj stay replicated: they are small, and splitting them would add a collective.
 LINEAR_AXES = {
     "q_b_proj": (None, "heads"), "kv_b_proj": (None, "heads"), "o_proj": ("heads", None),
@@ -72,14 +72,19 @@ def param_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     """Logical axes of a parameter, by its path in the unstacked (per-layer) tree: routed-expert
     tensors are [experts, ...] in either layout (plain [E, K, N], fp8 K-major [E, N, K] and its block
     scales [E, N/128, K/128]: pallas_kernels/moe/layout.py), split on E only; the linears of
-    LINEAR_AXES split by heads, intermediate or vocabulary; the embeddings by vocabulary rows;
-    everything else (norms, biases, small projections) is replicated. Stacked group leaves get a leading `layers` axis (models/weights.py:_stacked_sharding)."""
+    LINEAR_AXES split by heads, intermediate or vocabulary (a kernel [in, out], a kept-fp8 weight
+    [out, in] and its scales alike); the embeddings by vocabulary rows; everything else (norms, biases,
+    small projections) is replicated. Stacked group leaves get a leading `layers` axis
+    (models/weights.py:_stacked_sharding)."""
     if path and path[-1] in EXPERT_LEAVES:
         return ("experts",) + (None,) * (ndim - 1)
     if path and path[-1] == "embed_tokens" and ndim == 2:
         return ("vocab", None)
-    if len(path) >= 2 and path[-1] in ("kernel", "scale_inv") and path[-2] in LINEAR_AXES and ndim == 2:
-        return LINEAR_AXES[path[-2]]
+    if len(path) >= 2 and path[-2] in LINEAR_AXES and ndim == 2:
+        if path[-1] == "kernel":
+            return LINEAR_AXES[path[-2]]
+        if path[-1] in ("fp8_weight", "scale_inv"):
+            return LINEAR_AXES[path[-2]][::-1]
     return (None,) * ndim
 
 

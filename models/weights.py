@@ -30,12 +30,15 @@ from models.model import DsaModel, layer_places
 from pallas_kernels.moe.layout import FP8_EXPERT_DTYPE
 
 MANIFEST = "cpkv_checkpoint.json"
-FORMAT_VERSION = 3             # 3: kept-fp8 routed experts stored K-major [E, N, K] (pallas_kernels/moe/layout.py)
-READABLE_VERSIONS = (1, 2, 3)  # 2: the manifest holds each part's content hash and array shapes / dtypes;
-                               # 1: parts only, nothing to verify. 1 and 2 stored fp8 experts [E, K, N]:
-                               # such a checkpoint is refused (read_manifest), one without fp8 experts loads
+FORMAT_VERSION = 4                # 4: kept-fp8 dense linears stored as HF's [out, in] (Dense.fp8_weight)
+READABLE_VERSIONS = (1, 2, 3, 4)  # 3: kept-fp8 routed experts stored K-major [E, N, K] (pallas_kernels/moe/layout.py)
+                                  # 2: the manifest holds each part's content hash and array shapes / dtypes;
+                                  # 1: parts only, nothing to verify. A checkpoint older than the layout of
+                                  # the fp8 linears it keeps is refused (read_manifest); one without loads
 FP8_EXPERTS_K_MAJOR_SINCE = 3
+FP8_DENSE_K_MAJOR_SINCE = 4
 EXPERT_LINEARS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+DENSE_FP8_LINEARS = tuple(n for n in FP8_LINEARS_ALL if n not in EXPERT_LINEARS)
 
 
 class CheckpointError(ValueError):
@@ -234,6 +237,8 @@ def hf_layer_tree(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, mlp_
     for suffix, (path, transpose) in _layer_keys(cfg, mlp_kind, has_indexer).items():
         key = prefix + suffix
         expert = isinstance(path[-1], int)              # one expert of a stacked expert tensor
+        if path[-1] == "kernel" and "fp8_weight" in _get_path(abstract_layer, path[:-1]):
+            path, transpose = path[:-1] + ("fp8_weight",), False   # a Dense kept fp8: [out, in] as stored
         target = _get_path(abstract_layer, path[:-1] if expert else path)
         # routed experts kept fp8 stay as HF stores them, [out, in] = [N, K] per expert (the K-major
         # layout of pallas_kernels/moe/layout.py, the fp8 kernel's); plain ones become [K, N]
@@ -254,8 +259,8 @@ def hf_layer_tree(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, mlp_
 
 def read_weight(reader: SafetensorsReader, key: str, transpose: bool, target_dtype):
     """An HF tensor in our layout (a Linear's [out, in] transposed where `transpose`); for an fp8 target,
-    the pair (e4m3 values, block scales), both transposed or both as stored (routed experts kept fp8
-    stay [out, in]: hf_layer_tree)."""
+    the pair (e4m3 values, block scales), both transposed or both as stored (the model keeps every fp8
+    linear, dense or routed expert, as stored: [out, in])."""
     if jnp.dtype(target_dtype) == jnp.float8_e4m3fn:
         w, scale = reader.fp8_block(key)
         return (w.T, scale.T) if transpose else (w, scale)
@@ -268,7 +273,7 @@ def read_weight(reader: SafetensorsReader, key: str, transpose: bool, target_dty
 
 
 def _scale_path(path: tuple) -> tuple:
-    """Where a kept-fp8 weight's block scales live: a Dense's `scale_inv` beside its `kernel`, a stacked
+    """Where a kept-fp8 weight's block scales live: a Dense's `scale_inv` beside its `fp8_weight`, a stacked
     expert tensor's `<name>_scale_inv`."""
     if isinstance(path[-1], int):
         return path[:-2] + (path[-2] + "_scale_inv", path[-1])
@@ -346,9 +351,12 @@ def iter_hf_parts(reader: SafetensorsReader, cfg: ModelConfig, model_abs: DsaMod
         return arr.astype(target.dtype)
 
     def linear(key, target):
-        """A Dense's tree: {kernel} or, kept fp8, {kernel, scale_inv}."""
-        got = read_weight(reader, key, True, target["kernel"].dtype)
-        tree = {"kernel": got[0], "scale_inv": got[1]} if isinstance(got, tuple) else {"kernel": got}
+        """A Dense's tree: {kernel} ([in, out]) or, kept fp8, {fp8_weight, scale_inv} as stored ([out, in])."""
+        if "fp8_weight" in target:
+            w, scale = read_weight(reader, key, False, target["fp8_weight"].dtype)
+            tree = {"fp8_weight": w, "scale_inv": scale}
+        else:
+            tree = {"kernel": read_weight(reader, key, True, target["kernel"].dtype)}
         for k, arr in tree.items():
             _expect_shape(key, arr, target[k].shape)
         return tree
@@ -546,6 +554,12 @@ def read_manifest(path: Path, cfg: ModelConfig, verify: bool) -> dict:
                               f"keeps them K-major [E, N, K] (HF's [out, in] per expert, format "
                               f"{FP8_EXPERTS_K_MAJOR_SINCE}): re-convert it from the HF checkpoint with "
                               f"`cpkv-jax convert`")
+    old_fp8_dense = [n for n in DENSE_FP8_LINEARS if cfg.fp8(n)]
+    if manifest["format_version"] < FP8_DENSE_K_MAJOR_SINCE and old_fp8_dense:
+        raise CheckpointError(f"{where}: checkpoint format {manifest['format_version']} stores the fp8 linears "
+                              f"({', '.join(old_fp8_dense)}) as [in, out]; this version keeps them as HF's "
+                              f"[out, in] (format {FP8_DENSE_K_MAJOR_SINCE}): re-convert it from the HF "
+                              f"checkpoint with `cpkv-jax convert`")
     if manifest["format_version"] >= 2:
         for key in ("digests", "arrays"):
             if not isinstance(manifest.get(key), dict) or set(manifest[key]) != set(parts):

@@ -49,6 +49,10 @@ class KernelPolicy:
     warpgroup's TMA loads feeding two compute warpgroups, each rescaling its half of the tile while
     the other's wgmma runs), or 1 (one warpgroup pipelining its own loads; 9.8 ms where the two take
     6.3 in the prefill above)."""
+    fp8_linear_kernel: bool = True
+    """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
+    fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128
+    columns) where their shapes fit; off: they are dequantized to the compute dtype at use."""
     sparse_mla_kernel: bool = True
     """Absorbed attention over the selected rows runs the sparse MLA kernel (pallas_kernels/sparse_mla)
     where its shapes fit, reading the rows from the pool in the kernel; with it, long prefill chunks

@@ -94,6 +94,8 @@ def main() -> int:
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--num-experts", type=int, default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="with --model random:NAME: every linear DeepSeek stores in fp8 kept fp8 (block scales)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--page-size", type=int, default=64)
@@ -118,7 +120,8 @@ def main() -> int:
     from pallas_kernels.policy import KernelPolicy
 
     model = bench_model(argparse.Namespace(model=args.model, num_layers=args.num_layers,
-                                           num_experts=args.num_experts, dtype=args.dtype))
+                                           num_experts=args.num_experts, dtype=args.dtype,
+                                           fp8_weights=args.fp8_weights))
     B, L, n = args.batch, args.context, args.steps
     pages = B * pages_for(L + 5 * n + 6, args.page_size) + 2
     step_ms = {}
@@ -164,7 +167,7 @@ def main() -> int:
         out = sample_tokens(logits, *args_s, pos, **greedy)
     jax.block_until_ready(out)
     sample_s = (time.perf_counter() - t) / n
-    res = {"model": args.model, "kernels": args.kernels, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind), **step_ms,
+    res = {"model": args.model, "fp8_weights": args.fp8_weights, "kernels": args.kernels, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind), **step_ms,
            "decode_step_control_flow": flow,
            "model_step_ms": 1e3 * forward_s, "sampler_ms": 1e3 * sample_s}
     for overlap in ("", "_no_overlap"):

@@ -46,6 +46,8 @@ def main() -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="with --model random:NAME: every linear DeepSeek stores in fp8 kept fp8 (block scales)")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 1536, 1024, 1024, 700, 333, 64, 9])
     p.add_argument("--budget", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=64)

@@ -33,7 +33,8 @@ def test_fixture_linears_stay_fp8_and_equal_the_dequantized_model():
     assert "self_attn.kv_a_proj_with_mqa" not in names           # stored unquantized in this fixture
     kept, wide = hf_model("glm_tiny_fp8"), hf_model("glm_tiny_fp8", "float32")
     assert kept.cfg.fp8_linears == names and wide.cfg.fp8_linears == ()
-    assert kept.groups[0].unit[0].self_attn.q_b_proj.kernel[...].dtype == jnp.float8_e4m3fn
+    q_b = kept.groups[0].unit[0].self_attn.q_b_proj
+    assert q_b.kernel is None and q_b.fp8_weight[...].dtype == jnp.float8_e4m3fn
     assert param_bytes(kept) < 0.6 * param_bytes(wide)
     ref = reference("glm_tiny_fp8")
     a = np.asarray(prefill_logits(kept, ref["prefill_tokens"]))
@@ -44,9 +45,9 @@ def test_fixture_linears_stay_fp8_and_equal_the_dequantized_model():
 
 def test_conversion_keeps_the_checkpoint_fp8_bytes_and_scales(tmp_path, capsys):
     """`convert` with no dtype stores every fp8 weight's bytes and block scales as the checkpoint has
-    them: a Dense's transposed to our [in, out], the routed experts' not transposed at all (kept fp8
-    they are K-major [E, N, K], HF's own [out, in] per expert: bit-equal bytes, same shapes); with
-    --dtype it stores no fp8 at all, and the experts are [E, K, N]."""
+    them, not transposed at all: a Dense's fp8_weight is HF's [out, in], the routed experts K-major
+    [E, N, K] (HF's own [out, in] per expert): bit-equal bytes, same shapes; with --dtype it stores no
+    fp8 at all, a Dense's kernel is [in, out] and the experts are [E, K, N]."""
     out = tmp_path / "kept"
     assert main(["convert", "--hf", str(FIXTURE), "--out", str(out), "--quiet"]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -56,13 +57,16 @@ def test_conversion_keeps_the_checkpoint_fp8_bytes_and_scales(tmp_path, capsys):
     assert model.cfg.fp8_linears == reader.fp8_linears()
     layer = model.groups[1].unit[0]                                  # layer 1: a sparse MoE layer
     r = 0
-    for key, w, s in (("model.layers.1.self_attn.q_b_proj.weight", layer.self_attn.q_b_proj.kernel,
-                       layer.self_attn.q_b_proj.scale_inv),
-                      ("model.layers.1.mlp.shared_experts.up_proj.weight", layer.mlp.shared_experts.up_proj.kernel,
-                       layer.mlp.shared_experts.up_proj.scale_inv)):
+    for key, dense in (("model.layers.1.self_attn.q_b_proj.weight", layer.self_attn.q_b_proj),
+                       ("model.layers.1.mlp.shared_experts.up_proj.weight", layer.mlp.shared_experts.up_proj)):
         raw, scale = reader.fp8_block(key)
-        np.testing.assert_array_equal(np.asarray(w[...][r]).T.view(np.uint8), raw.view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(s[...][r]).T, scale)
+        assert raw.shape[0] != raw.shape[1] and dense.kernel is None   # a transposed copy cannot pass
+        np.testing.assert_array_equal(np.asarray(dense.fp8_weight[...][r]).view(np.uint8), raw.view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(dense.scale_inv[...][r]), scale)
+    eh = model.mtp.eh_proj
+    raw, scale = reader.fp8_block(f"model.layers.{model.cfg.num_hidden_layers}.eh_proj.weight")
+    np.testing.assert_array_equal(np.asarray(eh.fp8_weight[...]).view(np.uint8), raw.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(eh.scale_inv[...]), scale)
     cfg = model.cfg
     E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     assert D != I                                      # so a transposed expert cannot pass for one in place
@@ -90,11 +94,11 @@ def test_conversion_keeps_the_checkpoint_fp8_bytes_and_scales(tmp_path, capsys):
                                   reader.get("model.layers.1.mlp.experts.2.down_proj.weight").T)
 
 
-def test_a_checkpoint_with_fp8_experts_in_the_old_layout_is_refused(tmp_path):
-    """Formats 1 and 2 stored kept-fp8 routed experts [E, K, N]; this version keeps them K-major. Such a
-    checkpoint (its manifest says format 2, its config names fp8 experts) is refused with a
-    CheckpointError naming the layout, instead of loading transposed experts; a format-2 checkpoint
-    with no fp8 experts still loads."""
+def test_a_checkpoint_with_fp8_linears_in_an_old_layout_is_refused(tmp_path):
+    """Formats 1 and 2 stored kept-fp8 routed experts [E, K, N], 1 to 3 kept-fp8 dense linears [in, out];
+    this version keeps both as HF's [out, in]. Such a checkpoint (its manifest says format 2 or 3, its
+    config names fp8 experts and dense linears) is refused with a CheckpointError naming the layout,
+    instead of loading transposed weights; an old checkpoint with no fp8 linears still loads."""
     import shutil
 
     import pytest
@@ -102,15 +106,19 @@ def test_a_checkpoint_with_fp8_experts_in_the_old_layout_is_refused(tmp_path):
     from models.weights import CheckpointError, FORMAT_VERSION, MANIFEST
     kept = tmp_path / "kept"
     assert main(["convert", "--hf", str(FIXTURE), "--out", str(kept), "--quiet"]) == 0
-    assert json.loads((kept / MANIFEST).read_text())["format_version"] == FORMAT_VERSION == 3
+    assert json.loads((kept / MANIFEST).read_text())["format_version"] == FORMAT_VERSION == 4
 
-    def as_format_2(src, dst):
+    def as_format(src, dst, version=2):
         shutil.copytree(src, dst)
         m = json.loads((dst / MANIFEST).read_text())
-        (dst / MANIFEST).write_text(json.dumps({**m, "format_version": 2}))
+        (dst / MANIFEST).write_text(json.dumps({**m, "format_version": version}))
         return dst
+    as_format_2 = as_format
     with pytest.raises(CheckpointError, match=r"old \[E, K, N\] layout.*K-major \[E, N, K\].*re-convert"):
         load_checkpoint(as_format_2(kept, tmp_path / "old_kept"))
+    with pytest.raises(CheckpointError, match=r"format 3 stores the fp8 linears \(.*self_attn.q_b_proj.*\) as "
+                                              r"\[in, out\].*\[out, in\].*re-convert"):
+        load_checkpoint(as_format(kept, tmp_path / "v3_kept", 3))
     wide = tmp_path / "wide"
     assert main(["convert", "--hf", str(FIXTURE), "--out", str(wide), "--dtype", "float32", "--quiet"]) == 0
     model = load_checkpoint(as_format_2(wide, tmp_path / "old_wide"))

@@ -248,7 +248,7 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     Rows of unused tiles are left unwritten. interpret: True (or plgpu.InterpretGPUParams) runs Mosaic
     GPU's interpreter, on any backend.
     fp8 (x_scale given): x [P, K] e4m3 with x_scale [K / 128, P] fp32; w (and up) [E, N, K] e4m3 with
-    w_scale (up_scale) [E, N / 128, K / 128] fp32; out_dtype (default bf16)."""
+    w_scale (up_scale) [E, ceil(N / 128), K / 128] fp32; out_dtype (default bf16)."""
     fp8 = x_scale is not None
     err = shape_error(x, w, tiling, fp8) or (None if up is None or up.shape == w.shape else
                                              f"up {up.shape} must match gate {w.shape}")
@@ -256,7 +256,7 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     N = w.shape[1] if fp8 else w.shape[2]
     if err is None and fp8:
         E = w.shape[0]
-        want = {"x_scale": (K // FP8_BLOCK, P), "w_scale": (E, N // FP8_BLOCK, K // FP8_BLOCK)}
+        want = {"x_scale": (K // FP8_BLOCK, P), "w_scale": (E, -(-N // FP8_BLOCK), K // FP8_BLOCK)}
         got = {"x_scale": x_scale, "w_scale": w_scale}
         if up is not None:
             want["up_scale"], got["up_scale"] = want["w_scale"], up_scale

@@ -1,0 +1,88 @@
+"""Dense fp8 x fp8 linears (the attention projections, shared experts, dense MLP and MTP's eh_proj of an
+fp8 DeepSeek-V3.2 / GLM-5 checkpoint) as the routed experts' grouped matmul kernel with one expert:
+
+    y = x @ W^T,   W [N, K] e4m3 with one fp32 scale per 128 x 128 block (a Linear's [out, in], as the
+                   checkpoints store it: K-major, the B layout Hopper's 8-bit wgmma reads)
+
+The rows are quantized to e4m3 per row per 128 columns (DeepGEMM's scheme, quantize_rows) and padded
+to whole row tiles; every tile belongs to expert 0. The products run fp8 x fp8 on the tensor cores
+with fp32 sums and both scales applied per 128-deep step, x's dtype out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.fp8_rows import GROUP, dequantize_blocks, dequantize_rows, quantize_rows
+from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error as grouped_shape_error
+from pallas_kernels.policy import KernelPolicy
+
+
+def linear_tiling(rows: int, N: int) -> Tiling:
+    """The kernel's tiling for `rows` rows and N outputs: 128-row tiles split over two compute
+    warpgroups (as the routed experts' prefill tiling), 64-row tiles for decode-sized calls; 64-wide
+    column blocks where N is not a multiple of 128 (kv_a_proj_with_mqa: 512 + 64)."""
+    block_n = 128 if N % 128 == 0 else 64
+    if rows > 64:
+        return Tiling(block_m=128, block_n=block_n, block_k=GROUP, stages=4, compute_wgs=2, grid_block_n=16)
+    if block_n == 128:
+        return Tiling(block_m=64, block_n=128, block_k=GROUP, stages=4, compute_wgs=2, grid_block_n=1)
+    return Tiling(block_m=64, block_n=64, block_k=GROUP, stages=4, grid_block_n=1)
+
+
+def padded_rows(rows: int, tiling: Tiling) -> int:
+    return -(-rows // tiling.block_m) * tiling.block_m
+
+
+def shape_error(x, w, scale_inv, tiling: Tiling | None = None) -> str | None:
+    """Why fp8_linear cannot take these operands (None: it can): x [..., K], w [N, K] e4m3, scale_inv
+    [ceil(N / 128), K / 128] fp32."""
+    if w.ndim != 2 or x.shape[-1] != w.shape[1]:
+        return f"x [..., {x.shape[-1]}] and w {tuple(w.shape)} are not [..., K] and [N, K]"
+    N, K = w.shape
+    rows = math.prod(x.shape[:-1])
+    if rows == 0:
+        return "no rows"
+    want = (-(-N // GROUP), -(-K // GROUP))
+    if tuple(scale_inv.shape) != want or scale_inv.dtype != jnp.float32:
+        return f"scale_inv must be fp32 {want}, got {tuple(scale_inv.shape)} {scale_inv.dtype}"
+    if K % GROUP:
+        return f"K {K} is not a multiple of {GROUP} (the activations' scale groups)"
+    t = tiling or linear_tiling(rows, N)
+    return grouped_shape_error(jax.ShapeDtypeStruct((padded_rows(rows, t), K), jnp.float8_e4m3fn),
+                               jax.ShapeDtypeStruct((1, N, K), w.dtype), t, fp8=True)
+
+
+def fp8_linear_applies(x, w, scale_inv, policy: KernelPolicy) -> bool:
+    """Whether a kept-fp8 linear runs fp8_linear (else it is dequantized at use): on the GPU, with
+    policy.fp8_linear_kernel, where its shapes fit."""
+    return policy.on_gpu() and policy.fp8_linear_kernel and shape_error(x, w, scale_inv) is None
+
+
+def fp8_linear_reference(x, w, scale_inv):
+    """fp8_linear's arithmetic in XLA: the rows quantized and dequantized as the kernel quantizes them,
+    times the dequantized weight, in fp32; x's dtype out."""
+    *lead, K = x.shape
+    rows = dequantize_rows(*quantize_rows(x.reshape(-1, K)))
+    y = jnp.dot(rows, dequantize_blocks(w, scale_inv, jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype).reshape(*lead, w.shape[0])
+
+
+def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, interpret=False):
+    """x [..., K] @ W^T -> [..., N] in x's dtype, for W = w * scale_inv's blocks (w [N, K] e4m3,
+    scale_inv [ceil(N / 128), K / 128] fp32), fp8 x fp8 with the rows quantized per 128 columns."""
+    err = shape_error(x, w, scale_inv, tiling)
+    if err is not None:
+        raise ValueError(f"fp8_linear: {err}")
+    *lead, K = x.shape
+    N = w.shape[0]
+    rows = x.reshape(-1, K)
+    t = tiling or linear_tiling(rows.shape[0], N)
+    P = padded_rows(rows.shape[0], t)
+    xq, xs = quantize_rows(jnp.pad(rows, ((0, P - rows.shape[0]), (0, 0))))   # padding: zeros at scale 1
+    y = grouped_matmul(xq, w[None], jnp.zeros(P // t.block_m, jnp.int32), tiling=t, interpret=interpret,
+                       x_scale=xs, w_scale=scale_inv[None], out_dtype=x.dtype)
+    return y[:rows.shape[0]].reshape(*lead, N)

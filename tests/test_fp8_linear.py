@@ -1,0 +1,167 @@
+"""Dense fp8 x fp8 linears (pallas_kernels/fp8_linear.py: the expert kernel with one expert) against the
+same arithmetic in float64 (rows quantized per 128 columns, weights dequantized from their blocks), in
+Mosaic GPU's interpreter on CPU and compiled on the GPU (marked gpu); the model's Dense hands its
+stored [out, in] fp8 weight to it as it is; GLM-5's projections lower for CUDA with the default tilings."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import fp8
+from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_applies, fp8_linear_reference, linear_tiling, shape_error
+from pallas_kernels.moe.fp8_rows import dequantize_rows, quantize_rows
+from pallas_kernels.policy import KernelPolicy
+
+
+def fp8_weight(rng, N, K):
+    """A random [N, K] weight as e4m3 blocks with a distinct scale per 128 x 128 block."""
+    w = rng.standard_normal((N, K)) * K ** -0.5
+    w *= np.repeat(np.repeat(rng.uniform(0.2, 5, (-(-N // 128), -(-K // 128))), 128, 0), 128, 1)[:N, :K]
+    return tuple(map(jnp.asarray, fp8.quantize(w)))
+
+
+def reference(x, w, s):
+    """float64 x @ W^T with x's rows quantized as the kernel quantizes them."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    xr = np.asarray(dequantize_rows(*quantize_rows(x.reshape(-1, K).astype(jnp.float32))), np.float64)
+    return (xr @ np.asarray(fp8.dequantize(w, s, jnp.float32), np.float64).T).reshape(*lead, -1)
+
+
+@pytest.mark.parametrize("lead,N", [((3, 45), 192), ((1, 5), 256), ((5,), 192)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_linear_interpret_equals_the_quantized_reference(lead, N, dtype):
+    """Interpreter with the race detector, each default tiling shape: 135 rows (two 128-row tiles, the
+    last padded; two compute warpgroups on 64 rows each; N = 192 = 128 + 64 needs 64-wide column
+    blocks and a partial last scale block), 5 rows at N = 256 (a 64-row tile, the two warpgroups on
+    half the columns each) and at N = 192 (one warpgroup). K = 256 holds two scale blocks per row."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    rng = np.random.default_rng(N + len(lead))
+    K = 256
+    x = jnp.asarray(rng.standard_normal((*lead, K)) * np.repeat(rng.uniform(0.1, 10, 2), 128), dtype)
+    w, s = fp8_weight(rng, N, K)
+    assert s.shape == (2, 2)
+    t = dataclasses.replace(linear_tiling(int(np.prod(lead)), N), programs=3, stages=2)
+    got = fp8_linear(x, w, s, tiling=t, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert got.shape == (*lead, N) and got.dtype == dtype
+    want = reference(x, w, s)
+    err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+    assert err <= (1e-6 if dtype == jnp.float32 else 8e-3), err
+    ref = np.asarray(fp8_linear_reference(x, w, s), np.float64)             # the same arithmetic in XLA
+    assert np.abs(ref - want).max() / np.abs(want).max() <= (1e-6 if dtype == jnp.float32 else 8e-3)
+
+
+def test_fp8_linear_refuses_what_it_cannot_take():
+    """Shapes the kernel cannot take give a named reason (and the Dense then dequantizes instead)."""
+    rng = np.random.default_rng(0)
+    w, s = fp8_weight(rng, 256, 256)
+    x = jnp.zeros((4, 256), jnp.bfloat16)
+    assert shape_error(x, w, s) is None
+    assert "K 192" in shape_error(jnp.zeros((4, 192)), *fp8_weight(rng, 256, 192))
+    assert "scale_inv must be fp32 (2, 2)" in shape_error(x, w, s[:1])
+    assert "not [..., K] and [N, K]" in shape_error(jnp.zeros((4, 128)), w, s)
+    assert shape_error(jnp.zeros((0, 256)), w, s) == "no rows"
+    assert not fp8_linear_applies(x, w, s, KernelPolicy())      # CPU: never
+    with pytest.raises(ValueError, match="fp8_linear: scale_inv"):
+        fp8_linear(x, w, s[:1])
+
+
+def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
+    """A kept-fp8 Dense stores HF's [out, in] (fp8_weight) and, where the kernel applies, passes it and
+    its scales to fp8_linear as they are; with the policy's fp8_linear_kernel off (and on CPU) it
+    multiplies by the dequantized [in, out] weight."""
+    from flax import nnx
+
+    import models.layers as layers
+    dense = layers.Dense(256, 192, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8=True)
+    assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
+    seen = []
+    monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s: seen.append((w, s)) or jnp.zeros((*x.shape[:-1], 192)))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
+    dense(x)
+    assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
+    off = dense(x, KernelPolicy(fp8_linear_kernel=False))
+    want = np.asarray(x, np.float32) @ np.asarray(fp8.dequantize(dense.fp8_weight[...], dense.scale_inv[...],
+                                                                 jnp.float32)).T
+    assert len(seen) == 1
+    np.testing.assert_allclose(np.asarray(off, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+GLM5_LINEARS = {   # (K, N) of GLM-5's kept-fp8 dense linears
+    "q_a_proj": (6144, 2048), "q_b_proj": (2048, 64 * 256), "kv_a_proj_with_mqa": (6144, 576),
+    "o_proj": (64 * 256, 6144), "indexer.wq_b": (2048, 32 * 128), "indexer.wk": (6144, 128),
+    "shared_experts.gate_proj": (6144, 2048), "shared_experts.down_proj": (2048, 6144),
+    "mlp.gate_proj": (6144, 12288), "mlp.down_proj": (12288, 6144), "eh_proj": (12288, 6144),
+}
+
+
+@pytest.mark.parametrize("rows", [8192, 64, 1])
+def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows):
+    """Each of GLM-5's fp8 dense linears at prefill and decode row counts, traced and lowered for CUDA
+    on this machine from shapes alone (Mosaic GPU checks shared memory while lowering): one kernel call,
+    the weight argument reaching it untransposed."""
+    sds = jax.ShapeDtypeStruct
+    for name, (K, N) in GLM5_LINEARS.items():
+        x, w, s = sds((rows, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn), sds((-(-N // 128), K // 128), jnp.float32)
+        assert shape_error(x, w, s) is None, name
+        text = jax.jit(fp8_linear).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+        lines = text.splitlines()
+        assert sum("custom_call @mosaic_gpu" in line for line in lines) == 1, name
+        # the weight reaches the call only with its one-expert axis added (a free broadcast), untransposed
+        uses = [line for line in lines if re.search(r"%arg1\b", line) and "f8E4M3FN" in line and "func.func" not in line]
+        assert len(uses) == 1 and "stablehlo.broadcast_in_dim %arg1, dims = [1, 2]" in uses[0], (name, uses)
+        assert not [line for line in lines if "stablehlo.transpose" in line and "f8E4M3FN" in line]
+
+
+@pytest.mark.gpu
+def test_fp8_linear_compiled_equals_the_quantized_reference():
+    """Compiled on the GPU, GLM-5's widths at prefill and decode row counts (bf16 in and out)."""
+    rng = np.random.default_rng(7)
+    run = jax.jit(fp8_linear)
+    for rows in (1000, 64, 3):
+        for name in ("q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+            K, N = GLM5_LINEARS[name]
+            x = jnp.asarray(rng.standard_normal((rows, K)), jnp.bfloat16)
+            w, s = fp8_weight(rng, N, K)
+            got = np.asarray(run(x, w, s), np.float64)
+            want = reference(x, w, s)
+            assert np.abs(got - want).max() <= 8e-3 * np.abs(want).max(), (rows, name)
+
+
+@pytest.mark.gpu
+def test_fp8_model_logits_with_the_fp8_linear_kernel_are_as_close_to_fp32_as_xla_quantized(monkeypatch):
+    """A bf16 GLM-5-shaped model with every DeepSeek fp8 linear kept fp8 (kernel shapes): teacher-forced
+    logits with its dense linears through the kernel, and through the same quantized arithmetic in XLA
+    (fp8_linear_reference), each against the same weights run in fp32 (dequantized at use, no kernel).
+    fp8 activations move the logits by themselves, and random weights amplify any difference through
+    the indexer's top-k, so the two are compared by their distance to fp32: the kernel's at most 1.25x
+    XLA's."""
+    from flax import nnx
+
+    import models.layers as layers
+    from models.config import FP8_LINEARS_ALL, ModelConfig
+    from models.model import DsaModel, prefill_logits
+    cfg = ModelConfig.named("glm-5", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=64,
+                            hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048, vocab_size=4096,
+                            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, index_n_heads=32,
+                            index_topk=64, fp8_linears=FP8_LINEARS_ALL)
+    model = DsaModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(model)
+    wide = nnx.merge(graph, jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, state))
+    wide.dtype = jnp.float32
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 200))
+    run = lambda m, **kw: np.asarray(prefill_logits(m, tokens, attn_path="absorbed", kernels=KernelPolicy(**kw)))  # noqa: E731
+    ref = run(wide, fp8_linear_kernel=False, fp8_moe_kernel=False, moe_kernel=False)
+    kernel = run(model)
+    monkeypatch.setattr(layers, "fp8_linear", fp8_linear_reference)
+    jax.clear_caches()                   # the jitted forward traces again, through the reference
+    xla = run(model)
+    assert not np.array_equal(kernel, xla)
+    errs = {name: np.abs(got - ref).max() / np.abs(ref).max() for name, got in (("kernel", kernel), ("xla", xla))}
+    agree = {name: (got.argmax(-1) == ref.argmax(-1)).mean() for name, got in (("kernel", kernel), ("xla", xla))}
+    print(f"fp8 linears vs fp32: rel err {errs}, argmax agreement {agree}")
+    assert errs["kernel"] <= 1.25 * errs["xla"]
