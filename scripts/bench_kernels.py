@@ -730,6 +730,11 @@ def bench_moe_fp8(args, ceil):
             "fp8_kernel_1wg": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=1), scales=scales),
             "fp8_kernel": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=2), scales=scales),
         }
+        chosen = args.moe_fp8_variants.split(",") if args.moe_fp8_variants else list(variants)
+        unknown = set(chosen) - set(variants)
+        if unknown:
+            raise SystemExit(f"--moe-fp8-variants: unknown {sorted(unknown)}; known: {list(variants)}")
+        variants = {name: variants[name] for name in chosen}
         for name, fn in variants.items():
             def one(fn=fn):
                 sec = fitted_pipelined_time(lambda: fn())
@@ -788,6 +793,9 @@ def main() -> int:
                    help="std of the per-expert popularity added to the routing logits (0: balanced)")
     p.add_argument("--moe-decode-tokens", default="1,8,64")
     p.add_argument("--moe-decode-experts", type=int, default=256)
+    p.add_argument("--moe-fp8-variants", default="",
+                   help="moe_fp8: comma-separated variants to time (default: all of bf16_weights, bf16_weights_2wg, "
+                        "fp8_dequantized, fp8_kernel_1wg, fp8_kernel)")
     p.add_argument("--moe-mgpu-tilings", default=MOE_MGPU_TILINGS,
                    help="jax's ragged_dot_mgpu tilings (prefill), block_m x block_n x block_k x "
                         "max_concurrent_steps x grid_block_n, a trailing 't' for weights stored [E, N, K] "

@@ -21,19 +21,21 @@ from pallas_kernels.moe.plan import block_plan
 
 
 def tilings(bm: int, fp8: bool):
-    """(gate_up, down) tilings to compare at row tile bm: the first of each is the reference."""
-    T = lambda bn, st, w, g=8: Tiling(block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st,  # noqa: E731
-                                      compute_wgs=w, grid_block_n=g if bm == 128 else 1)
+    """(gate_up, down) tilings to compare at row tile bm: the first of each is the reference; `_c2`:
+    clusters of two programs sharing their x tiles by multicast."""
+    T = lambda bn, st, w, g=8, c=1: Tiling(block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st,  # noqa: E731
+                                           compute_wgs=w, grid_block_n=g if bm == 128 else 1, cluster_n=c)
     if fp8 and bm == 128:
-        return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_g16": T(128, 4, 2, 16)},
-                {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_g16": T(128, 4, 2, 16)})
+        return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2)},
+                {"1wg_n64": T(64, 4, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2)})
     if fp8:
-        return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2)}, {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2)})
+        return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2)},
+                {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2)})
     if bm == 128:
-        return ({"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_s3": T(128, 3, 2)},
-                {"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n256_s3": T(256, 3, 2)})
+        return ({"1wg_n64": T(64, 4, 1), "2wg_n128_s3": T(128, 3, 2), "2wg_n128_s3_c2": T(128, 3, 2, 8, 2)},
+                {"1wg_n128": T(128, 4, 1), "2wg_n256_s3": T(256, 3, 2), "2wg_n256_s3_c2": T(256, 3, 2, 8, 2)})
     return ({"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2)},
-            {"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n256": T(256, 4, 2)})
+            {"1wg_n128": T(128, 4, 1), "2wg_n256": T(256, 4, 2), "2wg_n256_c2": T(256, 4, 2, 1, 2)})
 
 
 def main():

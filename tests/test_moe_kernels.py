@@ -78,7 +78,10 @@ def test_expert_mlp_blocked_interpret_equals_reference():
                (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
                 Tiling(block_m=128, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
                (Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
-                Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)))
+                Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
+               # clusters of two programs sharing x by multicast (the down call: its two column blocks)
+               (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=4, compute_wgs=2, cluster_n=2),
+                Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2)))
     for fe in routings(rng, N * k, E):
         fe = jnp.asarray(fe, jnp.int32)
         ref = slot_reference(x, np.asarray(fe), gate, up, down, k)
@@ -109,12 +112,14 @@ def plain_f32(w, scale):
     return fp8_experts_as_plain(w, scale, jnp.float32)
 
 
-@pytest.mark.parametrize("bm,bn,compute_wgs", [(64, 64, 1), (128, 64, 2), (64, 128, 2)])
-def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, compute_wgs):
+@pytest.mark.parametrize("bm,bn,compute_wgs,cluster_n", [(64, 64, 1, 1), (128, 64, 2, 1), (64, 128, 2, 1),
+                                                          (128, 64, 2, 2), (64, 128, 2, 2)])
+def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, compute_wgs, cluster_n):
     """The fp8 kernel (interpreter, race detector on) against float64 products of the dequantized
     operands: row scales per 128 columns, weight scales per 128 x 128 block (distinct per block:
     K = N = 256), plain and gate/up fused; an unused tile stays unwritten (NaN from the interpreter).
-    Two compute warpgroups split a 128-row tile's rows, or a 64-row tile's columns."""
+    Two compute warpgroups split a 128-row tile's rows, or a 64-row tile's columns; cluster_n 2 runs
+    programs in pairs on neighbouring column blocks, their x tiles and row scales multicast."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
@@ -128,7 +133,8 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, comp
     (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]          # K-major [E, N, K], as the kernel takes them
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
     gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))   # [E, K, N]
-    t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=1, programs=3, compute_wgs=compute_wgs)
+    t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=cluster_n, programs=3 + (cluster_n == 2),
+               compute_wgs=compute_wgs, cluster_n=cluster_n)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     plain = np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs),
                        np.float64)
@@ -364,6 +370,25 @@ def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
     print(f"bf16 logits vs fp32: {errs}")
     assert errs["kernel"] <= 1.25 * errs["ragged_dot"]
 
+
+
+def test_clusters_apply_only_where_the_column_blocks_pair_up():
+    """A tiling of two-program clusters is kept for an even number of column blocks and dropped (to
+    single programs) for an odd one, where the kernel would refuse it; at GLM-5's widths every default
+    clustered tiling is kept."""
+    from pallas_kernels.moe.dispatch import blocked_tilings, expert_tilings, fp8_tilings, paired
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    t = fp8_tilings(64, 256)[1]
+    assert t.cluster_n == 2 and paired(t, 6144) is t and paired(t, 6144 - 128).cluster_n == 1
+    x = jax.ShapeDtypeStruct((128, 128), jnp.float8_e4m3fn)
+    assert "even number of column blocks" in shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn),
+                                                        t, fp8=True)
+    assert shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn), paired(t, 384), fp8=True) is None
+    for slots in (8, 65536):
+        for fp8 in (False, True):
+            gate = jax.ShapeDtypeStruct((256, 2048, 6144) if fp8 else (256, 6144, 2048), jnp.bfloat16)
+            want = (fp8_tilings if fp8 else blocked_tilings)(slots, 256)
+            assert expert_tilings(slots, gate, fp8, 2) == want
 
 
 @pytest.mark.parametrize("compute_wgs", [1, 2])

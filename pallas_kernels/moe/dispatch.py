@@ -16,6 +16,8 @@ dequantizes them to the plain layout first.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -55,21 +57,37 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
     return gather_rows(y, slot_row, policy=policy)
 
 
+def paired(t: Tiling, N: int) -> Tiling:
+    """t, or t without its cluster of two programs where N's column blocks do not pair up."""
+    return dataclasses.replace(t, cluster_n=1) if t.cluster_n == 2 and (N // t.block_n) % 2 else t
+
+
 def blocked_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tiling]:
     """The kernel's tilings for a call of `slots` routed rows (tuning in docs/perf.md, 2026-12-03
-    third session): 64-row tiles when few rows reach each expert (decode), else 128. Two compute
-    warpgroups (warp-specialized) split a 128-row tile's rows (64 each) or a 64-row tile's columns;
-    at decode the gate_up call keeps one (two were no faster there)."""
+    third and fourth sessions): 64-row tiles when few rows reach each expert (decode), else 128. Two
+    compute warpgroups (warp-specialized) split a 128-row tile's rows (64 each) or a 64-row tile's
+    columns; at decode the gate_up call keeps one (two were no faster there) and the down call runs
+    in clusters of two programs sharing their x tiles (cluster_n 2: 1.51 vs 1.73 ms at 64 x 256;
+    slower at prefill). Clusters apply where the column blocks pair up (paired)."""
     if slots < 4 * E:
         one = Tiling(block_m=64, block_n=128, grid_block_n=1)
         if compute_wgs == 2:
-            return one, Tiling(block_m=64, block_n=256, grid_block_n=1, compute_wgs=2)
+            return one, Tiling(block_m=64, block_n=256, grid_block_n=1, compute_wgs=2, cluster_n=2)
         return one, one
     if compute_wgs == 2:
         return (Tiling(block_m=128, block_n=128, stages=3, compute_wgs=2),
                 Tiling(block_m=128, block_n=256, stages=3, compute_wgs=2))
     # gate_up holds two accumulators: 128 x 128 each spills (4x slower on the H200)
     return Tiling(block_m=128, block_n=64), Tiling(block_m=128, block_n=128)
+
+
+def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int) -> tuple[Tiling, Tiling]:
+    """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
+    [E, I, D]), clusters kept where the column blocks pair up."""
+    E = gate.shape[0]
+    I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
+    up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
+    return paired(up_t, I), paired(down_t, D)
 
 
 def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling) -> str | None:
@@ -82,13 +100,17 @@ def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling)
 def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tiling]:
     """The fp8 kernel's tilings: one 128-wide scale block per K step. Two compute warpgroups
     (warp-specialized) each hold half the tile, 64 of 128 rows or, at block_m 64 (few rows per
-    expert), half of 128 columns. One warpgroup: 64 columns per accumulator (the per-step product and
-    the running sum each hold a [block_m, block_n] fp32 tile in registers)."""
+    expert), half of 128 columns; the down call, and at decode both, in clusters of two programs
+    sharing their x tiles by multicast (H200, docs/perf.md 2026-12-03 fourth session: down 8192 x 16
+    1.83 vs 2.01 ms, 64 x 256 gate_up 1.51 vs 1.76 and down 0.90 vs 1.06; gate_up at prefill is
+    slower in clusters, 3.35 vs 3.20). One warpgroup: 64 columns per accumulator (the per-step
+    product and the running sum each hold a [block_m, block_n] fp32 tile in registers)."""
     block_m = 64 if slots < 4 * E else 128
     if compute_wgs == 2:
         t = Tiling(block_m=block_m, block_n=128, block_k=128, stages=4, compute_wgs=2,
                    grid_block_n=1 if block_m == 64 else 16)
-        return t, t
+        clustered = dataclasses.replace(t, cluster_n=2)
+        return (clustered if block_m == 64 else t), clustered
     return (Tiling(block_m=block_m, block_n=64, block_k=128, stages=3),
             Tiling(block_m=block_m, block_n=64, block_k=128, stages=4))
 
@@ -98,7 +120,7 @@ def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2) -> str | No
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
-    up_t, down_t = fp8_tilings(slots, gate.shape[0], compute_wgs)
+    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -146,11 +168,11 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     check_experts(x.shape[1], gate, up, down, scales)
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
-            up_t, down_t = fp8_tilings(slots, gate.shape[0], policy.fp8_moe_compute_wgs)
+            up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
-    up_t, down_t = blocked_tilings(slots, gate.shape[0], policy.moe_compute_wgs)
+    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs)
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)

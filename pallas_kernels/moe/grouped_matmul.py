@@ -44,6 +44,10 @@ class Tiling:
     """2 runs the warp-specialized kernel (_kernel_ws): a producer warpgroup issues the
     TMA loads and two compute warpgroups each take half of a tile (rows when block_m is 128, columns
     otherwise), so one rescales its step's product while the other's wgmma runs (DeepGEMM's scheme)."""
+    cluster_n: int = 1
+    """2 (warp-specialized kernel only): programs run in clusters of two on neighbouring column blocks
+    of one row tile, and each x tile is loaded once for both by TMA multicast (half the x traffic
+    from L2)."""
 
 
 def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
@@ -72,6 +76,10 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"compute_wgs {tiling.compute_wgs}: 1 or 2"
     if tiling.compute_wgs == 2 and (tiling.block_m not in (64, 128) or tiling.block_m == 64 and tiling.block_n % 128):
         return f"two compute warpgroups split 128 rows or, at block_m 64, a multiple of 128 columns ({tiling})"
+    if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
+            tiling.compute_wgs != 2 or (N // tiling.block_n) % 2 or tiling.programs % 2):
+        return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
+                f"blocks ({N // tiling.block_n}) and of programs")
     return None
 
 
@@ -163,10 +171,13 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     split_rows = bm == 128
     sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
     wg = jax.lax.axis_index("wg")
-    # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn])
+    cn = tiling.cluster_n
+    # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
+    # in a cluster the two programs share the row tile: its x (and row scales) arrive by multicast
+    shared = dict(collective_axes=("cluster",)) if cn == 2 else {}
     w_block, w_index = ((bn, bk), lambda k: (0, k)) if fp8 else ((bk, bn), lambda k: (k, 0))
-    specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, k))]
-             + ([plgpu.BlockSpec((1, bm), lambda k: (k, 0))] if fp8 else [])
+    specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, k), **shared)]
+             + ([plgpu.BlockSpec((1, bm), lambda k: (k, 0), **shared)] if fp8 else [])
              + [plgpu.BlockSpec(w_block, w_index)] * n_w)
 
     def pipeline(body, context):
@@ -186,9 +197,10 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
                        o_smem=plgpu.SMEM((2, sm, sn), o_ref.dtype), collective_axes="wg")
     def _scope(allocs, o_smem):
-        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        @plgpu.nd_loop((grid_m * grid_n // cn,), collective_axes="sm")
         def _tile(info):
-            mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, tiling.grid_block_n)
+            mi, nc = plgpu.planar_snake(info.index[0], (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
+            ni = nc * cn + jax.lax.axis_index("cluster") if cn == 2 else nc
             expert = tile_expert_ref[mi]
             rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
@@ -276,9 +288,11 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tiling.block_n, k_steps=K // tiling.block_k)
     body = functools.partial(_kernel_ws if tiling.compute_wgs == 2 else _kernel, fp8=fp8, **grid)
     threads = dict(num_threads=3, thread_name="wg") if tiling.compute_wgs == 2 else {}
+    if tiling.cluster_n == 2:
+        threads.update(cluster=(2,), cluster_names=("cluster",))
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((P, N), out_dtype or (jnp.bfloat16 if fp8 else x.dtype)),
-        grid=(tiling.programs,), grid_names=("sm",),
+        grid=(tiling.programs // tiling.cluster_n,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret, **threads,
     )
