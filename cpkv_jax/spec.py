@@ -18,12 +18,14 @@ import numpy as np
 from cpkv_jax.batch import BatchBuilder, bucket
 from cpkv_jax.cp import CPPlan, CPRequest
 from cpkv_jax.runner import ModelRunner
+from cpkv_jax.sampling import is_stochastic
 from cpkv_jax.scheduler import Chunk, Request, Scheduler, TokenEvent
 
 
 def samples(reqs: list[Request]) -> bool:
-    """Whether any of the requests samples (its drafts then carry their distributions)."""
-    return any(r.params.temperature > 0 for r in reqs)
+    """Whether any of the requests samples (its drafts then carry their distributions): the sampler's
+    own rule (sampling.is_stochastic) over their temperatures."""
+    return is_stochastic([r.params.temperature for r in reqs])
 
 
 @dataclasses.dataclass

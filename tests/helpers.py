@@ -52,3 +52,30 @@ def check_hicache_invariants(eng):
     s = eng.stats()
     assert s["free_pages"] + s["radix"]["pages"] + s["request_pages"] == s["total_pages"]
     eng.hicache.check()
+
+
+def glm5_kernel_slice(**over):
+    """(model, wide, run): a bf16 GLM-5-shaped model at the GPU kernels' shapes (hidden 1024, 64 experts,
+    top-8, 3 layers; `over` changes the config), the same weights widened to fp32 (fp8 ones stay fp8,
+    dequantized at use), and run(model, **policy) -> its teacher-forced logits on 2 x 200 random
+    tokens (absorbed attention, KernelPolicy(**policy))."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.model import DsaModel, prefill_logits
+    from pallas_kernels.policy import KernelPolicy
+    cfg = ModelConfig.named("glm-5", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=64,
+                            hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048, vocab_size=4096,
+                            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, index_n_heads=32,
+                            index_topk=64, **over)
+    model = DsaModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(model)
+    wide = nnx.merge(graph, jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, state))
+    wide.dtype = jnp.float32
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 200))
+
+    def run(m, **policy):
+        return np.asarray(prefill_logits(m, tokens, attn_path="absorbed", kernels=KernelPolicy(**policy)))
+    return model, wide, run

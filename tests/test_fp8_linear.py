@@ -140,21 +140,10 @@ def test_fp8_model_logits_with_the_fp8_linear_kernel_are_as_close_to_fp32_as_xla
     fp8 activations move the logits by themselves, and random weights amplify any difference through
     the indexer's top-k, so the two are compared by their distance to fp32: the kernel's at most 1.25x
     XLA's."""
-    from flax import nnx
-
     import models.layers as layers
-    from models.config import FP8_LINEARS_ALL, ModelConfig
-    from models.model import DsaModel, prefill_logits
-    cfg = ModelConfig.named("glm-5", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=64,
-                            hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048, vocab_size=4096,
-                            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, index_n_heads=32,
-                            index_topk=64, fp8_linears=FP8_LINEARS_ALL)
-    model = DsaModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    graph, state = nnx.split(model)
-    wide = nnx.merge(graph, jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, state))
-    wide.dtype = jnp.float32
-    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 200))
-    run = lambda m, **kw: np.asarray(prefill_logits(m, tokens, attn_path="absorbed", kernels=KernelPolicy(**kw)))  # noqa: E731
+    from models.config import FP8_LINEARS_ALL
+    from tests.helpers import glm5_kernel_slice
+    model, wide, run = glm5_kernel_slice(fp8_linears=FP8_LINEARS_ALL)
     ref = run(wide, fp8_linear_kernel=False, fp8_moe_kernel=False, moe_kernel=False)
     kernel = run(model)
     monkeypatch.setattr(layers, "fp8_linear", fp8_linear_reference)

@@ -132,6 +132,36 @@ def test_fp8_experts_under_expert_parallelism_equal_one_device(ep_dispatch, rows
     assert not np.asarray(got)[~np.asarray(valid)].any()
 
 
+def test_fp8_dense_linears_under_tensor_parallelism_equal_one_device():
+    """Dense linears kept fp8 hold HF's [out, in] (fp8_weight): the sharding table splits them, and
+    their block scales, on the reversed axes (gate / up [I, D] by rows, column-parallel; down [D, I] by
+    columns, row-parallel), each shard whole 128 x 128 blocks, and the tensor-parallel MLP (one psum)
+    equals one device."""
+    from models.moe import MLP
+    mlp = MLP(256, 512, dtype=jnp.float32, rngs=nnx.Rngs(0), fp8=lambda name: True)
+    assert mlp.gate_proj.fp8_weight[...].shape == (512, 256) and mlp.down_proj.fp8_weight[...].shape == (256, 512)
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    graphdef, state = nnx.split(mlp)
+    pure = nnx.to_pure_dict(state)
+    specs = jax.tree_util.tree_map_with_path(
+        lambda p, a: param_sharding(tuple(getattr(k, "key", k) for k in p), a.ndim, mesh).spec, pure)
+    for name, spec in (("gate_proj", P("tp", None)), ("up_proj", P("tp", None)), ("down_proj", P(None, "tp"))):
+        assert specs[name]["fp8_weight"] == spec and specs[name]["scale_inv"] == spec, name
+
+    def local(pure_state, x):
+        st = nnx.state(nnx.merge(graphdef, state))
+        nnx.replace_by_pure_dict(st, pure_state)
+        return nnx.merge(graphdef, st)(x, MeshAxes(tp="tp"))
+
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), pure, specs)
+    assert placed["down_proj"]["fp8_weight"].addressable_shards[0].data.shape == (256, 256)
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 5, 256)), jnp.float32)
+    err = rel_err(step(placed, x), mlp(x))
+    print(f"tp=2 fp8 MLP: rel err {err:.2e}")
+    assert err <= 1e-6
+
+
 def test_replicated_rows_send_each_real_rows_slots_once():
     """With the rows on every rank, the dispatch sends each real row's routed slots exactly once over
     all the ranks (not once per rank): rank r sends the slots of its strided rows r, r + ep, ... below

@@ -2,6 +2,8 @@
 kernel in Mosaic GPU's interpreter against XLA's ragged_dot composition, and the same compiled on the
 GPU (marked gpu)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,14 +114,16 @@ def plain_f32(w, scale):
     return fp8_experts_as_plain(w, scale, jnp.float32)
 
 
-@pytest.mark.parametrize("bm,bn,compute_wgs,cluster_n", [(64, 64, 1, 1), (128, 64, 2, 1), (64, 128, 2, 1),
-                                                          (128, 64, 2, 2), (64, 128, 2, 2)])
-def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, compute_wgs, cluster_n):
+@pytest.mark.parametrize("bm,bn,compute_wgs,cluster_n,pairs", [
+    (64, 64, 1, 1, False), (128, 64, 2, 1, False), (64, 128, 2, 1, False), (128, 64, 2, 2, False),
+    (64, 128, 2, 2, False), (128, 128, 2, 1, True), (128, 64, 2, 2, True)])
+def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, compute_wgs, cluster_n, pairs):
     """The fp8 kernel (interpreter, race detector on) against float64 products of the dequantized
     operands: row scales per 128 columns, weight scales per 128 x 128 block (distinct per block:
     K = N = 256), plain and gate/up fused; an unused tile stays unwritten (NaN from the interpreter).
     Two compute warpgroups split a 128-row tile's rows, or a 64-row tile's columns; cluster_n 2 runs
-    programs in pairs on neighbouring column blocks, their x tiles and row scales multicast."""
+    programs in pairs on neighbouring column blocks, their x tiles and row scales multicast;
+    column_pairs computes two column blocks per tile (plain calls only: with up it is refused)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
@@ -134,10 +138,15 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, comp
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
     gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))   # [E, K, N]
     t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=cluster_n, programs=3 + (cluster_n == 2),
-               compute_wgs=compute_wgs, cluster_n=cluster_n)
+               compute_wgs=compute_wgs, cluster_n=cluster_n, column_pairs=pairs)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     plain = np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs),
                        np.float64)
+    if pairs:
+        with pytest.raises(ValueError, match="column_pairs takes no up"):
+            grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, interpret=interp, x_scale=xs, w_scale=gs,
+                           up_scale=us)
+        t = dataclasses.replace(t, column_pairs=False)
     fused = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, interpret=interp, x_scale=xs,
                                       w_scale=gs, up_scale=us), np.float64)
     for i, e in enumerate(np.asarray(tile_expert)):
@@ -350,20 +359,8 @@ def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
     the same weights run in fp32 (ragged_dot). The two bf16 paths round the experts' intermediate at
     different points and random weights amplify any difference through the indexer's top-k, so they
     are compared by their distance to fp32: the kernel's error at most 1.25x ragged_dot's."""
-    from flax import nnx
-
-    from models.config import ModelConfig
-    from models.model import DsaModel, prefill_logits
-    cfg = ModelConfig.named("glm-5", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=64,
-                            hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048, vocab_size=4096,
-                            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, index_n_heads=32,
-                            index_topk=64)
-    model = DsaModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    graph, state = nnx.split(model)
-    wide = nnx.merge(graph, jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, state))
-    wide.dtype = jnp.float32
-    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 200))
-    run = lambda m, **kw: np.asarray(prefill_logits(m, tokens, attn_path="absorbed", kernels=KernelPolicy(**kw)))  # noqa: E731
+    from tests.helpers import glm5_kernel_slice
+    model, wide, run = glm5_kernel_slice()
     ref = run(wide, moe_kernel=False)
     errs = {name: np.abs(run(model, moe_kernel=on) - ref).max() / np.abs(ref).max()
             for name, on in (("kernel", True), ("ragged_dot", False))}

@@ -48,6 +48,10 @@ class Tiling:
     """2 (warp-specialized kernel only): programs run in clusters of two on neighbouring column blocks
     of one row tile, and each x tile is loaded once for both by TMA multicast (half the x traffic
     from L2)."""
+    column_pairs: bool = False
+    """fp8, warp-specialized, without `up`: each program takes two neighbouring column blocks of w as
+    two accumulators fed by one x block per step (the gate_up call's shape: a [block_m, 2 block_n]
+    output tile, half the x loads and pipeline fills per output column)."""
 
 
 def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
@@ -76,10 +80,13 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"compute_wgs {tiling.compute_wgs}: 1 or 2"
     if tiling.compute_wgs == 2 and (tiling.block_m not in (64, 128) or tiling.block_m == 64 and tiling.block_n % 128):
         return f"two compute warpgroups split 128 rows or, at block_m 64, a multiple of 128 columns ({tiling})"
+    pair = 2 if tiling.column_pairs else 1
+    if tiling.column_pairs and (not fp8 or tiling.compute_wgs != 2 or N % (2 * tiling.block_n)):
+        return f"column_pairs: fp8, two compute warpgroups and N {N} a multiple of 2 x block_n ({tiling})"
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
-            tiling.compute_wgs != 2 or (N // tiling.block_n) % 2 or tiling.programs % 2):
+            tiling.compute_wgs != 2 or (N // tiling.block_n // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
-                f"blocks ({N // tiling.block_n}) and of programs")
+                f"blocks ({N // tiling.block_n // pair}) and of programs")
     return None
 
 
@@ -167,6 +174,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     product and adds it scaled into its fp32 sums while the other's wgmma occupies the tensor cores."""
     xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
     n_w = len(w_refs)
+    n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
+    fused = n_w == 2 and not tiling.column_pairs   # gate and up: silu(gate) * up
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
@@ -189,13 +198,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         """The pipeline's inputs for the tile (row tile mi, column block ni) of `expert`."""
         tile_rows = pl.ds(mi * bm, bm)
         scales = [xs_ref.at[:, tile_rows]] if fp8 else []
-        ws = [w.at[expert, pl.ds(ni * bn, bn)] if fp8 else w.at[expert, :, pl.ds(ni * bn, bn)] for w in w_refs]
+        starts = [(ni * n_out + (j if n_out > 1 else 0)) * bn for j in range(n_w)]
+        ws = [w.at[expert, pl.ds(c, bn)] if fp8 else w.at[expert, :, pl.ds(c, bn)] for w, c in zip(w_refs, starts)]
         return (x_ref.at[tile_rows], *scales, *ws)
 
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
-                       o_smem=plgpu.SMEM((2, sm, sn), o_ref.dtype), collective_axes="wg")
+                       o_smem=plgpu.SMEM((2 * n_out, sm, sn), o_ref.dtype), collective_axes="wg")
     def _scope(allocs, o_smem):
         @plgpu.nd_loop((grid_m * grid_n // cn,), collective_axes="sm")
         def _tile(info):
@@ -210,14 +220,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
                 plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
                 row_scale = jax.lax.broadcast_in_dim(row_scale, (sm, sn), [0])
-                block = (ni * bn + (0 if split_rows else wg * sn)) // FP8_BLOCK
                 new = []
-                for total, w_smem, ws_ref in zip(sums, w_smems, ws_refs):
+                for j, (total, w_smem, ws_ref) in enumerate(zip(sums, w_smems, ws_refs)):
+                    col = (ni * n_out + (j if n_out > 1 else 0)) * bn + (0 if split_rows else wg * sn)
                     def product(acc_ref, w_smem=w_smem):
                         plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
                         return acc_ref[...]
                     part = pl.run_scoped(product, plgpu.ACC((sm, sn), jnp.float32))
-                    new.append(total + part * row_scale * ws_ref[expert, block, idx[0]])
+                    new.append(total + part * row_scale * ws_ref[expert, col // FP8_BLOCK, idx[0]])
                 return tuple(new)
 
             def step_bf16(_, x_smem, *rest):
@@ -227,22 +237,27 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 plgpu.wgmma_wait(0)
                 return accs
 
-            def store(out):
+            def store(outs):
+                """This warpgroup's part of each of the tile's output column blocks, through shared memory."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_smem[wg] = out.astype(o_smem.dtype)
+                for j, out in enumerate(outs):
+                    o_smem[wg * n_out + j] = out.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)].at[rows, cols])
+                for j in range(len(outs)):
+                    block = o_ref.at[pl.ds(mi * bm, bm), pl.ds((ni * n_out + j) * bn, bn)]
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg * n_out + j], block.at[rows, cols])
+
+            def outputs(vals):
+                return [_silu_mul(*vals)] if fused else list(vals)
 
             def context_fp8(run):
                 zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-                sums = run((zeros,) * n_w)
-                store(_silu_mul(*sums) if n_w == 2 else sums[0])
+                store(outputs(run((zeros,) * n_w)))
 
             def context_bf16(run):
                 def scoped(*accs):
                     run(accs)
-                    vals = [acc[...] for acc in accs]
-                    store(_silu_mul(*vals) if n_w == 2 else vals[0])
+                    store(outputs([acc[...] for acc in accs]))
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * n_w)
 
             @pl.when(expert >= 0)
@@ -282,10 +297,14 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
                          f"{tiling.block_m}-row tile of {P} rows")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    weights = (w,) if up is None else (w, up)
+    if tiling.column_pairs and up is not None:
+        raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
+    pair = 2 if tiling.column_pairs else 1
+    weights = (w,) * pair if up is None else (w, up)
     if fp8:
-        weights = (x_scale,) + weights + ((w_scale,) if up is None else (w_scale, up_scale))
-    grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tiling.block_n, k_steps=K // tiling.block_k)
+        weights = (x_scale,) + weights + ((w_scale,) * pair if up is None else (w_scale, up_scale))
+    grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tiling.block_n // pair,
+                k_steps=K // tiling.block_k)
     body = functools.partial(_kernel_ws if tiling.compute_wgs == 2 else _kernel, fp8=fp8, **grid)
     threads = dict(num_threads=3, thread_name="wg") if tiling.compute_wgs == 2 else {}
     if tiling.cluster_n == 2:
