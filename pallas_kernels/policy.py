@@ -64,6 +64,11 @@ class KernelPolicy:
     cp.async, two consumer warpgroups) instead of the Triton one: on the H200 (docs/perf.md,
     2026-12-03) 278 vs 238 TFLOP/s at 8192 queries, and a GLM-5-slice prefill of 8192 tokens in 85.6
     vs 92.0 ms. Off: the Triton kernel, which also serves decode, verify and small chunks."""
+    mgpu_sparse_mla_rows: bool = False
+    """Decode- and verify-sized sparse MLA calls (fewer than two queries per SM) with GLM-5's widths run
+    the Mosaic GPU kernel with each query's selected rows dealt to several programs, their outputs
+    merged by their softmax statistics (kernel_mgpu.sparse_mla_mgpu_rows), instead of the Triton
+    kernel's splits. Off until measured on the H200."""
     unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
     groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose

@@ -625,8 +625,8 @@ def bench_sparse_mla(args, ceil):
 
     from cpkv_jax.perf import fitted_pipelined_time, print_table
     from pallas_kernels.sparse_mla import Tiling, sparse_mla_pallas, sparse_mla_reference
-    from pallas_kernels.sparse_mla.dispatch import tiling_for
-    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
+    from pallas_kernels.sparse_mla.dispatch import row_splits_for, tiling_for
+    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu, sparse_mla_mgpu_rows
     H, C, R, K = 64, 512, 64, args.k
     out, rows = [], [["case", "variant", "ms", "TFLOP/s", "GB/s", "share", "err"]]
     cases = [("prefill", int(n)) for n in args.mla_prefill.split(",") if n]
@@ -644,6 +644,10 @@ def bench_sparse_mla(args, ceil):
         for spec in [t for t in (args.mla_tilings if prefill else args.mla_decode_tilings).split(",") if t]:
             if spec in ("mgpu", "mgpu_split"):      # the Mosaic GPU prefill kernel (one program per query)
                 variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, split_keys=spec == "mgpu_split"),
+                                         static_argnums=(4, 6))
+                continue
+            if spec == "mgpu_rows":                 # the same, each query's rows dealt to several programs
+                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu_rows, row_splits=row_splits_for(N, K)),
                                          static_argnums=(4, 6))
                 continue
             if spec == "dispatch":
@@ -818,7 +822,9 @@ def main() -> int:
                    help="sparse MLA prefill variants: Triton tilings block_h:block_k:warps:stages[:splits], 'dispatch' "
                         "(the Triton tiling the dispatch picks), 'mgpu' or 'mgpu_split' (the Mosaic GPU kernel, "
                         "split_keys off / on)")
-    p.add_argument("--mla-decode-tilings", default="dispatch,64:32:8:2:8,64:64:8:2:16,64:32:4:2:33")
+    p.add_argument("--mla-decode-tilings", default="dispatch,mgpu_rows,64:32:8:2:8,64:64:8:2:16,64:32:4:2:33",
+                   help="sparse MLA decode variants: as --mla-tilings, and 'mgpu_rows' (the Mosaic GPU kernel with "
+                        "each query's rows dealt to several programs, dispatch.row_splits_for)")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
     if args.moe_small:

@@ -219,6 +219,35 @@ def test_selected_first_keeps_each_rows_selection_in_order():
                                np.asarray(sparse_mla_reference(*args, jnp.asarray(slots), 0.3)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("row_splits", [1, 3, 8])
+def test_row_splits_merged_equal_the_whole_rows(row_splits):
+    """Decode-sized calls deal each query's selected rows to row_splits programs and merge their
+    normalized outputs by their softmax statistics: with the kernel stood in for by the jnp reference
+    and its statistics (the same conventions: log2 units, m = -1e30 and l = 0 for no row), the merged
+    attention equals the whole rows' reference on full, short and empty rows (K = 20 not a multiple of
+    the splits: splits with no row at all merge as nothing)."""
+    from pallas_kernels.sparse_mla.kernel_mgpu import deal_rows, sparse_mla_mgpu_rows
+    from pallas_kernels.sparse_mla.reference import sparse_mla_stats_reference
+
+    q_lat, q_rope, latent, k_rope, slots = make_case(9, 4, 32, 16, 20, seed=row_splits)
+    args = (*map(jnp.asarray, (q_lat, q_rope, latent, k_rope)), 1)
+    dealt = np.asarray(deal_rows(jnp.asarray(slots), row_splits))
+    assert dealt.shape == (9 * row_splits, -(-20 // row_splits))
+    for n in range(9):                       # each query's rows, every one exactly once over its splits
+        mine = dealt[n * row_splits:(n + 1) * row_splits]
+        np.testing.assert_array_equal(np.sort(mine[mine >= 0]), np.sort(slots[n][slots[n] >= 0]))
+        counts = (mine >= 0).sum(axis=1)
+        assert counts.max() - counts.min() <= 1                    # dealt evenly
+
+    def standin(q_lat, q_rope, latent, k_rope, layer, slots, scale):
+        return (sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale),
+                sparse_mla_stats_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale))
+    got = sparse_mla_mgpu_rows(*args, jnp.asarray(slots), 0.3, row_splits=row_splits, kernel=standin)
+    want = sparse_mla_reference(*args, jnp.asarray(slots), 0.3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert not np.asarray(got)[2].any()                              # the empty row: zeros
+
+
 @pytest.mark.parametrize("split_keys", [False, True])
 def test_mgpu_kernel_lowers_for_cuda(split_keys):
     """Both block splits of the Mosaic GPU kernel trace and lower for CUDA on any machine (layout
@@ -234,3 +263,55 @@ def test_mgpu_kernel_lowers_for_cuda(split_keys):
     fn = jax.jit(functools.partial(sparse_mla_mgpu, split_keys=split_keys), static_argnums=(4, 6))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, split_keys=split_keys, with_stats=True), static_argnums=(4, 6))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_mgpu_row_splits_lower_for_cuda():
+    """The decode-sized call through row splits (8 queries x 33 splits of GLM-5's 2048 rows) traces and
+    lowers for CUDA: the kernel with its statistics output, then the merge."""
+    import functools
+
+    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu_rows
+
+    N, H, C, R, L, P, K = 8, 64, 512, 64, 2, 4096, 2048
+    sds = jax.ShapeDtypeStruct
+    args = (sds((N, H, C), jnp.bfloat16), sds((N, H, R), jnp.bfloat16), sds((L, P, C), jnp.bfloat16),
+            sds((L, P, R), jnp.bfloat16), 1, sds((N, K), jnp.int32), 0.1)
+    fn = jax.jit(functools.partial(sparse_mla_mgpu_rows, row_splits=33), static_argnums=(4, 6))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 8, 64])
+def test_mgpu_row_splits_compiled_equal_reference(N, monkeypatch):
+    """Decode-sized calls through the Mosaic GPU kernel with row splits (the dispatch's count), compiled:
+    GLM-5's widths, full / short / empty rows; the kernel's statistics output against the reference's
+    statistics on the dealt rows; the dispatch with policy.mgpu_sparse_mla_rows takes this path."""
+    from pallas_kernels.sparse_mla.dispatch import row_splits_for
+    from pallas_kernels.sparse_mla.kernel_mgpu import deal_rows, sparse_mla_mgpu, sparse_mla_mgpu_rows
+    from pallas_kernels.sparse_mla.reference import sparse_mla_stats_reference
+
+    q_lat, q_rope, latent, k_rope, slots = make_case(N, 64, 512, 64, 2048, P=8192, L=2, seed=N)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
+    S = row_splits_for(N, 2048)
+    want = np.asarray(sparse_mla_reference(*args), np.float32)
+    got = np.asarray(jax.jit(sparse_mla_mgpu_rows, static_argnums=(4, 6), static_argnames="row_splits")(
+        *args, row_splits=S), np.float32)
+    assert np.all(np.isfinite(got)) and np.max(np.abs(got - want)) / np.max(np.abs(want)) < 2e-2
+    assert np.all(got[np.all(slots < 0, axis=1)] == 0)
+    rep = lambda a: jnp.repeat(a, S, axis=0)   # noqa: E731
+    dealt = (rep(args[0]), rep(args[1]), *args[2:5], deal_rows(args[5], S), args[6])
+    _, stats = sparse_mla_mgpu(*dealt, with_stats=True)
+    ref = np.asarray(sparse_mla_stats_reference(*dealt))
+    some = ref[:, 1] > 0
+    np.testing.assert_allclose(np.asarray(stats)[:, 0][some], ref[:, 0][some], rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(stats)[:, 1][some], ref[:, 1][some], rtol=2e-2)
+    assert np.all(np.asarray(stats)[:, 1][~some] == 0)
+    import pallas_kernels.sparse_mla.dispatch as dispatch
+    calls = []
+    monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows", lambda *a, **kw: calls.append(kw) or sparse_mla_mgpu_rows(*a, **kw))
+    routed = np.asarray(sparse_mla(*args, policy=KernelPolicy(mgpu_sparse_mla_rows=True)), np.float32)
+    assert calls == [{"row_splits": S}]
+    assert np.max(np.abs(routed - want)) / np.max(np.abs(want)) < 2e-2

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.sparse_mla.kernel import Tiling, sparse_mla_pallas
-from pallas_kernels.sparse_mla.kernel_mgpu import mgpu_shape_error, sparse_mla_mgpu
+from pallas_kernels.sparse_mla.kernel_mgpu import BLOCK, mgpu_shape_error, sparse_mla_mgpu, sparse_mla_mgpu_rows
 from pallas_kernels.sparse_mla.reference import sparse_mla_reference
 
 _SM_COUNT = 132   # H200: below about two programs per SM the selected rows are split over programs
@@ -51,12 +51,21 @@ def mgpu_applies(N: int, q_lat, q_rope, policy: KernelPolicy) -> bool:
     return policy.mgpu_sparse_mla and N >= 2 * _SM_COUNT and mgpu_shape_error(q_lat, q_rope) is None
 
 
+def row_splits_for(N: int, K: int) -> int:
+    """Programs per query of a decode-sized Mosaic GPU call: enough to cover the SMs twice, each with
+    at least one 64-row block."""
+    return max(1, min(-(-2 * _SM_COUNT // N), -(-K // BLOCK)))
+
+
 def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, policy: KernelPolicy = DEFAULT_POLICY):
     """The dispatch (see sparse_mla_reference for the arguments)."""
     if kernel_applies(q_lat, q_rope, policy):
         N, H, _ = q_lat.shape
         if mgpu_applies(N, q_lat, q_rope, policy):
             return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale)
+        if policy.mgpu_sparse_mla_rows and mgpu_shape_error(q_lat, q_rope) is None:
+            return sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale,
+                                        row_splits=row_splits_for(N, slots.shape[1]))
         return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                  tiling=tiling_for(N, H, slots.shape[1], q_lat.dtype))
     return sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale)

@@ -134,9 +134,11 @@ def _row_stats(value):
     return plgpu.layout_cast(jnp.full((HEADS,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
 
-def _write_out(wg, n, acc, l, o_ref, smem):
+def _write_out(wg, n, acc, m, l, out_refs, smem):
     """acc / l through the query's shared-memory buffer (free once both warpgroups are past their last
-    score product) to the warpgroup's output columns."""
+    score product) to the warpgroup's output columns; with a stats output, warpgroup 0 also writes the
+    softmax's running max m and sum l (log2 units of the scaled scores) for merging row splits."""
+    o_ref, *stats_ref = out_refs
     q_lat_smem, done = smem["q_lat"], smem["done"]
     half = q_lat_smem.shape[-1]
     some = l > 0
@@ -146,6 +148,14 @@ def _write_out(wg, n, acc, l, o_ref, smem):
     q_lat_smem[wg] = out.astype(jnp.bfloat16)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_lat_smem.at[wg], o_ref.at[n, :, pl.ds(wg * half, half)])
+    if stats_ref:
+        @pl.when(wg == 0)
+        def _stats():
+            stats_smem = smem["stats"]
+            stats_smem[0] = m
+            stats_smem[1] = l
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stats_smem, stats_ref[0].at[n])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -162,7 +172,7 @@ def _block_scores(smem, slot, rows: pl.Slice):
     return pl.run_scoped(scores, plgpu.ACC((HEADS, rows.size), jnp.float32))
 
 
-def _compute_all_keys(wg, n, end, blocks, scale, o_ref, smem):
+def _compute_all_keys(wg, n, end, blocks, scale, out_refs, smem):
     """Compute warpgroup wg: the whole block's scores (so it has every probability without exchanging
     any), its own half of the output columns."""
     q_lat_smem, lat_smem = smem["q_lat"], smem["lat"]
@@ -187,11 +197,11 @@ def _compute_all_keys(wg, n, end, blocks, scale, o_ref, smem):
         plgpu.barrier_arrive(k_free.at[slot])
         return acc, m_new, l
 
-    acc, _, l = lax.fori_loop(0, blocks, block, (acc, _row_stats(_NEG), _row_stats(0.0)))
-    _write_out(wg, n, acc, l, o_ref, smem)
+    acc, m, l = lax.fori_loop(0, blocks, block, (acc, _row_stats(_NEG), _row_stats(0.0)))
+    _write_out(wg, n, acc, m, l, out_refs, smem)
 
 
-def _compute_split_keys(w, n, end, blocks, scale, o_ref, smem):
+def _compute_split_keys(w, n, end, blocks, scale, out_refs, smem):
     """Compute warpgroup w (static): the scores of its half of the block's rows only, the running max
     and the probabilities exchanged with the other warpgroup through shared memory (so the 576-wide
     score product is computed once, not twice), then its half of the output columns over all rows.
@@ -235,11 +245,11 @@ def _compute_split_keys(w, n, end, blocks, scale, o_ref, smem):
         plgpu.barrier_arrive(k_free.at[slot])
         return acc, m_new, l
 
-    acc, _, l = lax.fori_loop(0, blocks, block, (acc, _row_stats(_NEG), _row_stats(0.0)))
-    _write_out(w, n, acc, l + other_stat(l), o_ref, smem)
+    acc, m, l = lax.fori_loop(0, blocks, block, (acc, _row_stats(_NEG), _row_stats(0.0)))
+    _write_out(w, n, acc, m, l + other_stat(l), out_refs, smem)
 
 
-def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, o_ref, *, scale: float,
+def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, *out_refs, scale: float,
             n_queries: int, split_keys: bool, **smem):
     q_lat_smem = smem["q_lat"]
     k_bar, k_free, q_bar, done = smem["k_bar"], smem["k_free"], smem["q_bar"], smem["done"]
@@ -254,9 +264,9 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
         plgpu.barrier_wait(q_bar)
         if split_keys:
             for w in range(2):
-                pl.when(wg == w)(functools.partial(_compute_split_keys, w, n, end, blocks, scale, o_ref, smem))
+                pl.when(wg == w)(functools.partial(_compute_split_keys, w, n, end, blocks, scale, out_refs, smem))
         else:
-            _compute_all_keys(wg, n, end, blocks, scale, o_ref, smem)
+            _compute_all_keys(wg, n, end, blocks, scale, out_refs, smem)
 
     @pl.when(wg == 2)
     def _memory():
@@ -309,11 +319,13 @@ def selected_first(slots):
 
 
 def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
-                    split_keys: bool = False):
+                    split_keys: bool = False, with_stats: bool = False):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
     query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
     split_keys: the two compute warpgroups split each block's rows for the scores and exchange the
-    running max and the probabilities (_compute_split_keys), instead of each computing all scores."""
+    running max and the probabilities (_compute_split_keys), instead of each computing all scores.
+    with_stats: also each query's softmax statistics [N, 2, H] fp32 (running max m and sum l in log2
+    units of the scaled scores: its log-sum-exp is (m + log2 l) / log2 e), returned second."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
@@ -330,6 +342,8 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
                 q_rope=plgpu.SMEM((HEADS, R), jnp.bfloat16, transforms=tiled),
                 lat=plgpu.SMEM((STAGES, 2, BLOCK, C // 2), jnp.bfloat16, transforms=tiled),
                 rope=plgpu.SMEM((STAGES, BLOCK, R), jnp.bfloat16, transforms=tiled))
+    if with_stats:
+        smem.update(stats=plgpu.SMEM((2, HEADS), jnp.float32))
     if split_keys:   # allocated before the barriers: 64 bytes short of the limit otherwise (alignment)
         smem.update(p=plgpu.SMEM((HEADS, BLOCK), jnp.bfloat16),
                     stat=plgpu.SMEM((2, HEADS), jnp.float32),
@@ -338,13 +352,57 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
                 k_free=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
                 q_bar=plgpu.Barrier(num_arrivals=3),
                 done=plgpu.Barrier(num_arrivals=2))
+    out_type = jax.ShapeDtypeStruct((N, HEADS, C), jnp.bfloat16)
+    if with_stats:
+        out_type = (out_type, jax.ShapeDtypeStruct((N, 2, HEADS), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, n_queries=N, split_keys=split_keys),
-        out_type=jax.ShapeDtypeStruct((N, HEADS, C), jnp.bfloat16), grid=(N,), grid_names=("n",),
+        out_type=out_type, grid=(N,), grid_names=("n",),
         num_threads=3, thread_name="wg", scratch_types=smem,
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane if lane_semantics
             else plgpu.LoweringSemantics.Warpgroup, **_NO_REDUCTION_SCRATCH))
     out = kernel(jnp.asarray(layer, jnp.int32).reshape(1), ends, q_lat.astype(jnp.bfloat16),
                  q_rope.astype(jnp.bfloat16), slots, latent.astype(jnp.bfloat16), k_rope.astype(jnp.bfloat16))
+    if with_stats:
+        return out[0][:, :H], out[1][:, :, :H]
     return out[:, :H]
+
+
+def deal_rows(slots, row_splits: int):
+    """[N, K] slots -> [N * row_splits, ceil(K / row_splits)]: each query's selected slots dealt round
+    robin to row_splits virtual queries (query n's splits are rows n * row_splits + s), so a query
+    selecting fewer than K rows still spreads them evenly; -1 pads."""
+    N, K = slots.shape
+    front, _ = selected_first(slots)
+    width = -(-K // row_splits)
+    front = jnp.pad(front, ((0, 0), (0, width * row_splits - K)), constant_values=-1)
+    return front.reshape(N, width, row_splits).transpose(0, 2, 1).reshape(N * row_splits, width)
+
+
+def merge_row_splits(out, stats, row_splits: int, dtype):
+    """The attention of each query from its splits' normalized outputs out [N * S, H, C] and softmax
+    statistics stats [N * S, 2, H] (max m, sum l; log2 units): sum_s out_s l_s 2^(m_s - M) over
+    sum_s l_s 2^(m_s - M), M the largest m of a split with rows; zeros for a query with none."""
+    NS, H, C = out.shape
+    N = NS // row_splits
+    m, l = (stats[:, i].reshape(N, row_splits, H) for i in (0, 1))
+    some = l > 0
+    top = jnp.max(jnp.where(some, m, -jnp.inf), axis=1, keepdims=True)
+    w = jnp.where(some, jnp.exp2(m - jnp.where(jnp.isfinite(top), top, 0.0)) * l, 0.0)      # [N, S, H]
+    total = w.sum(axis=1)
+    o = jnp.einsum("nsh,nshc->nhc", w, out.reshape(N, row_splits, H, C).astype(jnp.float32))
+    return jnp.where(total[..., None] > 0, o / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
+
+
+def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int,
+                         kernel=None):
+    """sparse_mla_mgpu for few queries (decode, verify): each query's selected rows dealt to row_splits
+    programs (deal_rows), each returning its normalized output and softmax statistics, merged in
+    fp32 (merge_row_splits). `kernel` (default sparse_mla_mgpu with stats) is what runs the virtual
+    queries: the tests put a jnp stand-in there."""
+    N = q_lat.shape[0]
+    kernel = kernel or functools.partial(sparse_mla_mgpu, with_stats=True)
+    rep = lambda a: jnp.repeat(a, row_splits, axis=0)   # noqa: E731
+    out, stats = kernel(rep(q_lat), rep(q_rope), latent, k_rope, layer, deal_rows(slots, row_splits), scale)
+    return merge_row_splits(out, stats, row_splits, q_lat.dtype)

@@ -31,3 +31,20 @@ def sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale: flo
     l = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("nhk,nkc->nhc", p, lat.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q_lat.dtype)
+
+
+def sparse_mla_stats_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale: float):
+    """The softmax statistics sparse_mla_mgpu(with_stats=True) returns, [N, 2, H] fp32: each query's
+    and head's largest scaled score m and sum l of 2^(s - m) over its selected rows, in log2 units
+    (s = scale * score * log2 e); m = -1e30 and l = 0 for a query with none."""
+    valid = slots >= 0
+    safe = jnp.maximum(slots, 0)
+    lat = latent[layer][safe].astype(jnp.float32)
+    rope = k_rope[layer][safe].astype(jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    s = (jnp.einsum("nhc,nkc->nhk", q_lat.astype(jnp.float32), lat, precision=hp)
+         + jnp.einsum("nhr,nkr->nhk", q_rope.astype(jnp.float32), rope, precision=hp)) * (scale * 1.4426950408889634)
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    m = jnp.maximum(jnp.max(s, axis=-1), -1e30)
+    l = jnp.sum(jnp.where(valid[:, None, :], jnp.exp2(s - m[..., None]), 0.0), axis=-1)
+    return jnp.stack([m, l], axis=1)
