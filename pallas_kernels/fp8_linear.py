@@ -33,7 +33,8 @@ def linear_tiling(rows: int, N: int) -> Tiling:
     return Tiling(block_m=64, block_n=64, block_k=GROUP, stages=4, grid_block_n=1)
 
 
-def padded_rows(rows: int, tiling: Tiling) -> int:
+def _tile_rows(rows: int, tiling: Tiling) -> int:
+    """Rows padded to whole row tiles (one expert: no per-expert padding, unlike moe.plan.padded_rows)."""
     return -(-rows // tiling.block_m) * tiling.block_m
 
 
@@ -52,7 +53,7 @@ def shape_error(x, w, scale_inv, tiling: Tiling | None = None) -> str | None:
     if K % GROUP:
         return f"K {K} is not a multiple of {GROUP} (the activations' scale groups)"
     t = tiling or linear_tiling(rows, N)
-    return grouped_shape_error(jax.ShapeDtypeStruct((padded_rows(rows, t), K), jnp.float8_e4m3fn),
+    return grouped_shape_error(jax.ShapeDtypeStruct((_tile_rows(rows, t), K), jnp.float8_e4m3fn),
                                jax.ShapeDtypeStruct((1, N, K), w.dtype), t, fp8=True)
 
 
@@ -81,7 +82,7 @@ def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, interpret=False
     N = w.shape[0]
     rows = x.reshape(-1, K)
     t = tiling or linear_tiling(rows.shape[0], N)
-    P = padded_rows(rows.shape[0], t)
+    P = _tile_rows(rows.shape[0], t)
     xq, xs = quantize_rows(jnp.pad(rows, ((0, P - rows.shape[0]), (0, 0))))   # padding: zeros at scale 1
     y = grouped_matmul(xq, w[None], jnp.zeros(P // t.block_m, jnp.int32), tiling=t, interpret=interpret,
                        x_scale=xs, w_scale=scale_inv[None], out_dtype=x.dtype)

@@ -194,12 +194,17 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             body, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs)
 
+    def column(ni, j):
+        """First output column of weight j's block in tile column ni (gate and up share one block; column
+        pairs take two neighbouring ones)."""
+        return (ni * n_out + min(j, n_out - 1)) * bn
+
     def operands(mi, ni, expert):
         """The pipeline's inputs for the tile (row tile mi, column block ni) of `expert`."""
         tile_rows = pl.ds(mi * bm, bm)
         scales = [xs_ref.at[:, tile_rows]] if fp8 else []
-        starts = [(ni * n_out + (j if n_out > 1 else 0)) * bn for j in range(n_w)]
-        ws = [w.at[expert, pl.ds(c, bn)] if fp8 else w.at[expert, :, pl.ds(c, bn)] for w, c in zip(w_refs, starts)]
+        ws = [w.at[expert, pl.ds(column(ni, j), bn)] if fp8 else w.at[expert, :, pl.ds(column(ni, j), bn)]
+              for j, w in enumerate(w_refs)]
         return (x_ref.at[tile_rows], *scales, *ws)
 
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
@@ -222,7 +227,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 row_scale = jax.lax.broadcast_in_dim(row_scale, (sm, sn), [0])
                 new = []
                 for j, (total, w_smem, ws_ref) in enumerate(zip(sums, w_smems, ws_refs)):
-                    col = (ni * n_out + (j if n_out > 1 else 0)) * bn + (0 if split_rows else wg * sn)
+                    col = column(ni, j) + (0 if split_rows else wg * sn)
                     def product(acc_ref, w_smem=w_smem):
                         plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
                         return acc_ref[...]
@@ -244,7 +249,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     o_smem[wg * n_out + j] = out.astype(o_smem.dtype)
                 plgpu.commit_smem()
                 for j in range(len(outs)):
-                    block = o_ref.at[pl.ds(mi * bm, bm), pl.ds((ni * n_out + j) * bn, bn)]
+                    block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn)]
                     plgpu.copy_smem_to_gmem(o_smem.at[wg * n_out + j], block.at[rows, cols])
 
             def outputs(vals):

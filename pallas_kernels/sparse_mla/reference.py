@@ -13,10 +13,9 @@ import jax.numpy as jnp
 from pallas_kernels.sparse_mla.common import check_sparse_mla_args
 
 
-def sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale: float):
-    """q_lat [N, H, C], q_rope [N, H, R]; latent [L, P, C], k_rope [L, P, R] (the pool, read at
-    `layer`); slots [N, K] int32 pool slots (< 0: not selected); returns o_lat [N, H, C] in q's dtype,
-    the softmax in fp32."""
+def selected_scores(q_lat, q_rope, latent, k_rope, layer, slots, scale: float):
+    """(scores [N, H, K] fp32, scale applied, -inf where a slot is not selected; the selected rows'
+    latents [N, K, C] in q's dtype; the selection mask [N, K]) for the arguments of sparse_mla_reference."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     valid = slots >= 0
     safe = jnp.maximum(slots, 0)
@@ -25,7 +24,14 @@ def sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale: flo
     precision = jax.lax.Precision.HIGHEST if q_lat.dtype == jnp.float32 else None
     s = (jnp.einsum("nhc,nkc->nhk", q_lat, lat, precision=precision, preferred_element_type=jnp.float32)
          + jnp.einsum("nhr,nkr->nhk", q_rope, rope, precision=precision, preferred_element_type=jnp.float32))
-    s = jnp.where(valid[:, None, :], s * scale, -jnp.inf)
+    return jnp.where(valid[:, None, :], s * scale, -jnp.inf), lat, valid
+
+
+def sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale: float):
+    """q_lat [N, H, C], q_rope [N, H, R]; latent [L, P, C], k_rope [L, P, R] (the pool, read at
+    `layer`); slots [N, K] int32 pool slots (< 0: not selected); returns o_lat [N, H, C] in q's dtype,
+    the softmax in fp32."""
+    s, lat, valid = selected_scores(q_lat, q_rope, latent, k_rope, layer, slots, scale)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(valid[:, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
@@ -37,14 +43,7 @@ def sparse_mla_stats_reference(q_lat, q_rope, latent, k_rope, layer, slots, scal
     """The softmax statistics sparse_mla_mgpu(with_stats=True) returns, [N, 2, H] fp32: each query's
     and head's largest scaled score m and sum l of 2^(s - m) over its selected rows, in log2 units
     (s = scale * score * log2 e); m = -1e30 and l = 0 for a query with none."""
-    valid = slots >= 0
-    safe = jnp.maximum(slots, 0)
-    lat = latent[layer][safe].astype(jnp.float32)
-    rope = k_rope[layer][safe].astype(jnp.float32)
-    hp = jax.lax.Precision.HIGHEST
-    s = (jnp.einsum("nhc,nkc->nhk", q_lat.astype(jnp.float32), lat, precision=hp)
-         + jnp.einsum("nhr,nkr->nhk", q_rope.astype(jnp.float32), rope, precision=hp)) * (scale * 1.4426950408889634)
-    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    s, _, valid = selected_scores(q_lat, q_rope, latent, k_rope, layer, slots, scale * 1.4426950408889634)
     m = jnp.maximum(jnp.max(s, axis=-1), -1e30)
     l = jnp.sum(jnp.where(valid[:, None, :], jnp.exp2(s - m[..., None]), 0.0), axis=-1)
     return jnp.stack([m, l], axis=1)
