@@ -370,9 +370,9 @@ def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
 
 
 def test_clusters_apply_only_where_the_column_blocks_pair_up():
-    """A tiling of two-program clusters is kept for an even number of column blocks and dropped (to
-    single programs) for an odd one, where the kernel would refuse it; at GLM-5's widths every default
-    clustered tiling is kept."""
+    """A tiling of two-program clusters or of column pairs is kept for an even number of column blocks
+    and dropped (to single programs, one block per tile) for an odd one, where the kernel would refuse
+    it; at GLM-5's widths every default tiling is kept."""
     from pallas_kernels.moe.dispatch import blocked_tilings, expert_tilings, fp8_tilings, paired
     from pallas_kernels.moe.grouped_matmul import shape_error
     t = fp8_tilings(64, 256)[1]
@@ -381,6 +381,10 @@ def test_clusters_apply_only_where_the_column_blocks_pair_up():
     assert "even number of column blocks" in shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn),
                                                         t, fp8=True)
     assert shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn), paired(t, 384), fp8=True) is None
+    pairs = fp8_tilings(65536, 256)[1]          # prefill fp8 down: two column blocks per tile, same rule
+    assert pairs.column_pairs and paired(pairs, 6144) is pairs and not paired(pairs, 6144 - 128).column_pairs
+    assert "column_pairs" in shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn), pairs, fp8=True)
+    assert shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn), paired(pairs, 384), fp8=True) is None
     for slots in (8, 65536):
         for fp8 in (False, True):
             gate = jax.ShapeDtypeStruct((256, 2048, 6144) if fp8 else (256, 6144, 2048), jnp.bfloat16)

@@ -58,8 +58,11 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
 
 
 def paired(t: Tiling, N: int) -> Tiling:
-    """t, or t without its cluster of two programs where N's column blocks do not pair up."""
-    return dataclasses.replace(t, cluster_n=1) if t.cluster_n == 2 and (N // t.block_n) % 2 else t
+    """t, or t without its cluster of two programs or its column pairs where N's column blocks do not
+    pair up (the kernel refuses both there)."""
+    if (t.cluster_n == 2 or t.column_pairs) and (N // t.block_n) % 2:
+        return dataclasses.replace(t, cluster_n=1, column_pairs=False)
+    return t
 
 
 def blocked_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tiling]:
@@ -100,17 +103,21 @@ def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling)
 def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tiling]:
     """The fp8 kernel's tilings: one 128-wide scale block per K step. Two compute warpgroups
     (warp-specialized) each hold half the tile, 64 of 128 rows or, at block_m 64 (few rows per
-    expert), half of 128 columns; the down call, and at decode both, in clusters of two programs
-    sharing their x tiles by multicast (H200, docs/perf.md 2026-12-03 fourth session: down 8192 x 16
-    1.83 vs 2.01 ms, 64 x 256 gate_up 1.51 vs 1.76 and down 0.90 vs 1.06; gate_up at prefill is
-    slower in clusters, 3.35 vs 3.20). One warpgroup: 64 columns per accumulator (the per-step
-    product and the running sum each hold a [block_m, block_n] fp32 tile in registers)."""
+    expert), half of 128 columns. At decode both calls run in clusters of two programs sharing their
+    x tiles by multicast (H200, docs/perf.md 2026-12-03 fourth session: 64 x 256 gate_up 1.51 vs 1.76
+    ms, down 0.90 vs 1.06); at prefill the down call computes two column blocks per tile (column
+    pairs, the gate_up call's two accumulators; fifth session: 8192 x 16 1.76 vs 2.01 ms, clustered
+    1.88; 8192 x 256 2.27 vs 2.62) and gate_up stays single (clusters slower, 3.46 vs 3.43). One
+    warpgroup: 64 columns per accumulator (the per-step product and the running sum each hold a
+    [block_m, block_n] fp32 tile in registers)."""
     block_m = 64 if slots < 4 * E else 128
     if compute_wgs == 2:
         t = Tiling(block_m=block_m, block_n=128, block_k=128, stages=4, compute_wgs=2,
                    grid_block_n=1 if block_m == 64 else 16)
-        clustered = dataclasses.replace(t, cluster_n=2)
-        return (clustered if block_m == 64 else t), clustered
+        if block_m == 64:
+            clustered = dataclasses.replace(t, cluster_n=2)
+            return clustered, clustered
+        return t, dataclasses.replace(t, stages=3, column_pairs=True)
     return (Tiling(block_m=block_m, block_n=64, block_k=128, stages=3),
             Tiling(block_m=block_m, block_n=64, block_k=128, stages=4))
 
