@@ -64,11 +64,20 @@ class KernelPolicy:
     cp.async, two consumer warpgroups) instead of the Triton one: on the H200 (docs/perf.md,
     2026-12-03) 278 vs 238 TFLOP/s at 8192 queries, and a GLM-5-slice prefill of 8192 tokens in 85.6
     vs 92.0 ms. Off: the Triton kernel, which also serves decode, verify and small chunks."""
+    mgpu_sparse_mla_alternate: bool = False
+    """The Mosaic GPU prefill kernel's two compute warpgroups take turns computing a block's scores and
+    softmax, sharing the probabilities through shared memory (kernel_mgpu's "alternate", FlashMLA's
+    scheme), instead of each computing every score ("both": the 576-wide score product twice). Off:
+    correct, and slower on the H200 (docs/perf.md, 2026-12-03 fifth session): 8192 queries 9.10 vs
+    7.05 ms, 32768 38.4 vs 32.3; a GLM-5-slice prefill of 8192 tokens 101.9 vs 93.4 ms. Each block's
+    value products wait for the probabilities the other warpgroup publishes, so the two no longer
+    overlap one's softmax with the other's matmuls."""
     mgpu_sparse_mla_rows: bool = False
     """Decode- and verify-sized sparse MLA calls (fewer than two queries per SM) with GLM-5's widths run
     the Mosaic GPU kernel with each query's selected rows dealt to several programs, their outputs
     merged by their softmax statistics (kernel_mgpu.sparse_mla_mgpu_rows), instead of the Triton
-    kernel's splits. Off until measured on the H200."""
+    kernel's splits. Off: slower on the H200 (docs/perf.md, 2026-12-03 fifth session), 1 / 8 / 64
+    queries 0.068 / 0.076 / 0.310 ms against the Triton kernel's 0.056 / 0.055 / 0.183."""
     unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
     groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose

@@ -615,6 +615,9 @@ def _expanded_attention(q_nope, q_rope, lat, rope, w_uk, w_uv, scale):
     return jnp.einsum("hts,shd->thd", jax.nn.softmax(s, axis=-1).astype(lat.dtype), v)
 
 
+MGPU_SCORES = {"mgpu": "both", "mgpu_alt": "alternate", "mgpu_split": "split_keys"}   # kernel_mgpu's `scores`
+
+
 def bench_sparse_mla(args, ceil):
     """Prefill (causal, one request of N tokens, k = 2048) and decode (N queries over a 131072-slot
     pool): each kernel tiling, the jnp composition (gather + einsums; prefill on a slice of the
@@ -642,8 +645,8 @@ def bench_sparse_mla(args, ceil):
         entry = {"case": kind, "queries": N, "k": K, "flops": flops, "bytes": nbytes}
         variants = {}
         for spec in [t for t in (args.mla_tilings if prefill else args.mla_decode_tilings).split(",") if t]:
-            if spec in ("mgpu", "mgpu_split"):      # the Mosaic GPU prefill kernel (one program per query)
-                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, split_keys=spec == "mgpu_split"),
+            if spec in MGPU_SCORES:                 # the Mosaic GPU prefill kernel (one program per query)
+                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, scores=MGPU_SCORES[spec]),
                                          static_argnums=(4, 6))
                 continue
             if spec == "mgpu_rows":                 # the same, each query's rows dealt to several programs
@@ -818,10 +821,10 @@ def main() -> int:
                    help="tiny shapes and ceilings (CPU smoke test: lax.ragged_dot only)")
     p.add_argument("--mla-prefill", default="8192,32768", help="sparse_mla prefill queries (one causal request)")
     p.add_argument("--mla-decode", default="1,8,64", help="sparse_mla decode queries")
-    p.add_argument("--mla-tilings", default="mgpu,mgpu_split,dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
+    p.add_argument("--mla-tilings", default="mgpu,mgpu_alt,mgpu_split,dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
                    help="sparse MLA prefill variants: Triton tilings block_h:block_k:warps:stages[:splits], 'dispatch' "
-                        "(the Triton tiling the dispatch picks), 'mgpu' or 'mgpu_split' (the Mosaic GPU kernel, "
-                        "split_keys off / on)")
+                        "(the Triton tiling the dispatch picks), 'mgpu', 'mgpu_alt' or 'mgpu_split' (the Mosaic GPU "
+                        "kernel, its scores computed by both warpgroups, by each in turn, or split by rows)")
     p.add_argument("--mla-decode-tilings", default="dispatch,mgpu_rows,64:32:8:2:8,64:64:8:2:16,64:32:4:2:33",
                    help="sparse MLA decode variants: as --mla-tilings, and 'mgpu_rows' (the Mosaic GPU kernel with "
                         "each query's rows dealt to several programs, dispatch.row_splits_for)")

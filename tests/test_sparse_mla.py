@@ -9,6 +9,7 @@ import pytest
 from pallas_kernels.policy import KernelPolicy
 from pallas_kernels.sparse_mla import Tiling, kernel_shape_error, sparse_mla, sparse_mla_pallas, sparse_mla_reference
 from pallas_kernels.sparse_mla.dispatch import tiling_for
+from pallas_kernels.sparse_mla.kernel_mgpu import SCORES
 
 
 def make_case(N, H, C, R, K, P=300, L=3, seed=0, dtype=np.float32):
@@ -180,11 +181,11 @@ def test_kernel_compiled_equals_reference(N, H, K, P):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_keys", [False, True])
+@pytest.mark.parametrize("scores", SCORES)
 @pytest.mark.parametrize("N,H,K,P", [(300, 64, 2048, 4096), (64, 8, 512, 1024), (450, 16, 100, 600), (5, 64, 64, 64)])
-def test_mgpu_kernel_compiled_equals_reference(N, H, K, P, split_keys):
-    """The Mosaic GPU prefill kernel (rows gathered by cp.async), both ways of splitting a block between
-    its compute warpgroups: GLM-5's widths, full / short / empty rows with -1 anywhere, K not a multiple
+def test_mgpu_kernel_compiled_equals_reference(N, H, K, P, scores):
+    """The Mosaic GPU prefill kernel (rows gathered by cp.async), each way of sharing the scores between
+    its compute warpgroups (the alternate split with odd and even block counts): GLM-5's widths, full / short / empty rows with -1 anywhere, K not a multiple
     of its 64-row blocks, heads fewer than 64 (padded), layer 1 of a two-layer pool; its output written
     whole (no row left as the buffer held it)."""
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
@@ -193,7 +194,7 @@ def test_mgpu_kernel_compiled_equals_reference(N, H, K, P, split_keys):
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
     want = np.asarray(sparse_mla_reference(*args), np.float32)
-    got = np.asarray(sparse_mla_mgpu(*args, split_keys=split_keys), np.float32)
+    got = np.asarray(sparse_mla_mgpu(*args, scores=scores), np.float32)
     assert got.shape == want.shape and np.all(np.isfinite(got))
     err = np.max(np.abs(got - want)) / np.max(np.abs(want))
     assert err < 2e-2, err
@@ -248,9 +249,9 @@ def test_row_splits_merged_equal_the_whole_rows(row_splits):
     assert not np.asarray(got)[2].any()                              # the empty row: zeros
 
 
-@pytest.mark.parametrize("split_keys", [False, True])
-def test_mgpu_kernel_lowers_for_cuda(split_keys):
-    """Both block splits of the Mosaic GPU kernel trace and lower for CUDA on any machine (layout
+@pytest.mark.parametrize("scores", SCORES)
+def test_mgpu_kernel_lowers_for_cuda(scores):
+    """Each way of sharing the scores in the Mosaic GPU kernel traces and lowers for CUDA on any machine (layout
     inference, shared memory within the H100/H200 limit); the gpu test above runs them."""
     import functools
 
@@ -260,10 +261,10 @@ def test_mgpu_kernel_lowers_for_cuda(split_keys):
     sds = jax.ShapeDtypeStruct
     args = (sds((N, H, C), jnp.bfloat16), sds((N, H, R), jnp.bfloat16), sds((L, P, C), jnp.bfloat16),
             sds((L, P, R), jnp.bfloat16), 1, sds((N, K), jnp.int32), 0.1)
-    fn = jax.jit(functools.partial(sparse_mla_mgpu, split_keys=split_keys), static_argnums=(4, 6))
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores), static_argnums=(4, 6))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    fn = jax.jit(functools.partial(sparse_mla_mgpu, split_keys=split_keys, with_stats=True), static_argnums=(4, 6))
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, with_stats=True), static_argnums=(4, 6))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -62,7 +62,8 @@ def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, pol
     if kernel_applies(q_lat, q_rope, policy):
         N, H, _ = q_lat.shape
         if mgpu_applies(N, q_lat, q_rope, policy):
-            return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale)
+            return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale,
+                                   scores="alternate" if policy.mgpu_sparse_mla_alternate else "both")
         if policy.mgpu_sparse_mla_rows and mgpu_shape_error(q_lat, q_rope) is None:
             return sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                         row_splits=row_splits_for(N, slots.shape[1]))

@@ -9,10 +9,19 @@ over its selected rows. One program per query token, three warpgroups:
   would have written (the layout wgmma reads), waits for its copies, fences them for the async proxy
   and arrives on the stage's barrier. The wrapper moves each row's selected slots to its front
   (selected_first), so a row's tail is masked by its count alone. Two stages: a block is copied while the one before it is computed.
-- two compute warpgroups take the same block: each computes the scores S = q_lat lat^T + q_rope rope^T
-  ([64 heads, 64 rows], the whole 576-wide product, so each has every probability without exchanging
-  any) and the online softmax, then its own half of the output columns, O[:, half] += P lat[:, half]
-  (acc [64, C/2] fp32 in registers: the whole [64, C] does not fit one warpgroup's registers).
+- two compute warpgroups, each holding its own half of the output columns, O[:, half] += P lat[:, half]
+  (acc [64, C/2] fp32 in registers: the whole [64, C] does not fit one warpgroup's registers). The
+  scores S = q_lat lat^T + q_rope rope^T ([64 heads, 64 rows], 576 wide: more than half of a block's
+  multiply-adds) are shared out one of three ways (`scores`):
+  "both": each warpgroup computes every score and the online softmax itself (nothing exchanged; the
+  score product runs twice);
+  "split_keys": each computes the scores of half the block's rows, the two exchanging their running
+  max and probabilities through shared memory every block;
+  "alternate": the warpgroups take turns by block (FlashMLA's scheme): the owner of block j computes
+  its scores and softmax from the running statistics the other published for block j - 1, publishes
+  its probabilities and statistics (max, sum, rescale factor) in shared memory, then both add their
+  half of P_j lat_j in block order. One buffer of each serves: a warpgroup overwrites them only after
+  its own value product has read what the other published.
 The output goes out through the query's shared-memory buffer once both warpgroups are past their last
 score product."""
 
@@ -249,24 +258,86 @@ def _compute_split_keys(w, n, end, blocks, scale, out_refs, smem):
     _write_out(w, n, acc, m, l + other_stat(l), out_refs, smem)
 
 
+def _compute_alternate(w, n, end, blocks, scale, out_refs, smem):
+    """Compute warpgroup w (static) of the "alternate" split: blocks w, w + 2, ... are its own (scores,
+    softmax, published), the others' probabilities are read from shared memory; every block's value
+    product for its half of the output columns, in block order. `blocks` is even (the last block of
+    an odd count is all masked: probabilities 0, rescale 1)."""
+    q_lat_smem, lat_smem = smem["q_lat"], smem["lat"]
+    k_bar, k_free, p_smem, stat_smem, p_bar = smem["k_bar"], smem["k_free"], smem["p"], smem["stat"], smem["p_bar"]
+    half = q_lat_smem.shape[-1]
+    c = scale * math.log2(math.e)
+    stat_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def value_product(acc, p, slot):
+        def values(acc_ref):
+            plgpu.wgmma(acc_ref, p, lat_smem.at[slot, w])
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(k_free.at[slot])
+        return acc
+
+    def own(j, acc, m, l):
+        slot = lax.rem(j, STAGES)
+        plgpu.barrier_wait(k_bar.at[slot])
+        s = _block_scores(smem, slot, pl.ds(0, BLOCK))
+        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + j * BLOCK
+        s = jnp.where(cols < end, s * c, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p, l, acc = _online_softmax_step(s, m_new, m, l, acc)
+        p = p.astype(jnp.bfloat16)
+        p_smem[...] = p
+        stat_smem[0] = m_new
+        stat_smem[1] = l
+        stat_smem[2] = alpha
+        plgpu.commit_smem()               # the stores fenced for the other warpgroup's wgmma
+        plgpu.barrier_arrive(p_bar.at[w])
+        return value_product(acc, p, slot), m_new, l
+
+    def other(j, acc):
+        slot = lax.rem(j, STAGES)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(p_bar.at[1 - w])
+        m, l, alpha = (plgpu.load(stat_smem.at[i], layout=stat_layout) for i in range(3))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return value_product(acc, p_smem, slot), m, l
+
+    def pair(i, carry):
+        acc, m, l = carry
+        if w == 0:
+            acc, m, l = own(2 * i, acc, m, l)
+            return other(2 * i + 1, acc)
+        acc, m, l = other(2 * i, acc)
+        return own(2 * i + 1, acc, m, l)
+
+    acc = plgpu.layout_cast(jnp.full((HEADS, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    acc, m, l = lax.fori_loop(0, blocks // 2, pair, (acc, _row_stats(_NEG), _row_stats(0.0)))
+    _write_out(w, n, acc, m, l, out_refs, smem)
+
+
+SCORES = ("both", "split_keys", "alternate")
+
+
 def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, *out_refs, scale: float,
-            n_queries: int, split_keys: bool, **smem):
+            n_queries: int, scores: str, **smem):
     q_lat_smem = smem["q_lat"]
     k_bar, k_free, q_bar, done = smem["k_bar"], smem["k_free"], smem["q_bar"], smem["done"]
     n = n_queries - 1 - lax.axis_index("n")            # the latest queries first: they select the most rows
     wg = lax.axis_index("wg")
     end = ends_ref[n]                                  # the query's selected rows: slots [0, end)
-    blocks = (end + BLOCK - 1) // BLOCK
+    step = 2 * BLOCK if scores == "alternate" else BLOCK       # alternate: blocks in pairs
+    blocks = (end + step - 1) // step * (step // BLOCK)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar)
-        if split_keys:
-            for w in range(2):
-                pl.when(wg == w)(functools.partial(_compute_split_keys, w, n, end, blocks, scale, out_refs, smem))
-        else:
+        if scores == "both":
             _compute_all_keys(wg, n, end, blocks, scale, out_refs, smem)
+        else:
+            compute = _compute_split_keys if scores == "split_keys" else _compute_alternate
+            for w in range(2):
+                pl.when(wg == w)(functools.partial(compute, w, n, end, blocks, scale, out_refs, smem))
 
     @pl.when(wg == 2)
     def _memory():
@@ -319,24 +390,26 @@ def selected_first(slots):
 
 
 def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
-                    split_keys: bool = False, with_stats: bool = False):
+                    scores: str = "both", with_stats: bool = False):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
     query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
-    split_keys: the two compute warpgroups split each block's rows for the scores and exchange the
-    running max and the probabilities (_compute_split_keys), instead of each computing all scores.
+    scores: how the two compute warpgroups share out the score product ("both", "split_keys",
+    "alternate": the module docstring).
     with_stats: also each query's softmax statistics [N, 2, H] fp32 (running max m and sum l in log2
     units of the scaled scores: its log-sum-exp is (m + log2 l) / log2 e), returned second."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
         raise ValueError(f"sparse_mla_mgpu: {err}")
+    if scores not in SCORES:
+        raise ValueError(f"sparse_mla_mgpu: scores must be one of {SCORES}, got {scores!r}")
     N, H, C = q_lat.shape
     R = q_rope.shape[-1]
     if H != HEADS:
         pad = ((0, 0), (0, HEADS - H), (0, 0))
         q_lat, q_rope = jnp.pad(q_lat, pad), jnp.pad(q_rope, pad)
     slots, ends = selected_first(slots.astype(jnp.int32))
-    slots = jnp.pad(slots, ((0, 0), (0, -slots.shape[1] % BLOCK)), constant_values=-1)
+    slots = jnp.pad(slots, ((0, 0), (0, -slots.shape[1] % (2 * BLOCK))), constant_values=-1)
     tiled = _TILED
     smem = dict(q_lat=plgpu.SMEM((2, HEADS, C // 2), jnp.bfloat16, transforms=tiled),
                 q_rope=plgpu.SMEM((HEADS, R), jnp.bfloat16, transforms=tiled),
@@ -344,10 +417,14 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
                 rope=plgpu.SMEM((STAGES, BLOCK, R), jnp.bfloat16, transforms=tiled))
     if with_stats:
         smem.update(stats=plgpu.SMEM((2, HEADS), jnp.float32))
-    if split_keys:   # allocated before the barriers: 64 bytes short of the limit otherwise (alignment)
+    if scores == "split_keys":   # allocated before the barriers: 64 bytes short of the limit otherwise
         smem.update(p=plgpu.SMEM((HEADS, BLOCK), jnp.bfloat16),
                     stat=plgpu.SMEM((2, HEADS), jnp.float32),
                     x_bar=plgpu.Barrier(num_arrivals=2), p_bar=plgpu.Barrier(num_arrivals=2))
+    if scores == "alternate":    # the probabilities as wgmma's A operand; p_bar[w]: w published
+        smem.update(p=plgpu.SMEM((HEADS, BLOCK), jnp.bfloat16, transforms=tiled),
+                    stat=plgpu.SMEM((3, HEADS), jnp.float32),
+                    p_bar=plgpu.Barrier(num_arrivals=1, num_barriers=2))
     smem.update(k_bar=plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),
                 k_free=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
                 q_bar=plgpu.Barrier(num_arrivals=3),
@@ -356,7 +433,7 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     if with_stats:
         out_type = (out_type, jax.ShapeDtypeStruct((N, 2, HEADS), jnp.float32))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, n_queries=N, split_keys=split_keys),
+        functools.partial(_kernel, scale=scale, n_queries=N, scores=scores),
         out_type=out_type, grid=(N,), grid_names=("n",),
         num_threads=3, thread_name="wg", scratch_types=smem,
         compiler_params=plgpu.CompilerParams(
