@@ -72,6 +72,7 @@ def fp8_linear_reference(x, w, scale_inv):
     return y.astype(x.dtype).reshape(*lead, w.shape[0])
 
 
+@jax.named_call     # profiles name the ops inside by this scope
 def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, interpret=False):
     """x [..., K] @ W^T -> [..., N] in x's dtype, for W = w * scale_inv's blocks (w [N, K] e4m3,
     scale_inv [ceil(N / 128), K / 128] fp32), fp8 x fp8 with the rows quantized per 128 columns."""

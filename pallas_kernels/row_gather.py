@@ -73,6 +73,7 @@ def gather_rows_pallas(x, idx, *, block_rows: int = 32, block_cols: int = 512, s
     return out[:M]
 
 
+@jax.named_call     # profiles name the ops inside by this scope
 def gather_rows(x, idx, *, policy: KernelPolicy = DEFAULT_POLICY):
     """The dispatch: the Pallas kernel on GPU with policy.enabled (rows a multiple of its column
     block), the jnp reference elsewhere. Tilings measured on the H200 (docs/perf.md, rows x 6144

@@ -1,5 +1,9 @@
 """Where a prefill's device time goes: run a workload once to compile, then once under the JAX
-profiler, and sum the device ops of the trace by name (table + JSON; the raw trace is kept).
+profiler, and sum the device ops of the trace by name (table + JSON; the raw trace is kept). Each op
+is named by the JAX scopes it ran under (read from XLA's dump of the optimized HLO: the model's
+`attention` / `mlp`, the kernels' dispatch scopes such as `sparse_mla`, `expert_mlp/gate_up`), and a
+second table sums the time by scope. XLA's command buffers are turned off so that the trace shows
+the ops inside them (--command-buffers keeps them).
 
     python scripts/profile_prefill.py --model random:glm-5 --num-layers 4 --num-experts 16 \\
         --lengths 2048 1536 1024 1024 700 333 64 9 --budget 8192"""
@@ -7,17 +11,54 @@ profiler, and sum the device ops of the trace by name (table + JSON; the raw tra
 import argparse
 import gzip
 import json
+import os
+import re
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]*)"')
+_WRAPPERS = re.compile(r"^(?:[pj]?jit\(.*\)|while|body|cond|checkpoint|remat|closed_call|shard_map|core_call|eval_jaxpr)$")
 
-def device_op_times(trace_dir: str) -> tuple[dict, float, list]:
-    """{op: [total us, count]} over the device lanes of the newest perfetto trace (GPU: the
-    '/device:' processes; CPU: the XLA executor threads), the span they cover, and the lanes used.
-    An op is its HLO op name where the trace gives one, else the event name."""
+
+def hlo_scopes(dump_dir: str) -> dict:
+    """{(module, instruction): scope} from XLA's dumps of optimized HLO in dump_dir: the instruction's
+    metadata op_name without jit / loop wrappers ('attention/sparse_mla/pallas_call'). Modules dumped
+    under one name more than once (several compilations) keep every distinct scope, ' | ' between."""
+    found: dict = defaultdict(set)
+    for path in Path(dump_dir).glob("*after_optimizations.txt"):
+        lines = path.read_text().splitlines()
+        head = re.match(r"HloModule ([\w.\-]+)", lines[0]) if lines else None
+        if head is None:
+            continue
+        for line in lines[1:]:
+            m = _INSTRUCTION.match(line)
+            if m:
+                scope = "/".join(p for p in m.group(2).split("/") if p and not _WRAPPERS.match(p))
+                found[head.group(1), m.group(1)].add(scope)
+    return {key: " | ".join(sorted(v)) for key, v in found.items()}
+
+
+def scope_times(ops: dict, depth: int = 3) -> dict:
+    """{scope: [total us, count]} from device_op_times' ops ({(module, op, scope): ...}): each op's
+    scope cut to its first `depth` parts after dropping the primitive's own name (ops with none:
+    '(unscoped)')."""
+    out: dict = defaultdict(lambda: [0.0, 0])
+    for (_, _, scope), (t, n) in ops.items():
+        parts = scope.split(" | ")[0].split("/")[:-1][:depth] if scope else []
+        key = "/".join(parts) or "(unscoped)"
+        out[key][0] += t
+        out[key][1] += n
+    return dict(out)
+
+
+def device_op_times(trace_dir: str, scopes: dict | None = None) -> tuple[dict, float, list]:
+    """{(module, op, scope): [total us, count]} over the device lanes of the newest perfetto trace
+    (GPU: the '/device:' processes; CPU: the XLA executor threads), the span they cover, and the lanes
+    used. An op is its HLO op name where the trace gives one, else the event name; its scope comes
+    from `scopes` (hlo_scopes) by the trace's module and op name ('' where unknown)."""
     path = max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     events = json.loads(gzip.open(path).read())["traceEvents"]
     meta = [e for e in events if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")]
@@ -31,11 +72,13 @@ def device_op_times(trace_dir: str) -> tuple[dict, float, list]:
     ops: dict = defaultdict(lambda: [0.0, 0])
     first, last = float("inf"), 0.0
     for e in events:
-        if e.get("ph") == "X" and on_device(e):
+        if e.get("ph") == "X" and on_device(e) and not e["name"].startswith("ThunkExecutor::"):   # CPU: wrappers
             args = e.get("args") or {}
             name = args.get("hlo_op") or args.get("long_name") or e["name"]
-            ops[name][0] += float(e.get("dur", 0))
-            ops[name][1] += 1
+            module = args.get("hlo_module", "")
+            key = (module, name, (scopes or {}).get((module, name), ""))
+            ops[key][0] += float(e.get("dur", 0))
+            ops[key][1] += 1
             first, last = min(first, float(e["ts"])), max(last, float(e["ts"]) + float(e.get("dur", 0)))
     return dict(ops), (last - first if ops else 0.0), sorted(set(lanes.values()))
 
@@ -55,9 +98,17 @@ def main() -> int:
     p.add_argument("--attn-path", choices=("expanded", "absorbed"), default=None)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace-dir", default=None, help="keep the trace here (default: a temporary directory)")
+    p.add_argument("--command-buffers", action="store_true",
+                   help="keep XLA's command buffers (the trace then shows them, not the ops inside)")
+    p.add_argument("--dump-dir", default=None, help="XLA's HLO dumps go here (default: a temporary directory)")
     p.add_argument("--json", default="profile_prefill.json")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    dump_dir = args.dump_dir or tempfile.mkdtemp(prefix="cpkv-hlo-")
+    flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_as_text"]
+    if not args.command_buffers:
+        flags.append("--xla_gpu_enable_command_buffer=")
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)     # read when jax starts its backend
     import jax
     import numpy as np
 
@@ -80,18 +131,23 @@ def main() -> int:
         t0 = time.perf_counter()
         engine.generate(prompts, params)
         wall = time.perf_counter() - t0
-    ops, span, lanes = device_op_times(trace_dir)
+    ops, span, lanes = device_op_times(trace_dir, hlo_scopes(dump_dir))
     total = sum(t for t, _ in ops.values())
     top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]
+    by_scope = sorted(scope_times(ops).items(), key=lambda kv: -kv[1][0])
     print(f"wall {wall * 1e3:.1f} ms; device ops {total / 1e3:.1f} ms over a {span / 1e3:.1f} ms span "
-          f"({len(ops)} distinct ops on {len(lanes)} lanes: {', '.join(lanes[:4])}); trace in {trace_dir}")
-    w = max(len(n[:90]) for n, _ in top) if top else 10
-    for name, (t, n) in top:
-        print(f"{name[:90]:<{w}}  {t / 1e3:9.2f} ms  {100 * t / max(total, 1e-9):5.1f}%  x{n}")
-    Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "wall_s": wall, "device_total_us": total,
-                                           "span_us": span, "device": str(jax.devices()[0].device_kind),
-                                           "top": [{"op": k, "us": t, "count": n} for k, (t, n) in top]},
-                                          indent=2) + "\n")
+          f"({len(ops)} distinct ops on {len(lanes)} lanes: {', '.join(lanes[:4])}); trace in {trace_dir}, "
+          f"HLO in {dump_dir}")
+    for title, rows in (("op", [(f"{op}  {scope}", v) for (_, op, scope), v in top]), ("scope", by_scope)):
+        w = max(len(n[:100]) for n, _ in rows) if rows else 10
+        print(f"\n{title:<{w}}  {'ms':>9}     share  calls")
+        for name, (t, n) in rows:
+            print(f"{name[:100]:<{w}}  {t / 1e3:9.2f} ms  {100 * t / max(total, 1e-9):5.1f}%  x{n}")
+    Path(args.json).write_text(json.dumps({
+        "argv": sys.argv[1:], "wall_s": wall, "device_total_us": total, "span_us": span,
+        "device": str(jax.devices()[0].device_kind),
+        "top": [{"op": op, "module": mod, "scope": scope, "us": t, "count": n} for (mod, op, scope), (t, n) in top],
+        "by_scope": [{"scope": k, "us": t, "count": n} for k, (t, n) in by_scope]}, indent=2) + "\n")
     return 0
 
 

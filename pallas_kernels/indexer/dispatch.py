@@ -41,6 +41,7 @@ def use_mgpu_scores(B: int, T: int, H: int, D: int, q_dtype, contiguous_blocks: 
         H, D, q_dtype, block_t=paged_block_t(T, H), key_dtype=key_dtype) is None)
 
 
+@jax.named_call     # profiles name the ops inside by this scope
 def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: int, contiguous_blocks: bool = False,
                  q_scale=None, *, policy: KernelPolicy = DEFAULT_POLICY, head_axis: str | None = None):
     """The dispatch for the whole indexer selection on one device: kernels on GPU (scores through the

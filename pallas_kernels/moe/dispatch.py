@@ -52,8 +52,10 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
     E = gate.shape[0]
     slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m)
     xp = gather_rows(x, jnp.where(row_slot >= 0, row_slot // topk, -1), policy=policy)
-    h = grouped_matmul(xp, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret)
-    y = grouped_matmul(h, down, tile_expert, tiling=down_tiling, interpret=interpret)
+    with jax.named_scope("gate_up"):
+        h = grouped_matmul(xp, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret)
+    with jax.named_scope("down"):
+        y = grouped_matmul(h, down, tile_expert, tiling=down_tiling, interpret=interpret)
     return gather_rows(y, slot_row, policy=policy)
 
 
@@ -155,14 +157,17 @@ def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *,
     xq = jax.lax.bitcast_convert_type(
         gather_rows(jax.lax.bitcast_convert_type(tq, jnp.uint8), src, policy=policy), jnp.float8_e4m3fn)
     xs = jnp.where(src >= 0, ts[:, jnp.maximum(src, 0)], 1.0)    # padding rows: zeros at scale 1
-    h = grouped_matmul(xq, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret,
-                       x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype)
-    hq, hs = quantize_rows(h)
-    y = grouped_matmul(hq, down, tile_expert, tiling=down_tiling, interpret=interpret, x_scale=hs,
-                       w_scale=scales[2], out_dtype=x.dtype)
+    with jax.named_scope("gate_up"):
+        h = grouped_matmul(xq, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret,
+                           x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype)
+    with jax.named_scope("down"):
+        hq, hs = quantize_rows(h)
+        y = grouped_matmul(hq, down, tile_expert, tiling=down_tiling, interpret=interpret, x_scale=hs,
+                           w_scale=scales[2], out_dtype=x.dtype)
     return gather_rows(y, slot_row, policy=policy)
 
 
+@jax.named_call     # profiles (scripts/profile_prefill.py) name the ops inside by these scopes
 def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY, scales=None):
     """The dispatch: the grouped_matmul kernel on GPU with policy.moe_kernel where its shapes fit (K
     and N multiples of its blocks, bf16), else expert_mlp_ragged. x [N, D], flat_expert [N * topk].

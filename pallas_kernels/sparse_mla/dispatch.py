@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -57,6 +58,7 @@ def row_splits_for(N: int, K: int) -> int:
     return max(1, min(-(-2 * _SM_COUNT // N), -(-K // BLOCK)))
 
 
+@jax.named_call     # profiles name the ops inside by this scope
 def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, policy: KernelPolicy = DEFAULT_POLICY):
     """The dispatch (see sparse_mla_reference for the arguments)."""
     if kernel_applies(q_lat, q_rope, policy):

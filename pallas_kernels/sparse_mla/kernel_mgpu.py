@@ -181,11 +181,21 @@ def _block_scores(smem, slot, rows: pl.Slice):
     return pl.run_scoped(scores, plgpu.ACC((HEADS, rows.size), jnp.float32))
 
 
+def _scaled_block_scores(smem, j, end, c):
+    """Block j's scores once its rows are in (the stage's barrier awaited), scaled by c (log2 units),
+    the keys at or past the query's count `end` masked to -inf."""
+    slot = lax.rem(j, STAGES)
+    plgpu.barrier_wait(smem["k_bar"].at[slot])
+    s = _block_scores(smem, slot, pl.ds(0, BLOCK))
+    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + j * BLOCK
+    return jnp.where(cols < end, s * c, -jnp.inf)
+
+
 def _compute_all_keys(wg, n, end, blocks, scale, out_refs, smem):
     """Compute warpgroup wg: the whole block's scores (so it has every probability without exchanging
     any), its own half of the output columns."""
     q_lat_smem, lat_smem = smem["q_lat"], smem["lat"]
-    k_bar, k_free = smem["k_bar"], smem["k_free"]
+    k_free = smem["k_free"]
     half = q_lat_smem.shape[-1]
     c = scale * math.log2(math.e)
     acc = plgpu.layout_cast(jnp.full((HEADS, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -193,10 +203,7 @@ def _compute_all_keys(wg, n, end, blocks, scale, out_refs, smem):
     def block(j, carry):
         acc, m, l = carry
         slot = lax.rem(j, STAGES)
-        plgpu.barrier_wait(k_bar.at[slot])
-        s = _block_scores(smem, slot, pl.ds(0, BLOCK))
-        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + j * BLOCK
-        s = jnp.where(cols < end, s * c, -jnp.inf)
+        s = _scaled_block_scores(smem, j, end, c)
         m_new = jnp.maximum(m, s.max(axis=1))
         p, l, acc = _online_softmax_step(s, m_new, m, l, acc)
 
@@ -278,10 +285,7 @@ def _compute_alternate(w, n, end, blocks, scale, out_refs, smem):
 
     def own(j, acc, m, l):
         slot = lax.rem(j, STAGES)
-        plgpu.barrier_wait(k_bar.at[slot])
-        s = _block_scores(smem, slot, pl.ds(0, BLOCK))
-        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + j * BLOCK
-        s = jnp.where(cols < end, s * c, -jnp.inf)
+        s = _scaled_block_scores(smem, j, end, c)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p, l, acc = _online_softmax_step(s, m_new, m, l, acc)
