@@ -185,8 +185,8 @@ def test_kernel_compiled_equals_reference(N, H, K, P):
 @pytest.mark.parametrize("N,H,K,P", [(300, 64, 2048, 4096), (64, 8, 512, 1024), (450, 16, 100, 600), (5, 64, 64, 64)])
 def test_mgpu_kernel_compiled_equals_reference(N, H, K, P, scores):
     """The Mosaic GPU prefill kernel (rows gathered by cp.async), each way of sharing the scores between
-    its compute warpgroups (the alternate split with odd and even block counts): GLM-5's widths, full / short / empty rows with -1 anywhere, K not a multiple
-    of its 64-row blocks, heads fewer than 64 (padded), layer 1 of a two-layer pool; its output written
+    its compute warpgroups (the alternate split with odd and even block counts): GLM-5's widths, full /
+    short / empty rows with -1 anywhere, K not a multiple of its 64-row blocks, heads fewer than 64 (padded), layer 1 of a two-layer pool; its output written
     whole (no row left as the buffer held it)."""
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
 
@@ -251,8 +251,8 @@ def test_row_splits_merged_equal_the_whole_rows(row_splits):
 
 @pytest.mark.parametrize("scores", SCORES)
 def test_mgpu_kernel_lowers_for_cuda(scores):
-    """Each way of sharing the scores in the Mosaic GPU kernel traces and lowers for CUDA on any machine (layout
-    inference, shared memory within the H100/H200 limit); the gpu test above runs them."""
+    """Each way of sharing the scores in the Mosaic GPU kernel traces and lowers for CUDA on any machine
+    (layout inference, shared memory within the H100/H200 limit); the gpu test above runs them."""
     import functools
 
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu

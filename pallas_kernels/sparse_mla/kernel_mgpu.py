@@ -132,11 +132,11 @@ def _await_copies(ctx):
 
 
 def _online_softmax_step(s, m_new, m, l, acc):
-    """exp2 probabilities of the scaled scores s against the new running max, and the running sum and
-    output rescaled to it."""
+    """exp2 probabilities of the scaled scores s against the new running max, the running sum and
+    output rescaled to it, and the rescale factor alpha (the alternate split publishes it)."""
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    return p, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), alpha
 
 
 def _row_stats(value):
@@ -205,7 +205,7 @@ def _compute_all_keys(wg, n, end, blocks, scale, out_refs, smem):
         slot = lax.rem(j, STAGES)
         s = _scaled_block_scores(smem, j, end, c)
         m_new = jnp.maximum(m, s.max(axis=1))
-        p, l, acc = _online_softmax_step(s, m_new, m, l, acc)
+        p, l, acc, _ = _online_softmax_step(s, m_new, m, l, acc)
 
         def values(acc_ref):
             plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), lat_smem.at[slot, wg])
@@ -249,7 +249,7 @@ def _compute_split_keys(w, n, end, blocks, scale, out_refs, smem):
         s = jnp.where(cols < end, s * c, -jnp.inf)
         m_mine = jnp.maximum(m, s.max(axis=1))
         m_new = jnp.maximum(m_mine, other_stat(m_mine))
-        p, l, acc = _online_softmax_step(s, m_new, m, l, acc)
+        p, l, acc, _ = _online_softmax_step(s, m_new, m, l, acc)
         p_smem[:, pl.ds(w * _HALF_BLOCK, _HALF_BLOCK)] = p.astype(jnp.bfloat16)
         plgpu.barrier_arrive(p_bar)
         plgpu.barrier_wait(p_bar)
@@ -287,8 +287,7 @@ def _compute_alternate(w, n, end, blocks, scale, out_refs, smem):
         slot = lax.rem(j, STAGES)
         s = _scaled_block_scores(smem, j, end, c)
         m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p, l, acc = _online_softmax_step(s, m_new, m, l, acc)
+        p, l, acc, alpha = _online_softmax_step(s, m_new, m, l, acc)
         p = p.astype(jnp.bfloat16)
         p_smem[...] = p
         stat_smem[0] = m_new
