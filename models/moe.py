@@ -12,7 +12,7 @@ from models.layers import Dense, fp8_or_plain_param
 from models.sharding import EP_DISPATCH, NO_AXES, MeshAxes
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.moe import expert_mlp, expert_shape, fp8_experts_as_plain
-from pallas_kernels.row_gather import compaction_plan, expert_order, gather_rows
+from pallas_kernels.row_gather import combine_rows, compaction_plan, expert_order, gather_rows
 
 
 class MLP(nnx.Module):
@@ -68,16 +68,15 @@ def routed_sum(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = 
     pallas_kernels/moe/layout.py: plain gate / up [E, D, I], down [E, I, D]; scales given: the experts
     are fp8 blocks, K-major (gate / up [E, I, D], down [E, D, I]) with these (gate, up, down) scales
     (expert_mlp keeps them fp8 or dequantizes them to the plain layout)."""
-    N, D = x.shape
+    N = x.shape[0]
     E = gate.shape[0]
     k = idx.shape[1]
     flat_e = idx.reshape(-1) - first_expert   # outside [0, E): no expert here
     if n_valid is not None:
         flat_e = jnp.where(jnp.repeat(jnp.arange(N) < n_valid, k), flat_e, E)
-    y = expert_mlp(x, flat_e, gate, up, down, k, policy=kernels, scales=scales)
     # Each row's k slots weighted and summed in slot order in fp32: no scatter-add (on the GPU that
     # is atomics in arbitrary order, not bit-stable run to run).
-    return (y.reshape(N, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1)
+    return expert_mlp(x, flat_e, gate, up, down, k, policy=kernels, scales=scales).weighted_sum(w, kernels)
 
 
 def grouped_expert_mlp(x, idx, w, gate, up, down, n_valid=None, kernels: KernelPolicy = DEFAULT_POLICY, scales=None):
@@ -147,11 +146,10 @@ def dispatched_expert_mlp(x, idx, w, gate, up, down, n_valid, kernels: KernelPol
                     land_at, recv, axis_name=axis)
     ids = exchange((idx.reshape(-1) % El)[order], jnp.full((R * S,), El, jnp.int32), send_at, sizes, land_at, recv,
                    axis_name=axis)                               # never-written rows keep El: no expert
-    y = expert_mlp(rows, ids, gate, up, down, 1, policy=kernels, scales=scales)
+    y = expert_mlp(rows, ids, gate, up, down, 1, policy=kernels, scales=scales).slots(kernels)
     back = exchange(y, jnp.zeros((S, D), y.dtype), recv_at, recv, home_at, sizes, axis_name=axis)
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(S, dtype=jnp.int32), unique_indices=True)
-    y = gather_rows(back, unsort, policy=kernels)
-    return (y.reshape(n, k, D) * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1).astype(x.dtype)
+    return combine_rows(back, unsort.reshape(n, k), w, policy=kernels).astype(x.dtype)
 
 
 EP_DISPATCH_CHOICES = ("auto",) + EP_DISPATCH   # EngineConfig.ep_dispatch: 'auto' resolves to one of EP_DISPATCH

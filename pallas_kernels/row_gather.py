@@ -89,6 +89,78 @@ def gather_rows(x, idx, *, policy: KernelPolicy = DEFAULT_POLICY):
     return gather_rows_reference(x, idx)
 
 
+def check_combine_args(y, idx, w):
+    if y.ndim != 2 or idx.ndim != 2 or w.shape != idx.shape or not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"combine_rows takes rows y [M, D], integer indices idx [N, k] and weights w [N, k], "
+                         f"got y {tuple(y.shape)}, idx {tuple(idx.shape)} {idx.dtype}, w {tuple(w.shape)}")
+
+
+def combine_rows_reference(y, idx, w):
+    """fp32 [N, D]: sum_j y[idx[:, j]] * w[:, j] over each row's k slots in fp32 (y widened, w as
+    given, fp32), added in slot order j = 0, 1, ... one at a time; idx < 0 adds nothing. HF's MoE
+    weighs its bf16 expert outputs by fp32 weights into an fp32 sum the same way. The kernel adds the
+    same terms in the same order; compilers may fuse a product into its sum (FMA), so the two agree
+    to a few fp32 roundings, not bit for bit."""
+    check_combine_args(y, idx, w)
+    w = w.astype(jnp.float32)
+    total = None
+    for j in range(idx.shape[1]):
+        term = gather_rows_reference(y, idx[:, j]).astype(jnp.float32) * w[:, j, None]
+        total = term if total is None else total + term
+    return total
+
+
+def _combine_rows_kernel(idx_ref, w_ref, y_ref, o_ref, *, k: int, block_cols: int):
+    cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
+    total = None
+    for j in range(k):
+        idx = idx_ref[j, :]
+        got = y_ref[jnp.maximum(idx, 0)[:, None], cols[None, :]]
+        got = jnp.where((idx >= 0)[:, None], got, jnp.zeros_like(got))
+        term = got.astype(jnp.float32) * w_ref[j, :][:, None]
+        total = term if total is None else total + term
+    o_ref[...] = total
+
+
+def combine_rows_pallas(y, idx, w, *, block_rows: int = 16, block_cols: int = 512, num_warps: int | None = None,
+                        interpret: bool = False):
+    """combine_rows_reference as one Triton kernel: each program reads its rows' k slot rows of one
+    column block and writes their weighted sum, so the [N * k, D] slot rows are never written out."""
+    check_combine_args(y, idx, w)
+    D = y.shape[1]
+    N, k = idx.shape
+    block_cols = min(block_cols, D)
+    if D % block_cols:
+        raise ValueError(f"row width {D} is not a multiple of the column block {block_cols}")
+    pad = -N % block_rows
+    idx_t = jnp.pad(idx.astype(jnp.int32).T, ((0, 0), (0, pad)), constant_values=-1)
+    w_t = jnp.pad(w.astype(jnp.float32).T, ((0, 0), (0, pad)))
+    params = {} if num_warps is None else {"compiler_params": plt.CompilerParams(num_warps=num_warps)}
+    out = pl.pallas_call(
+        functools.partial(_combine_rows_kernel, k=k, block_cols=block_cols),
+        grid=((N + pad) // block_rows, D // block_cols),
+        in_specs=[pl.BlockSpec((k, block_rows), lambda i, j: (0, i)), pl.BlockSpec((k, block_rows), lambda i, j: (0, i)),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((N + pad, D), jnp.float32),
+        interpret=interpret,
+        **params,
+    )(idx_t, w_t, y)
+    return out[:N]
+
+
+@jax.named_call
+def combine_rows(y, idx, w, *, policy: KernelPolicy = DEFAULT_POLICY):
+    """The dispatch of combine_rows_reference (the MoE's weighted sum of each row's expert outputs,
+    read straight from the grouped matmul's padded rows): the Pallas kernel on GPU with
+    policy.enabled where the row width tiles into power-of-two column blocks, else the reference."""
+    check_combine_args(y, idx, w)
+    cols = min(512, y.shape[1])
+    if policy.on_gpu() and y.shape[1] % cols == 0 and cols & (cols - 1) == 0:
+        return combine_rows_pallas(y, idx, w, block_cols=cols)
+    return combine_rows_reference(y, idx, w)
+
+
 def compaction_plan(valid):
     """(perm, dest, n_valid): perm[j] = source row of compacted row j (valid rows first, in order; -1
     past n_valid), dest[i] = compacted position of padded row i (-1 for dummy rows)."""

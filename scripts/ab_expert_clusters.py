@@ -39,7 +39,12 @@ def main():
     D, I, k, E = args.hidden, args.width, args.top_k, args.experts
     defaults = {"fp8": ("fp8_tilings", dispatch.fp8_tilings), "bf16": ("blocked_tilings", dispatch.blocked_tilings)}
     res, rows = [], [["tokens", "weights", "tilings", "repeat", "ms"]]
-    run = jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")
+    def moe_sum(x, fe, gate, up, down, k, *, policy, scales=None):
+        """What the model runs: the experts' outputs weighted and summed per token (fixed weights)."""
+        w = jnp.full((x.shape[0], k), 1.0 / k, jnp.float32)
+        return expert_mlp(x, fe, gate, up, down, k, policy=policy, scales=scales).weighted_sum(w, policy)
+
+    run = jax.jit(moe_sum, static_argnums=5, static_argnames="policy")
     for T in (int(t) for t in args.tokens.split(",")):
         keys = jax.random.split(jax.random.key(T), 8)
         fp8 = []

@@ -1,6 +1,6 @@
 """Kernel benchmarks on the GPU, side by side with XLA in one run (table + JSON).
 
-    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe,moe_fp8,sparse_mla]
+    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe,moe_rows,moe_fp8,sparse_mla]
     JAX_PLATFORMS=cpu python scripts/bench_kernels.py --only moe --moe-small   # CPU smoke test
 
 compaction: rows x 6144 bf16 with ~half the rows valid; bytes = valid rows read and written plus
@@ -30,7 +30,11 @@ moe: the routed experts' grouped matmuls over expert-sorted rows (top-8 routing 
   up to 64 rows of three groups (max abs error over max |reference|). Failures (out of memory,
   a tiling that does not lower, GPU-only kernels on the CPU) are rows with an error string. Timed
   by pipelined_time (back-to-back calls of 0.1-600 ms kernels, one compile each).
-moe_fp8: the routed experts' MLP through the dispatch with bf16 weights, fp8 weights dequantized per
+moe_rows: the MoE's row movement around the grouped matmuls: the tokens gathered into the block
+  plan's padded rows, and each token's expert rows combined into its weighted sum (combine_rows
+  tilings vs the slot-order gather + sum it replaces); bytes against the copy rate.
+moe_fp8: the routed experts' MLP through the dispatch and each token's weighted sum (as the model
+  runs it) with bf16 weights, fp8 weights dequantized per
   call, and fp8 weights through the fp8 kernel (DeepGEMM's block scaling); prefill 8192 tokens x
   16 / 256 experts, decode 1-64 tokens x 256 experts.
 sparse_mla: GLM-5's absorbed attention over the top-k rows (64 heads, latent 512 + rope 64, k = 2048,
@@ -694,6 +698,73 @@ def bench_sparse_mla(args, ceil):
     return out
 
 
+def bench_moe_rows(args, ceil):
+    """The MoE's row movement around the grouped matmuls (GLM-5 widths, top-8, uniform routing, the
+    block plan's 128-row tiles): the gather of the tokens into the plan's padded rows (bf16, and fp8
+    as bytes), and the combine of each token's k expert rows into its weighted fp32 sum: the slot-order
+    gather + weighted sum the model ran before vs combine_rows (tilings). Bytes: rows written + read
+    (gather), slot rows read + fp32 sums written (combine), against the copy rate."""
+    import jax
+    import jax.numpy as jnp
+
+    from cpkv_jax.perf import fitted_pipelined_time, print_table
+    from pallas_kernels.moe import block_plan
+    from pallas_kernels.row_gather import combine_rows, combine_rows_pallas, gather_rows, gather_rows_pallas
+    D, k, T = args.moe_hidden, args.moe_top_k, int(args.moe_tokens.split(",")[0])
+    out, rows = [], [["case", "variant", "ms", "GB/s", "share", "err"]]
+    for E in (16, 256):
+        keys = jax.random.split(jax.random.key(E), 4)
+        x = jax.random.normal(keys[0], (T, D), jnp.bfloat16)
+        fe = jax.random.randint(keys[1], (T * k,), 0, E, jnp.int32)
+        w = jax.random.uniform(keys[2], (T, k), jnp.float32)
+        slot_row, row_slot, _ = block_plan(fe, E, 128)
+        src = jnp.where(row_slot >= 0, row_slot // k, -1)
+        P = int(src.shape[0])
+        used = int((src >= 0).sum())
+        gather_bytes = P * D * 2 + used * D * 2
+        entry = {"tokens": T, "experts": E, "padded_rows": P, "used_rows": used}
+
+        def timed(name, fn, nbytes, want=None):
+            def one():
+                sec = fitted_pipelined_time(fn)
+                err = 0.0 if want is None else float(jnp.max(jnp.abs(fn().astype(jnp.float32) - want))
+                                                      / jnp.max(jnp.abs(want)))
+                return {"s": sec, "err": err, "bytes": nbytes}
+            entry[name] = v = _try(one)
+            if "s" in v:
+                rows.append([f"{T}x{E}", name, f"{v['s'] * 1e3:.3f}", f"{nbytes / v['s'] / 1e9:.0f}",
+                             f"{nbytes / v['s'] / ceil['copy_bytes_per_s']:.0%}", f"{v['err']:.1e}"])
+            else:
+                rows.append([f"{T}x{E}", name, v["error"][:80], "", "", ""])
+            print("  ".join(rows[-1]), flush=True)
+
+        want_x = jax.jit(gather_rows)(x, src).astype(jnp.float32)
+        timed("gather_dispatch", jax.jit(lambda: gather_rows(x, src)), gather_bytes, want_x)
+        x8 = jax.lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8)
+        timed("gather_dispatch_fp8", jax.jit(lambda: gather_rows(x8, src)), gather_bytes // 2)
+        for spec in args.moe_gather_tilings.split(","):
+            br, bc, steps, stages = (list(map(int, spec.split("x"))) + [1, 0])[:4]
+            timed(f"gather_{spec}", jax.jit(lambda br=br, bc=bc, steps=steps, stages=stages: gather_rows_pallas(
+                x, src, block_rows=br, block_cols=bc, steps=steps, num_stages=stages or None)), gather_bytes, want_x)
+        y = jax.random.normal(keys[3], (P, D), jnp.bfloat16)
+        idx = slot_row.reshape(T, k)
+        combine_bytes = T * k * D * 2 + T * D * 4
+        want = jax.jit(combine_rows)(y, idx, w)
+
+        def slot_order_sum():
+            ys = gather_rows(y, slot_row).reshape(T, k, D)
+            return (ys * w.astype(y.dtype)[..., None]).astype(jnp.float32).sum(axis=1)
+        timed("combine_slot_order_sum", jax.jit(slot_order_sum), combine_bytes + 2 * T * k * D * 2, want)
+        timed("combine_dispatch", jax.jit(lambda: combine_rows(y, idx, w)), combine_bytes, want)
+        for spec in args.moe_combine_tilings.split(","):
+            br, bc, warps = (list(map(int, spec.split("x"))) + [0])[:3]
+            timed(f"combine_{spec}", jax.jit(lambda br=br, bc=bc, warps=warps: combine_rows_pallas(
+                y, idx, w, block_rows=br, block_cols=bc, num_warps=warps or None)), combine_bytes, want)
+        out.append(entry)
+    print_table(rows)
+    return out
+
+
 def bench_moe_fp8(args, ceil):
     """The routed experts' MLP through the dispatch with GLM-5's widths (hidden 6144, expert width 2048,
     top-8, uniform routing): bf16 weights (the bf16 kernel), fp8 weights dequantized per call (what runs
@@ -707,7 +778,12 @@ def bench_moe_fp8(args, ceil):
     from pallas_kernels.moe import expert_mlp, expert_shape, fp8_experts_as_plain
     from pallas_kernels.policy import KernelPolicy
     D, I, k = args.moe_hidden, args.moe_width, args.moe_top_k
-    run = jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")
+    def moe_sum(x, fe, gate, up, down, k, *, policy, scales=None):
+        """What the model runs: the experts' outputs weighted and summed per token (fixed weights)."""
+        w = jnp.full((x.shape[0], k), 1.0 / k, jnp.float32)
+        return expert_mlp(x, fe, gate, up, down, k, policy=policy, scales=scales).weighted_sum(w, policy)
+
+    run = jax.jit(moe_sum, static_argnums=5, static_argnames="policy")
     out, rows = [], [["case", "variant", "ms", "TFLOP/s", "GB/s", "share", "err"]]
     cases = [("prefill", int(t), int(e)) for t in args.moe_tokens.split(",")[:1] for e in (16, 256)]
     cases += [("decode", int(t), args.moe_decode_experts) for t in args.moe_decode_tokens.split(",") if t]
@@ -819,6 +895,10 @@ def main() -> int:
                    help="run every tiling at every prefill token count, not only the fastest of the first")
     p.add_argument("--moe-small", action="store_true",
                    help="tiny shapes and ceilings (CPU smoke test: lax.ragged_dot only)")
+    p.add_argument("--moe-gather-tilings", default="16x1024x8x3,32x512,64x512,32x1024x4x3,8x2048x8x3,16x512x8x3",
+                   help="moe_rows: row gather tilings (as --gather-tilings)")
+    p.add_argument("--moe-combine-tilings", default="16x512,8x512,32x512,16x1024,8x1024,16x512x8,32x512x8,8x1024x8",
+                   help="moe_rows: combine_rows tilings, rows x columns [x warps]")
     p.add_argument("--mla-prefill", default="8192,32768", help="sparse_mla prefill queries (one causal request)")
     p.add_argument("--mla-decode", default="1,8,64", help="sparse_mla decode queries")
     p.add_argument("--mla-tilings", default="mgpu,mgpu_alt,mgpu_split,dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
@@ -852,6 +932,8 @@ def main() -> int:
             save(name, fn(args, ceil))
     if "moe" in args.only.split(","):
         save("moe", bench_moe(args, ceil, save=lambda part: save("moe", part)))
+    if "moe_rows" in args.only.split(","):
+        save("moe_rows", bench_moe_rows(args, ceil))
     if "moe_fp8" in args.only.split(","):
         save("moe_fp8", bench_moe_fp8(args, ceil))
     if "sparse_mla" in args.only.split(","):

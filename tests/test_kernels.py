@@ -3,6 +3,7 @@
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
-from pallas_kernels.row_gather import (compaction_plan, expert_order, gather_rows, gather_rows_pallas,
-                                       gather_rows_reference)
+from pallas_kernels.row_gather import (combine_rows, combine_rows_pallas, combine_rows_reference, compaction_plan,
+                                       expert_order, gather_rows, gather_rows_pallas, gather_rows_reference)
 
 
 def cases():
@@ -43,6 +44,74 @@ def test_gather_rows_rejects_bad_shapes():
         assert gather(x, jnp.array([3, -1, 0], jnp.int32)).shape == (3, 16)
 
 
+def combine_cases():
+    """(y rows, idx [N, k], w [N, k]): rows shared by several slots, slots with no row (-1), k of 1 to 8."""
+    rng = np.random.default_rng(2)
+    for M, D, N, k in ((5, 64, 1, 1), (90, 128, 37, 8), (300, 512, 64, 4), (64, 1024, 17, 3)):
+        y = rng.standard_normal((M, D)).astype(np.float32)
+        idx = rng.integers(-1, M, (N, k)).astype(np.int32)
+        idx[0, 0] = -1
+        w = rng.uniform(-2, 2, (N, k)).astype(np.float32)
+        yield y, idx, w
+
+
+def combine_by_hand(y, idx, w):
+    """fp64: sum over j of y[idx[:, j]] * w[:, j], nothing for idx < 0."""
+    y = np.asarray(y, np.float64)
+    w = np.asarray(w, np.float64)
+    out = np.zeros((idx.shape[0], y.shape[1]))
+    for t in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            if idx[t, j] >= 0:
+                out[t] += y[idx[t, j]] * w[t, j]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_combine_rows_interpret_equals_reference(dtype):
+    """The kernel (interpret mode) equals the reference and both equal the weighted sum computed by
+    hand in fp64, to a few fp32 roundings (fp32 weights, fp32 sums; a product may be fused into its
+    sum, FMA, so not bit for bit)."""
+    for y, idx, w in combine_cases():
+        yd = jnp.asarray(y, dtype)
+        ref = np.asarray(combine_rows_reference(yd, jnp.asarray(idx), jnp.asarray(w)))
+        got = combine_rows_pallas(yd, jnp.asarray(idx), jnp.asarray(w), block_rows=8, block_cols=min(64, y.shape[1]),
+                                  interpret=True)
+        assert got.dtype == jnp.float32
+        want = combine_by_hand(np.asarray(yd, np.float32), idx, w)
+        tol = 1e-6 * idx.shape[1] * np.abs(want).max()
+        assert np.abs(ref - want).max() <= tol and np.abs(np.asarray(got) - want).max() <= tol
+
+
+def test_combine_rows_rejects_bad_shapes():
+    y = jnp.zeros((8, 16), jnp.float32)
+    i2, w2 = jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2), jnp.float32)
+    for combine in (combine_rows, lambda *a: combine_rows_pallas(*a, block_cols=16, interpret=True)):
+        for args in ((y[0], i2, w2), (y, i2[:, 0], w2[:, 0]), (y, i2, w2[:, :1]), (y, i2.astype(jnp.float32), w2)):
+            with pytest.raises(ValueError, match="combine_rows takes rows y"):
+                combine(*args)
+        assert combine(y, i2, w2).shape == (4, 16)
+
+
+def test_moe_weighted_sum_matches_the_slot_order_sum():
+    """ExpertRows.weighted_sum (combine_rows over the padded rows) equals the slots read out in order,
+    weighted by the fp32 weights and summed (fp64 by hand, to fp32 rounding)."""
+    from pallas_kernels.moe import expert_mlp
+    rng = np.random.default_rng(11)
+    N, k, D, I, E = 24, 4, 128, 64, 6
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    gate, up = (jnp.asarray(rng.standard_normal((E, D, I)) * D ** -0.5, jnp.bfloat16) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((E, I, D)) * I ** -0.5, jnp.bfloat16)
+    fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)          # E: joins no expert
+    w = rng.uniform(0, 1, (N, k)).astype(np.float32)
+    rows = expert_mlp(x, fe, gate, up, down, k)
+    slots = np.asarray(rows.slots(), np.float64).reshape(N, k, D)
+    assert (slots.reshape(N * k, D)[np.asarray(fe) == E] == 0).all() and np.abs(slots).max() > 0.1
+    want = (slots * w[..., None]).sum(1)
+    got = np.asarray(rows.weighted_sum(jnp.asarray(w)))
+    assert np.abs(got - want).max() <= 1e-6 * k * np.abs(want).max()
+
+
 def test_compaction_and_expert_order_plans():
     rng = np.random.default_rng(1)
     valid = rng.random(300) < 0.3
@@ -70,6 +139,23 @@ def test_gather_rows_compiled_on_gpu_equals_reference():
                 out = jax.jit(lambda a, i: gather_rows_pallas(a, i, block_cols=bc, steps=steps))(xd, jnp.asarray(idx))
                 np.testing.assert_array_equal(np.asarray(out, np.float32),
                                               np.asarray(gather_rows_reference(xd, jnp.asarray(idx)), np.float32))
+
+
+@pytest.mark.gpu
+def test_combine_rows_compiled_on_gpu_equals_reference():
+    assert jax.default_backend() == "gpu"
+    for y, idx, w in combine_cases():
+        for dtype in (jnp.float32, jnp.bfloat16):
+            yd = jnp.asarray(y, dtype)
+            ref = np.asarray(jax.jit(combine_rows_reference)(yd, jnp.asarray(idx), jnp.asarray(w)))
+            want = combine_by_hand(np.asarray(yd, np.float32), idx, w)
+            tol = 1e-6 * idx.shape[1] * np.abs(want).max()
+            assert np.abs(ref - want).max() <= tol
+            for block_rows in (16, 32):
+                got = jax.jit(functools.partial(combine_rows_pallas, block_rows=block_rows))(
+                    yd, jnp.asarray(idx), jnp.asarray(w))
+                assert np.abs(np.asarray(got) - want).max() <= tol
+            assert np.abs(np.asarray(jax.jit(combine_rows)(yd, jnp.asarray(idx), jnp.asarray(w))) - want).max() <= tol
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ kernel in Mosaic GPU's interpreter against XLA's ragged_dot composition, and the
 GPU (marked gpu)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -87,10 +88,10 @@ def test_expert_mlp_blocked_interpret_equals_reference():
     for fe in routings(rng, N * k, E):
         fe = jnp.asarray(fe, jnp.int32)
         ref = slot_reference(x, np.asarray(fe), gate, up, down, k)
-        ragged = np.asarray(expert_mlp_ragged(x, fe, gate, up, down, k), np.float64)
+        ragged = np.asarray(expert_mlp_ragged(x, fe, gate, up, down, k).slots(), np.float64)
         for up_t, down_t in tilings:
             got = np.asarray(expert_mlp_blocked(x, fe, gate, up, down, k, up_tiling=up_t, down_tiling=down_t,
-                                                interpret=interp), np.float64)
+                                                interpret=interp).slots(), np.float64)
             assert np.isfinite(got).all()
             dummy = np.asarray(fe) == E
             assert (got[dummy] == 0).all()
@@ -180,7 +181,7 @@ def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
     fe = jnp.asarray(routings(rng, N * k, E).__next__(), jnp.int32)      # random, with dummies
     t = Tiling(block_m=64, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
     got = np.asarray(expert_mlp_blocked_fp8(x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=t, down_tiling=t,
-                                            interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
+                                            interpret=plgpu.InterpretGPUParams(detect_races=True)).slots(), np.float64)
     g, u, d = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us), (dq, ds)))
     fe_np = np.asarray(fe)
     want = np.zeros((N * k, D))
@@ -197,9 +198,9 @@ def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
     # the bulk agrees to bf16 rounding; an intermediate h on an fp8 rounding boundary may round one step
     # (1/8 relative) the other way in one of the two, which moves its outputs by up to a few %
     assert np.abs(got - want).mean() <= 2e-3 * scale and np.abs(got - want).max() <= 4e-2 * scale
-    bf16 = np.asarray(expert_mlp(x, fe, gq, uq, dq, k, scales=(gs, us, ds)), np.float64)   # CPU: dequantized
+    bf16 = np.asarray(expert_mlp(x, fe, gq, uq, dq, k, scales=(gs, us, ds)).slots(), np.float64)   # CPU: dequantized
     np.testing.assert_array_equal(bf16, np.asarray(expert_mlp_ragged(
-        x, fe, *(fp8_experts_as_plain(w, sc, x.dtype) for w, sc in ((gq, gs), (uq, us), (dq, ds))), k), np.float64))
+        x, fe, *(fp8_experts_as_plain(w, sc, x.dtype) for w, sc in ((gq, gs), (uq, us), (dq, ds))), k).slots(), np.float64))
     assert np.abs(got - bf16).max() <= 0.1 * scale      # fp8 activations: a few % of the largest output
 
 
@@ -242,11 +243,11 @@ def test_fp8_experts_transposed_change_the_result():
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
     (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
     fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
-    good = np.asarray(expert_mlp(x, fe, gq, uq, dq, k, scales=(gs, us, ds)))
-    want = np.asarray(expert_mlp_ragged(x, fe, *(plain_f32(w, s) for w, s in ((gq, gs), (uq, us), (dq, ds))), k))
+    good = np.asarray(expert_mlp(x, fe, gq, uq, dq, k, scales=(gs, us, ds)).slots())
+    want = np.asarray(expert_mlp_ragged(x, fe, *(plain_f32(w, s) for w, s in ((gq, gs), (uq, us), (dq, ds))), k).slots())
     np.testing.assert_allclose(good, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     t = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
-    bad = np.asarray(expert_mlp(x, fe, t(gq), t(uq), t(dq), k, scales=(t(gs), t(us), t(ds))))
+    bad = np.asarray(expert_mlp(x, fe, t(gq), t(uq), t(dq), k, scales=(t(gs), t(us), t(ds))).slots())
     assert np.abs(bad - want).max() > 0.3 * np.abs(want).max()
 
 
@@ -274,7 +275,6 @@ def test_expert_mlp_fp8_lowers_for_cuda_reading_the_stored_weights(compute_wgs):
     """The fp8 kernel path traced and lowered for CUDA on this machine (Mosaic GPU lowering errors show
     here): the two kernel calls take the function's weight and scale arguments themselves (gate, up and
     their scales in the first, down and its scale in the second), and no fp8 tensor is transposed."""
-    import functools
     import re
 
     from pallas_kernels.moe import expert_mlp_blocked_fp8
@@ -304,9 +304,15 @@ def test_expert_mlp_dispatch_takes_ragged_dot_off_the_gpu(monkeypatch):
     x, gate, up, down = mlp_inputs(rng, 8, 128, 128, 4)
     fe = jnp.asarray(rng.integers(0, 4, 16), jnp.int32)
     for policy in (KernelPolicy(), KernelPolicy(moe_kernel=False)):
-        out = expert_mlp(x, fe, gate, up, down, 2, policy=policy)
-        np.testing.assert_array_equal(out, expert_mlp_ragged(x, fe, gate, up, down, 2))
+        out = expert_mlp(x, fe, gate, up, down, 2, policy=policy).slots(policy)
+        np.testing.assert_array_equal(out, expert_mlp_ragged(x, fe, gate, up, down, 2).slots())
     assert calls == [] or jax.default_backend() == "gpu"
+
+
+@functools.partial(jax.jit, static_argnums=5, static_argnames="policy")
+def slots_compiled(x, fe, gate, up, down, k, *, policy, scales=None):
+    """The dispatch's outputs in slot order, compiled."""
+    return expert_mlp(x, fe, gate, up, down, k, policy=policy, scales=scales).slots(policy)
 
 
 @pytest.mark.gpu
@@ -323,8 +329,7 @@ def test_expert_mlp_kernel_compiled_equals_reference(compute_wgs):
         for fe in (rng.integers(0, E + 1, N * k), np.full(N * k, E - 1)):
             fe = jnp.asarray(fe, jnp.int32)
             ref = slot_reference(x, np.asarray(fe), gate, up, down, k)
-            got = np.asarray(jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")(
-                x, fe, gate, up, down, k, policy=policy), np.float64)
+            got = np.asarray(slots_compiled(x, fe, gate, up, down, k, policy=policy), np.float64)
             assert np.isfinite(got).all()
             assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max(), (N, k, D, I, E)
 
@@ -339,7 +344,7 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs)
     rng = np.random.default_rng(6)
     on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs)
     off = KernelPolicy(fp8_moe_kernel=False)
-    run = jax.jit(expert_mlp, static_argnums=5, static_argnames="policy")
+    run = slots_compiled
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
         x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
         (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
@@ -399,8 +404,6 @@ def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_
     width 2048, top-8), prefill and decode row counts, bf16 and fp8, traced and lowered for CUDA on this
     machine from shapes alone: a tiling over the shared memory (Mosaic GPU checks it while lowering)
     fails here instead of on the GPU."""
-    import functools
-
     from pallas_kernels.moe import expert_mlp_blocked, expert_mlp_blocked_fp8, expert_shape
     from pallas_kernels.moe.dispatch import blocked_tilings, fp8_tilings
     D, I, k = 6144, 2048, 8

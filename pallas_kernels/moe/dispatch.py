@@ -17,6 +17,7 @@ dequantizes them to the plain layout first.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,21 +27,37 @@ from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_erro
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
-from pallas_kernels.row_gather import expert_order, gather_rows
+from pallas_kernels.row_gather import combine_rows, expert_order, gather_rows
+
+
+class ExpertRows(NamedTuple):
+    """The experts' outputs where the grouped matmul left them: rows [P, D] in x's dtype, and the row
+    of each slot, slot_row [S] (-1: the slot joined no expert; its output is zero). Read out either in
+    slot order or as each token's weighted sum, straight from these rows."""
+    rows: jax.Array
+    slot_row: jax.Array
+
+    def slots(self, policy: KernelPolicy = DEFAULT_POLICY):
+        """[S, D] in slot order."""
+        return gather_rows(self.rows, self.slot_row, policy=policy)
+
+    def weighted_sum(self, w, policy: KernelPolicy = DEFAULT_POLICY):
+        """fp32 [N, D]: each token's k slots (slot s = t * k + j) times w [N, k], summed in slot order
+        (row_gather.combine_rows: one read of the rows, no [S, D] intermediate)."""
+        return combine_rows(self.rows, self.slot_row.reshape(w.shape), w, policy=policy)
 
 
 def expert_mlp_ragged(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY):
     """x [N, D]; flat_expert [N * topk] (slot s belongs to row s // topk; E: no expert); plain experts
-    gate / up [E, D, I], down [E, I, D]. Returns [N * topk, D] in slot order, in x's dtype."""
+    gate / up [E, D, I], down [E, I, D]. Returns ExpertRows in x's dtype (rows in expert order)."""
     E = gate.shape[0]
     order, sizes = expert_order(flat_expert, E)
     xs = gather_rows(x, order // topk, policy=policy)
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
     y = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
     used = jnp.arange(order.shape[0]) < sizes.sum()   # rows past the groups: ragged_dot leaves them unspecified
-    y = jnp.where(used[:, None], y, jnp.zeros((), y.dtype))
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
-    return gather_rows(y, unsort, policy=policy)
+    return ExpertRows(y, jnp.where(used[unsort], unsort, -1))
 
 
 def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: Tiling, down_tiling: Tiling,
@@ -56,7 +73,7 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
         h = grouped_matmul(xp, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret)
     with jax.named_scope("down"):
         y = grouped_matmul(h, down, tile_expert, tiling=down_tiling, interpret=interpret)
-    return gather_rows(y, slot_row, policy=policy)
+    return ExpertRows(y, slot_row)
 
 
 def paired(t: Tiling, N: int) -> Tiling:
@@ -164,13 +181,14 @@ def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *,
         hq, hs = quantize_rows(h)
         y = grouped_matmul(hq, down, tile_expert, tiling=down_tiling, interpret=interpret, x_scale=hs,
                            w_scale=scales[2], out_dtype=x.dtype)
-    return gather_rows(y, slot_row, policy=policy)
+    return ExpertRows(y, slot_row)
 
 
 @jax.named_call     # profiles (scripts/profile_prefill.py) name the ops inside by these scopes
 def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolicy = DEFAULT_POLICY, scales=None):
     """The dispatch: the grouped_matmul kernel on GPU with policy.moe_kernel where its shapes fit (K
-    and N multiples of its blocks, bf16), else expert_mlp_ragged. x [N, D], flat_expert [N * topk].
+    and N multiples of its blocks, bf16), else expert_mlp_ragged. x [N, D], flat_expert [N * topk];
+    returns ExpertRows (.slots(): [N * topk, D] in slot order; .weighted_sum(w): [N, D] fp32).
     Layouts (layout.py, checked: a mismatch is a ValueError):
       scales None: plain experts gate / up [E, D, I], down [E, I, D];
       scales (gate, up, down): fp8 e4m3 experts, K-major: gate / up [E, I, D], down [E, D, I], scales
