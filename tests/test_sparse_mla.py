@@ -157,6 +157,34 @@ def test_dispatch_takes_the_reference_off_the_gpu_and_names_what_does_not_fit():
     assert tiling_for(8, 64, 2048).splits == 32                      # decode: one 64-row block per program
 
 
+def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
+    """Which kernel the dispatch calls, and how, for each policy (on CPU: the kernels are replaced by
+    recorders and the policy reports a GPU): prefill-sized bf16 calls take the Mosaic GPU kernel with
+    the scores mode the policy names, decode-sized ones the Triton kernel's row splits or, with
+    mgpu_sparse_mla_rows, the Mosaic GPU row splits; the policy off takes the reference."""
+    import pallas_kernels.sparse_mla.dispatch as dispatch
+    calls = []
+    monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
+    monkeypatch.setattr(dispatch, "sparse_mla_mgpu", lambda *a, scores: calls.append(("mgpu", scores)))
+    monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows", lambda *a, row_splits: calls.append(("rows", row_splits)))
+    monkeypatch.setattr(dispatch, "sparse_mla_pallas", lambda *a, tiling: calls.append(("triton", tiling.splits)))
+    monkeypatch.setattr(dispatch, "sparse_mla_reference", lambda *a: calls.append(("reference",)))
+    sds = jax.ShapeDtypeStruct
+    pool = (sds((1, 4096, 512), jnp.bfloat16), sds((1, 4096, 64), jnp.bfloat16))
+
+    def route(N, **policy):
+        calls.clear()
+        sparse_mla(sds((N, 64, 512), jnp.bfloat16), sds((N, 64, 64), jnp.bfloat16), *pool, 0,
+                   sds((N, 2048), jnp.int32), 0.1, policy=KernelPolicy(**policy))
+        return calls[0]
+    assert route(8192) == ("mgpu", "both")
+    assert route(8192, mgpu_sparse_mla_alternate=True) == ("mgpu", "alternate")
+    assert route(8) == ("triton", tiling_for(8, 64, 2048).splits)
+    assert route(8, mgpu_sparse_mla_rows=True) == ("rows", dispatch.row_splits_for(8, 2048)) == ("rows", 32)
+    assert route(8192, mgpu_sparse_mla=False)[0] == "triton"
+    assert route(8192, enabled=False) == ("reference",)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,H,K,P", [(1, 64, 2048, 4096), (8, 64, 2048, 8192), (300, 64, 2048, 4096),
                                      (64, 8, 512, 1024), (33, 5, 40, 100), (450, 4, 32, 600)])
