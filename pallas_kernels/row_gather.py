@@ -35,14 +35,26 @@ def gather_rows_reference(x, idx):
     return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.zeros((), x.dtype))
 
 
+def _load_rows(x_ref, idx, cols):
+    """Rows idx of x_ref at columns cols, zeros where idx < 0 (row 0 is read there, then masked)."""
+    got = x_ref[jnp.maximum(idx, 0)[:, None], cols[None, :]]
+    return jnp.where((idx >= 0)[:, None], got, jnp.zeros_like(got))
+
+
+def _kernel_takes(width: int, policy: KernelPolicy) -> bool:
+    """Whether the Triton kernels take rows of this width: on GPU with policy.enabled, the width
+    tiling into power-of-two column blocks of up to 512 (Triton blocks must have a power-of-two size:
+    other widths, hidden 80 or 96, take the reference)."""
+    cols = min(512, width)
+    return policy.on_gpu() and width % cols == 0 and cols & (cols - 1) == 0
+
+
 def _gather_rows_kernel(idx_ref, x_ref, o_ref, *, block_rows: int, block_cols: int, steps: int):
     cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
 
     def step(i, _):
         rows = pl.ds(pl.multiple_of(i * block_rows, block_rows), block_rows)
-        idx = idx_ref[rows]
-        got = x_ref[jnp.maximum(idx, 0)[:, None], cols[None, :]]
-        o_ref[rows, :] = jnp.where((idx >= 0)[:, None], got, jnp.zeros_like(got))
+        o_ref[rows, :] = _load_rows(x_ref, idx_ref[rows], cols)
         return 0
 
     jax.lax.fori_loop(0, steps, step, 0)
@@ -80,9 +92,7 @@ def gather_rows(x, idx, *, policy: KernelPolicy = DEFAULT_POLICY):
     bf16): 32 x 512 per program up to 16k rows; from 64k rows, 8 pipelined blocks of 16 x 1024 (442
     against 485 us at 64k rows; no better at 16k)."""
     check_gather_args(x, idx)
-    cols = min(512, x.shape[1])
-    # Triton blocks must have a power-of-two size: other widths (hidden 80, 96) take the reference
-    if policy.on_gpu() and x.shape[1] % cols == 0 and cols & (cols - 1) == 0:
+    if _kernel_takes(x.shape[1], policy):
         if idx.shape[0] >= 65536 and x.shape[1] % 1024 == 0:
             return gather_rows_pallas(x, idx, block_rows=16, block_cols=1024, steps=8, num_stages=3)
         return gather_rows_pallas(x, idx)
@@ -114,10 +124,7 @@ def _combine_rows_kernel(idx_ref, w_ref, y_ref, o_ref, *, k: int, block_cols: in
     cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
     total = None
     for j in range(k):
-        idx = idx_ref[j, :]
-        got = y_ref[jnp.maximum(idx, 0)[:, None], cols[None, :]]
-        got = jnp.where((idx >= 0)[:, None], got, jnp.zeros_like(got))
-        term = got.astype(jnp.float32) * w_ref[j, :][:, None]
+        term = _load_rows(y_ref, idx_ref[j, :], cols).astype(jnp.float32) * w_ref[j, :][:, None]
         total = term if total is None else total + term
     o_ref[...] = total
 
@@ -155,9 +162,8 @@ def combine_rows(y, idx, w, *, policy: KernelPolicy = DEFAULT_POLICY):
     read straight from the grouped matmul's padded rows): the Pallas kernel on GPU with
     policy.enabled where the row width tiles into power-of-two column blocks, else the reference."""
     check_combine_args(y, idx, w)
-    cols = min(512, y.shape[1])
-    if policy.on_gpu() and y.shape[1] % cols == 0 and cols & (cols - 1) == 0:
-        return combine_rows_pallas(y, idx, w, block_cols=cols)
+    if _kernel_takes(y.shape[1], policy):
+        return combine_rows_pallas(y, idx, w)
     return combine_rows_reference(y, idx, w)
 
 

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.moe.dispatch as dispatch
+from bench_kernels import expert_mlp_summed
 from cpkv_jax.perf import fitted_pipelined_time, report
-from pallas_kernels.moe import expert_mlp, expert_shape, fp8_experts_as_plain
+from pallas_kernels.moe import expert_shape, fp8_experts_as_plain
 from pallas_kernels.policy import KernelPolicy
 
 
@@ -39,12 +40,7 @@ def main():
     D, I, k, E = args.hidden, args.width, args.top_k, args.experts
     defaults = {"fp8": ("fp8_tilings", dispatch.fp8_tilings), "bf16": ("blocked_tilings", dispatch.blocked_tilings)}
     res, rows = [], [["tokens", "weights", "tilings", "repeat", "ms"]]
-    def moe_sum(x, fe, gate, up, down, k, *, policy, scales=None):
-        """What the model runs: the experts' outputs weighted and summed per token (fixed weights)."""
-        w = jnp.full((x.shape[0], k), 1.0 / k, jnp.float32)
-        return expert_mlp(x, fe, gate, up, down, k, policy=policy, scales=scales).weighted_sum(w, policy)
-
-    run = jax.jit(moe_sum, static_argnums=5, static_argnames="policy")
+    run = jax.jit(expert_mlp_summed, static_argnums=5, static_argnames="policy")
     for T in (int(t) for t in args.tokens.split(",")):
         keys = jax.random.split(jax.random.key(T), 8)
         fp8 = []

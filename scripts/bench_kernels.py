@@ -698,6 +698,16 @@ def bench_sparse_mla(args, ceil):
     return out
 
 
+def expert_mlp_summed(x, fe, gate, up, down, k, *, policy, scales=None):
+    """What the model runs of the routed experts: expert_mlp, then each token's outputs weighted (fixed
+    weights 1/k) and summed (ExpertRows.weighted_sum)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.moe import expert_mlp
+    w = jnp.full((x.shape[0], k), 1.0 / k, jnp.float32)
+    return expert_mlp(x, fe, gate, up, down, k, policy=policy, scales=scales).weighted_sum(w, policy)
+
+
 def bench_moe_rows(args, ceil):
     """The MoE's row movement around the grouped matmuls (GLM-5 widths, top-8, uniform routing, the
     block plan's 128-row tiles): the gather of the tokens into the plan's padded rows (bf16, and fp8
@@ -775,15 +785,10 @@ def bench_moe_fp8(args, ceil):
     import jax.numpy as jnp
 
     from cpkv_jax.perf import fitted_pipelined_time, print_table
-    from pallas_kernels.moe import expert_mlp, expert_shape, fp8_experts_as_plain
+    from pallas_kernels.moe import expert_shape, fp8_experts_as_plain
     from pallas_kernels.policy import KernelPolicy
     D, I, k = args.moe_hidden, args.moe_width, args.moe_top_k
-    def moe_sum(x, fe, gate, up, down, k, *, policy, scales=None):
-        """What the model runs: the experts' outputs weighted and summed per token (fixed weights)."""
-        w = jnp.full((x.shape[0], k), 1.0 / k, jnp.float32)
-        return expert_mlp(x, fe, gate, up, down, k, policy=policy, scales=scales).weighted_sum(w, policy)
-
-    run = jax.jit(moe_sum, static_argnums=5, static_argnames="policy")
+    run = jax.jit(expert_mlp_summed, static_argnums=5, static_argnames="policy")
     out, rows = [], [["case", "variant", "ms", "TFLOP/s", "GB/s", "share", "err"]]
     cases = [("prefill", int(t), int(e)) for t in args.moe_tokens.split(",")[:1] for e in (16, 256)]
     cases += [("decode", int(t), args.moe_decode_experts) for t in args.moe_decode_tokens.split(",") if t]
