@@ -67,9 +67,11 @@ def mgpu_shape_error(q_lat, q_rope) -> str | None:
 
 def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem):
     """The memory warpgroup's copies of one block: row r's slot read by threads 2r and 2r + 1, each
-    copying half of the row's latent chunks (thread 2r + h: the latent's half h, lat_smem [2, 64, C/2])
-    and of its rope chunks into the (8, 64)-tiled, 128-byte-swizzled stage, where a TMA copy would have
-    put them (an unselected slot, -1, copies row 0: the compute masks it). One cp.async group per block."""
+    copying half of the row's 16-byte latent and rope chunks (thread 2r + h: chunks 2i + h, so each copy
+    instruction reads whole 32-byte sectors; with the halves of the row to each thread, every sector was
+    fetched twice from L2 and L2 throughput bounded the kernel) into the (8, 64)-tiled, 128-byte-swizzled
+    stage (lat_smem [2, 64, C/2]), where a TMA copy would have put them (an unselected slot, -1, copies
+    row 0: the compute masks it). One cp.async group per block."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
     from jax.experimental.mosaic.gpu import utils as mu
@@ -93,7 +95,7 @@ def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_sm
         r8 = arith.andi(row, c32(7))
 
         def copy(src, dst, width, parts):
-            """Half of the row's chunks of src [L, P, width] into dst [parts, 64, width / parts]."""
+            """This thread's chunks 2i + half of the row of src [L, P, width] into dst [parts, 64, width / parts]."""
             gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src))
             gptr = mu.getelementptr(gptr, [arith.muli(pool_row, arith.constant(i64, width * 2))], i8)
             sptr = mu.memref_ptr(dst)
@@ -105,7 +107,7 @@ def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_sm
             row_base = arith.addi(arith.muli(arith.shrui(row, c32(3)), c32(tiles * 1024)),
                                   arith.muli(r8, c32(_SWIZZLE)))
             for k in range(chunks // 2):
-                chunk = arith.addi(arith.muli(half, c32(chunks // 2)), c32(k))
+                chunk = arith.addi(c32(2 * k), half)
                 part = arith.divui(chunk, c32(part_chunks))
                 within_part = arith.remui(chunk, c32(part_chunks))
                 t = arith.shrui(within_part, c32(3))
