@@ -23,18 +23,23 @@ from pallas_kernels.moe.plan import block_plan
 def tilings(bm: int, fp8: bool):
     """(gate_up, down) tilings to compare at row tile bm: the first of each is the reference; `_c2`:
     clusters of two programs sharing their x tiles by multicast; `_pairs`: two column blocks per tile
-    (fp8 down: the gate_up call's two-accumulator shape)."""
-    T = lambda bn, st, w, g=8, c=1, pairs=False: Tiling(  # noqa: E731
+    (fp8 down: the gate_up call's two-accumulator shape); `_joint`: a step's two products issued together
+    (fp8, a warpgroup's part at most 64 x 64)."""
+    T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
-        grid_block_n=g if bm == 128 else 1, cluster_n=c, column_pairs=pairs)
+        grid_block_n=g if bm == 128 else 1, cluster_n=c, column_pairs=pairs, joint_products=joint)
     if fp8 and bm == 128:
-        return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2)},
+        return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
+                 "2wg_n64_g16_joint": T(64, 4, 2, 16, joint=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n128_g16_pairs_s3": T(128, 3, 2, 16, 1, True),
-                 "2wg_n128_g16_c2_pairs_s3": T(128, 3, 2, 16, 2, True)})
+                 "2wg_n128_g16_c2_pairs_s3": T(128, 3, 2, 16, 2, True),
+                 "2wg_n64_g16_pairs_joint": T(64, 4, 2, 16, 1, True, True)})
     if fp8:
-        return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2)},
-                {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2)})
+        return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2),
+                 "2wg_n128_c2_joint": T(128, 4, 2, 1, 2, joint=True)},
+                {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2),
+                 "2wg_n256_c2_pairs_joint": T(128, 4, 2, 1, 2, True, True)})
     if bm == 128:
         return ({"1wg_n64": T(64, 4, 1), "2wg_n128_s3": T(128, 3, 2), "2wg_n128_s3_c2": T(128, 3, 2, 8, 2)},
                 {"1wg_n128": T(128, 4, 1), "2wg_n256_s3": T(256, 3, 2), "2wg_n256_s3_c2": T(256, 3, 2, 8, 2)})

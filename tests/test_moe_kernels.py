@@ -115,16 +115,19 @@ def plain_f32(w, scale):
     return fp8_experts_as_plain(w, scale, jnp.float32)
 
 
-@pytest.mark.parametrize("bm,bn,compute_wgs,cluster_n,pairs", [
-    (64, 64, 1, 1, False), (128, 64, 2, 1, False), (64, 128, 2, 1, False), (128, 64, 2, 2, False),
-    (64, 128, 2, 2, False), (128, 128, 2, 1, True), (128, 64, 2, 2, True)])
-def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, compute_wgs, cluster_n, pairs):
+@pytest.mark.parametrize("bm,bn,compute_wgs,cluster_n,pairs,joint", [
+    (64, 64, 1, 1, False, False), (128, 64, 2, 1, False, False), (64, 128, 2, 1, False, False),
+    (128, 64, 2, 2, False, False), (64, 128, 2, 2, False, False), (128, 128, 2, 1, True, False),
+    (128, 64, 2, 2, True, False), (64, 128, 2, 1, False, True), (64, 128, 2, 2, False, True),
+    (128, 64, 2, 1, True, True)])
+def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, compute_wgs, cluster_n, pairs, joint):
     """The fp8 kernel (interpreter, race detector on) against float64 products of the dequantized
     operands: row scales per 128 columns, weight scales per 128 x 128 block (distinct per block:
     K = N = 256), plain and gate/up fused; an unused tile stays unwritten (NaN from the interpreter).
     Two compute warpgroups split a 128-row tile's rows, or a 64-row tile's columns; cluster_n 2 runs
     programs in pairs on neighbouring column blocks, their x tiles and row scales multicast;
-    column_pairs computes two column blocks per tile (plain calls only: with up it is refused)."""
+    column_pairs computes two column blocks per tile (plain calls only: with up it is refused);
+    joint_products issues a step's gate and up (or pair) products together."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
@@ -139,7 +142,7 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, comp
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
     gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))   # [E, K, N]
     t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=cluster_n, programs=3 + (cluster_n == 2),
-               compute_wgs=compute_wgs, cluster_n=cluster_n, column_pairs=pairs)
+               compute_wgs=compute_wgs, cluster_n=cluster_n, column_pairs=pairs, joint_products=joint)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     plain = np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs),
                        np.float64)
@@ -420,3 +423,32 @@ def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_
     f = functools.partial(expert_mlp_blocked_fp8, topk=k, up_tiling=up_t, down_tiling=down_t)
     jax.jit(lambda x, fe, g, u, d, sg, su, sd: f(x, fe, g, u, d, (sg, su, sd))).trace(
         x, fe, *q8, *sc).lower(lowering_platforms=("cuda",))
+
+
+def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_where_they_would_spill():
+    """The fp8 gate_up call with joint_products (both products of a step issued together) at GLM-5's
+    decode tiling, lowered for CUDA from shapes; refused where a warpgroup's part of the tile exceeds
+    64 x 64 (128-row tiles of 128 columns: two fresh [64, 128] fp32 accumulators beside the two sums
+    would not fit its registers) and for bf16 or one compute warpgroup."""
+    from pallas_kernels.moe import expert_mlp_blocked_fp8, expert_shape
+    from pallas_kernels.moe.dispatch import fp8_tilings
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    D, I, k, E, tokens = 6144, 2048, 8, 256, 1
+    sds = jax.ShapeDtypeStruct
+    up_t, down_t = fp8_tilings(tokens * k, E, 2)
+    assert up_t.block_m == 64
+    up_t = dataclasses.replace(up_t, joint_products=True)
+    shapes = [expert_shape(E, K, N, fp8=True) for K, N in ((D, I), (D, I), (I, D))]
+    q8 = [sds(s, jnp.float8_e4m3fn) for s in shapes]
+    sc = [sds((e, n // 128, kk // 128), jnp.float32) for e, n, kk in shapes]
+    f = functools.partial(expert_mlp_blocked_fp8, topk=k, up_tiling=up_t, down_tiling=down_t)
+    jax.jit(lambda x, fe, g, u, d, sg, su, sd: f(x, fe, g, u, d, (sg, su, sd))).trace(
+        sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), *q8, *sc).lower(lowering_platforms=("cuda",))
+    x8, w8 = sds((128, D), jnp.float8_e4m3fn), q8[0]
+    wide = Tiling(block_m=128, block_n=128, block_k=128, compute_wgs=2, joint_products=True)
+    assert "joint_products" in shape_error(x8, w8, wide, fp8=True)
+    assert shape_error(x8, w8, dataclasses.replace(wide, block_n=64), fp8=True) is None
+    assert "joint_products" in shape_error(x8, w8, dataclasses.replace(wide, block_n=64, compute_wgs=1), fp8=True)
+    xb, wb = sds((128, D), jnp.bfloat16), sds((E, D, I), jnp.bfloat16)
+    assert "joint_products" in shape_error(xb, wb, Tiling(block_m=128, block_n=64, compute_wgs=2,
+                                                           joint_products=True))

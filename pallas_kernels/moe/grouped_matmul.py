@@ -52,6 +52,12 @@ class Tiling:
     """fp8, warp-specialized, without `up`: each program takes two neighbouring column blocks of w as
     two accumulators fed by one x block per step (the gate_up call's shape: a [block_m, 2 block_n]
     output tile, half the x loads and pipeline fills per output column)."""
+    joint_products: bool = False
+    """fp8, warp-specialized: a step's products with both weights (gate and up, or a column pair) are
+    issued together, each into its own fresh accumulator, and awaited once, instead of one after the
+    other with a wait between. Half the per-step chain of issue, wait and rescale, which bounds a call
+    with few rows per expert (decode); twice the fresh accumulators in registers, so only where a
+    warpgroup's part of the tile is at most 64 x 64."""
 
 
 def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
@@ -83,6 +89,11 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     pair = 2 if tiling.column_pairs else 1
     if tiling.column_pairs and (not fp8 or tiling.compute_wgs != 2 or N % (2 * tiling.block_n)):
         return f"column_pairs: fp8, two compute warpgroups and N {N} a multiple of 2 x block_n ({tiling})"
+    if tiling.joint_products:
+        part = tiling.block_m * tiling.block_n // 2
+        if not fp8 or tiling.compute_wgs != 2 or part > 64 * 64:
+            return (f"joint_products: fp8, two compute warpgroups and each one's part of the tile at most 64 x 64 "
+                    f"({tiling})")
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
             tiling.compute_wgs != 2 or (N // tiling.block_n // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
@@ -225,15 +236,25 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
                 plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
                 row_scale = jax.lax.broadcast_in_dim(row_scale, (sm, sn), [0])
-                new = []
-                for j, (total, w_smem, ws_ref) in enumerate(zip(sums, w_smems, ws_refs)):
+
+                def products(smems):
+                    """This step's products with the weight blocks `smems`, issued together, awaited once."""
+                    def issue(*acc_refs):
+                        for acc_ref, w_smem in zip(acc_refs, smems):
+                            plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
+                        return tuple(acc_ref[...] for acc_ref in acc_refs)
+                    return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
+
+                def scaled(j, total, part):
                     col = column(ni, j) + (0 if split_rows else wg * sn)
-                    def product(acc_ref, w_smem=w_smem):
-                        plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
-                        return acc_ref[...]
-                    part = pl.run_scoped(product, plgpu.ACC((sm, sn), jnp.float32))
-                    new.append(total + part * row_scale * ws_ref[expert, col // FP8_BLOCK, idx[0]])
-                return tuple(new)
+                    return total + part * row_scale * ws_refs[j][expert, col // FP8_BLOCK, idx[0]]
+
+                if tiling.joint_products:
+                    return tuple(scaled(j, total, part) for j, (total, part)
+                                 in enumerate(zip(sums, products(w_smems))))
+                # one product at a time, each rescaled before the next is issued
+                return tuple(scaled(j, total, products([w_smem])[0])
+                             for j, (total, w_smem) in enumerate(zip(sums, w_smems)))
 
             def step_bf16(_, x_smem, *rest):
                 *w_smems, accs = rest
