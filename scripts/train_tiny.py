@@ -577,7 +577,7 @@ def parse(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the final check against the engine's logits")
     d = p.add_argument_group("--stage mtp", "the MTP layer alone, on the frozen main model's greedy continuations "
                                             "of training-text prompts (mtp_stage)")
-    d.add_argument("--draft-seqs", type=int, default=2048, help="training sequences (prompt + greedy continuation)")
+    d.add_argument("--draft-seqs", type=int, default=8192, help="training sequences (prompt + greedy continuation)")
     d.add_argument("--draft-val", type=int, default=64, help="validation sequences (probe: simulated acceptance)")
     d.add_argument("--draft-prompt", type=int, default=48, help="prompt tokens of each sequence (as the eval's)")
     d.add_argument("--draft-len", type=int, default=80, help="tokens of each sequence, prompt included")
