@@ -42,13 +42,13 @@ SUMMARY = (
     ("L1 %", "l1tex__throughput.avg.pct_of_peak_sustained_elapsed"),
     ("issue %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
     ("regs", "launch__registers_per_thread"),
-    ("spills", "derived__local_spilling_requests"),
 )
 L2_READ = "lts__t_sectors_srcunit_tex_op_read.sum"
-METRICS = tuple(m for _, m in SUMMARY if not m.startswith("derived__")) + (
+SPILLS = ("l1tex__t_requests_pipe_lsu_mem_local_op_ld.sum", "l1tex__t_requests_pipe_lsu_mem_local_op_st.sum")
+METRICS = tuple(m for _, m in SUMMARY) + (
     L2_READ, "launch__grid_size", "launch__block_size", "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum", "l1tex__t_requests_pipe_lsu_mem_local_op_ld.sum",
-    "l1tex__t_requests_pipe_lsu_mem_local_op_st.sum") + tuple(STALL_METRIC.format(s) for s in STALLS)
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum") + SPILLS + tuple(STALL_METRIC.format(s) for s in STALLS)
+HEADER = '"ID","Process ID"'
 
 
 def number(text: str) -> float | None:
@@ -62,27 +62,28 @@ def number(text: str) -> float | None:
 def parse_raw_csv(text: str) -> list[dict]:
     """`ncu --page raw --csv` output (one header row of metric names, one of units, one row per
     profiled launch; anything before the header, such as the program's own output, skipped) ->
-    one dict per launch: 'kernel', 'id', and each metric's value (floats where numeric)."""
+    one dict per launch: 'kernel', 'id', each metric's value (floats where numeric) and its unit
+    ('_unit:<metric>', so times convert whatever unit ncu chose)."""
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID","Process ID"')), None)
+    start = next((i for i, line in enumerate(lines) if line.startswith(HEADER)), None)
     if start is None:
-        raise ValueError("no ncu raw CSV header (\"ID\",\"Process ID\",...) in the output: did any kernel match?")
-    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
-    head, launches = rows[0], [r for r in rows[2:] if len(r) == len(rows[0])]
+        raise ValueError(f"no ncu raw CSV header ({HEADER},...) in the output: did any kernel match?")
+    head, units, *rows = csv.reader(io.StringIO("\n".join(lines[start:])))
     out = []
-    for r in launches:
+    for r in (r for r in rows if len(r) == len(head)):
         d = {"kernel": r[head.index("Kernel Name")], "id": r[head.index("ID")]}
         for name, value in zip(head, r):
             v = number(value)
             d[name] = v if v is not None else value
+        d.update({"_unit:" + h: u for h, u in zip(head, units) if u})
         out.append(d)
     return out
 
 
 def summarize(launch: dict, expected_bytes: float | None = None, top: int = 4) -> dict:
-    """The row this script prints for one launch: the SUMMARY metrics present, the L2 sectors read
-    (as bytes, and as a multiple of expected_bytes), spills (the derived count, else the local load +
-    store requests), and the `top` stall reasons by warps stalled per issued instruction."""
+    """The row this script prints for one launch: the SUMMARY metrics present, spills (local load +
+    store requests), the L2 sectors read (as bytes, and as a multiple of expected_bytes), and the
+    `top` stall reasons by warps stalled per issued instruction."""
     row = {"kernel": launch["kernel"]}
     for label, metric in SUMMARY:
         v = launch.get(metric)
@@ -90,9 +91,8 @@ def summarize(launch: dict, expected_bytes: float | None = None, top: int = 4) -
             v = v * {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(
                 launch.get("_unit:" + metric, "ns"), 1e-3)
         row[label] = v
-    if not isinstance(row["spills"], float):
-        parts = [launch.get(f"l1tex__t_requests_pipe_lsu_mem_local_op_{op}.sum") for op in ("ld", "st")]
-        row["spills"] = sum(parts) if all(isinstance(p, float) for p in parts) else None
+    parts = [launch.get(m) for m in SPILLS]
+    row["spills"] = sum(parts) if all(isinstance(p, float) for p in parts) else None
     sectors = launch.get(L2_READ)
     row["L2 read MB"] = sectors * 32 / 1e6 if isinstance(sectors, float) else None
     row["L2 read / expected"] = (sectors * 32 / expected_bytes
@@ -101,17 +101,6 @@ def summarize(launch: dict, expected_bytes: float | None = None, top: int = 4) -
               if isinstance(launch.get(STALL_METRIC.format(s)), float)}
     row["stalls"] = sorted(stalls.items(), key=lambda kv: -kv[1])[:top]
     return row
-
-
-def with_units(text: str, launches: list[dict]) -> list[dict]:
-    """Attach the units row to each launch (keys '_unit:<metric>') so times convert whatever unit
-    ncu chose."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"ID","Process ID"'))
-    head, units = list(csv.reader(io.StringIO("\n".join(lines[start:start + 2]))))
-    for d in launches:
-        d.update({"_unit:" + h: u for h, u in zip(head, units) if u})
-    return launches
 
 
 def ncu_command(ncu: str, kernel: str | None, launch_skip: int, launch_count: int, log: str,
@@ -158,13 +147,13 @@ def main(argv=None) -> int:
         text = open(log).read() if os.path.exists(log) else ""
     if run.returncode != 0:
         print(f"ncu_kernel: the command exited with {run.returncode}", file=sys.stderr)
-    launches = with_units(text, parse_raw_csv(text))
+    launches = parse_raw_csv(text)
     if args.list:
         for d in launches:
             print(f"{d['id']:>5}  {summarize(d)['us']:>10.1f} us  {d['kernel'][:120]}")
     else:
         rows = [summarize(d, args.bytes) for d in launches]
-        cols = [label for label, _ in SUMMARY] + ["L2 read MB", "L2 read / expected"]
+        cols = [label for label, _ in SUMMARY] + ["spills", "L2 read MB", "L2 read / expected"]
         print("  ".join(["kernel"] + cols + ["top stalls (warps per issue)"]))
         for r in rows:
             stalls = ", ".join(f"{s} {v:.2f}" for s, v in r["stalls"])

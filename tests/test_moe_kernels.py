@@ -400,6 +400,19 @@ def test_clusters_apply_only_where_the_column_blocks_pair_up():
             assert expert_tilings(slots, gate, fp8, 2) == want
 
 
+def lower_fp8_experts_for_cuda(tokens: int, experts: int, up_t, down_t, D: int = 6144, I: int = 2048, k: int = 8):
+    """expert_mlp_blocked_fp8 at these widths with these tilings, traced and lowered for CUDA from
+    shapes alone (fp8 experts K-major, block scales)."""
+    from pallas_kernels.moe import expert_mlp_blocked_fp8, expert_shape
+    sds = jax.ShapeDtypeStruct
+    shapes = [expert_shape(experts, K, N, fp8=True) for K, N in ((D, I), (D, I), (I, D))]
+    q8 = [sds(s, jnp.float8_e4m3fn) for s in shapes]
+    sc = [sds((e, n // 128, kk // 128), jnp.float32) for e, n, kk in shapes]
+    f = functools.partial(expert_mlp_blocked_fp8, topk=k, up_tiling=up_t, down_tiling=down_t)
+    jax.jit(lambda x, fe, g, u, d, sg, su, sd: f(x, fe, g, u, d, (sg, su, sd))).trace(
+        sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), *q8, *sc).lower(lowering_platforms=("cuda",))
+
+
 @pytest.mark.parametrize("compute_wgs", [1, 2])
 @pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
 def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_wgs):
@@ -407,7 +420,7 @@ def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_
     width 2048, top-8), prefill and decode row counts, bf16 and fp8, traced and lowered for CUDA on this
     machine from shapes alone: a tiling over the shared memory (Mosaic GPU checks it while lowering)
     fails here instead of on the GPU."""
-    from pallas_kernels.moe import expert_mlp_blocked, expert_mlp_blocked_fp8, expert_shape
+    from pallas_kernels.moe import expert_mlp_blocked
     from pallas_kernels.moe.dispatch import blocked_tilings, fp8_tilings
     D, I, k = 6144, 2048, 8
     sds = jax.ShapeDtypeStruct
@@ -416,13 +429,7 @@ def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_
     plain = [sds((experts, D, I), jnp.bfloat16)] * 2 + [sds((experts, I, D), jnp.bfloat16)]
     f = functools.partial(expert_mlp_blocked, topk=k, up_tiling=up_t, down_tiling=down_t)
     jax.jit(f).trace(x, fe, *plain).lower(lowering_platforms=("cuda",))
-    up_t, down_t = fp8_tilings(tokens * k, experts, compute_wgs)
-    shapes = [expert_shape(experts, K, N, fp8=True) for K, N in ((D, I), (D, I), (I, D))]
-    q8 = [sds(s, jnp.float8_e4m3fn) for s in shapes]
-    sc = [sds((e, n // 128, kk // 128), jnp.float32) for e, n, kk in shapes]
-    f = functools.partial(expert_mlp_blocked_fp8, topk=k, up_tiling=up_t, down_tiling=down_t)
-    jax.jit(lambda x, fe, g, u, d, sg, su, sd: f(x, fe, g, u, d, (sg, su, sd))).trace(
-        x, fe, *q8, *sc).lower(lowering_platforms=("cuda",))
+    lower_fp8_experts_for_cuda(tokens, experts, *fp8_tilings(tokens * k, experts, compute_wgs), D, I, k)
 
 
 def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_where_they_would_spill():
@@ -430,21 +437,15 @@ def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_whe
     decode tiling, lowered for CUDA from shapes; refused where a warpgroup's part of the tile exceeds
     64 x 64 (128-row tiles of 128 columns: two fresh [64, 128] fp32 accumulators beside the two sums
     would not fit its registers) and for bf16 or one compute warpgroup."""
-    from pallas_kernels.moe import expert_mlp_blocked_fp8, expert_shape
+    from pallas_kernels.moe import expert_shape
     from pallas_kernels.moe.dispatch import fp8_tilings
     from pallas_kernels.moe.grouped_matmul import shape_error
     D, I, k, E, tokens = 6144, 2048, 8, 256, 1
     sds = jax.ShapeDtypeStruct
     up_t, down_t = fp8_tilings(tokens * k, E, 2)
     assert up_t.block_m == 64
-    up_t = dataclasses.replace(up_t, joint_products=True)
-    shapes = [expert_shape(E, K, N, fp8=True) for K, N in ((D, I), (D, I), (I, D))]
-    q8 = [sds(s, jnp.float8_e4m3fn) for s in shapes]
-    sc = [sds((e, n // 128, kk // 128), jnp.float32) for e, n, kk in shapes]
-    f = functools.partial(expert_mlp_blocked_fp8, topk=k, up_tiling=up_t, down_tiling=down_t)
-    jax.jit(lambda x, fe, g, u, d, sg, su, sd: f(x, fe, g, u, d, (sg, su, sd))).trace(
-        sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), *q8, *sc).lower(lowering_platforms=("cuda",))
-    x8, w8 = sds((128, D), jnp.float8_e4m3fn), q8[0]
+    lower_fp8_experts_for_cuda(tokens, E, dataclasses.replace(up_t, joint_products=True), down_t, D, I, k)
+    x8, w8 = sds((128, D), jnp.float8_e4m3fn), sds(expert_shape(E, D, I, fp8=True), jnp.float8_e4m3fn)
     wide = Tiling(block_m=128, block_n=128, block_k=128, compute_wgs=2, joint_products=True)
     assert "joint_products" in shape_error(x8, w8, wide, fp8=True)
     assert shape_error(x8, w8, dataclasses.replace(wide, block_n=64), fp8=True) is None
