@@ -131,6 +131,14 @@ def fitted_pipelined_time(fn, *args) -> float:
     return pipelined_time(fn, *args, n=n, repeat=2 if one > 0.1 else 3)
 
 
+def batched_time(fn, arg_sets) -> float:
+    """Per-call device time of fn over len(arg_sets) independent argument tuples called in one
+    executable (host dispatch paid once per batch): for kernels shorter than a host dispatch whose
+    inputs must differ per call (distinct rows, so the second call does not find the first's in L2)."""
+    many = jax.jit(lambda sets: [fn(*a) for a in sets])
+    return pipelined_time(many, arg_sets, n=5, repeat=5) / len(arg_sets)
+
+
 def chained_time(fn, x, *rest, n: int = 10, repeat: int = 5) -> float:
     """Per-call device time of fn(x, *rest) for kernels too short to time one host call each: n calls
     chained in one executable (each call's x depends on the previous result through a negligible

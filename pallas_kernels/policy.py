@@ -72,12 +72,12 @@ class KernelPolicy:
     7.05 ms, 32768 38.4 vs 32.3; a GLM-5-slice prefill of 8192 tokens 101.9 vs 93.4 ms. Each block's
     value products wait for the probabilities the other warpgroup publishes, so the two no longer
     overlap one's softmax with the other's matmuls."""
-    mgpu_sparse_mla_rows: bool = False
+    mgpu_sparse_mla_rows: bool = True
     """Decode- and verify-sized sparse MLA calls (fewer than two queries per SM) with GLM-5's widths run
-    the Mosaic GPU kernel with each query's selected rows dealt to several programs, their outputs
-    merged by their softmax statistics (kernel_mgpu.sparse_mla_mgpu_rows), instead of the Triton
-    kernel's splits. Off: slower on the H200 (docs/perf.md, 2026-12-03 fifth session), 1 / 8 / 64
-    queries 0.068 / 0.076 / 0.310 ms against the Triton kernel's 0.056 / 0.055 / 0.183."""
+    the Mosaic GPU kernel with each query's selected rows cut in shares over one wave of programs,
+    their outputs merged by their softmax statistics (kernel_mgpu.sparse_mla_mgpu_rows), instead of
+    the Triton kernel's splits. On the H200 (docs/perf.md, 2026-12-04): 64 queries 78.7 against 181.7
+    us, 8 queries 31 against 50 us, 1 query 22.6 against 22.5 us."""
     unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
     groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose

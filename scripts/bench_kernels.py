@@ -41,7 +41,8 @@ sparse_mla: GLM-5's absorbed attention over the top-k rows (64 heads, latent 512
   bf16) read from the pool through their slots: kernel tilings vs the jnp composition (gather +
   einsums) and, at prefill, the expanded path it replaces; prefill TFLOP/s over the selected rows
   against the matmul rate, decode bytes of the selected rows against the copy rate.
-Short kernels are timed by `cpkv_jax.perf.chained_time` (n chained calls in one executable); the row
+Short kernels are timed by `cpkv_jax.perf.chained_time` (n chained calls in one executable), decode
+sparse MLA by `batched_time` (8 calls over distinct rows in one executable); the row
 gather and its same-size copy by `pipelined_time` (back-to-back calls: a chain would let XLA narrow
 its gather to the one element the chain reads)."""
 
@@ -630,7 +631,7 @@ def bench_sparse_mla(args, ceil):
     import jax
     import jax.numpy as jnp
 
-    from cpkv_jax.perf import fitted_pipelined_time, print_table
+    from cpkv_jax.perf import batched_time, fitted_pipelined_time, print_table
     from pallas_kernels.sparse_mla import Tiling, sparse_mla_pallas, sparse_mla_reference
     from pallas_kernels.sparse_mla.dispatch import row_splits_for, tiling_for
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu, sparse_mla_mgpu_rows
@@ -653,8 +654,9 @@ def bench_sparse_mla(args, ceil):
                 variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, scores=MGPU_SCORES[spec]),
                                          static_argnums=(4, 6))
                 continue
-            if spec == "mgpu_rows":                 # the same, each query's rows dealt to several programs
-                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu_rows, row_splits=row_splits_for(N, K)),
+            if spec.startswith("mgpu_rows"):        # the same, each query's rows cut in shares over programs
+                S = int(spec.split(":")[1]) if ":" in spec else row_splits_for(N, K)
+                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu_rows, row_splits=S),
                                          static_argnums=(4, 6))
                 continue
             if spec == "dispatch":
@@ -663,9 +665,16 @@ def bench_sparse_mla(args, ceil):
                 bh, bk, warps, stages, *sp = (int(v) for v in spec.split(":"))
                 t = Tiling(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages, splits=sp[0] if sp else 1)
             variants[f"kernel_{spec}"] = jax.jit(lambda *a, t=t: sparse_mla_pallas(*a, tiling=t), static_argnums=(4, 6))
+        # decode: 8 calls over distinct queries and rows in one executable (a call is shorter than its
+        # host dispatch, and repeating one call's rows would find them in L2)
+        keys = jax.random.split(jax.random.key(7), 8)
+        arg_sets = [(jax.random.permutation(k, ops[0], axis=1), ops[1], ops[2], ops[3],
+                     jax.random.permutation(k, ops[5], axis=1)) for k in keys]
         for name, fn in variants.items():
             def one(fn=fn):
-                sec = fitted_pipelined_time(fn, *ops)
+                sec = (fitted_pipelined_time(fn, *ops) if prefill else
+                       batched_time(lambda ql, qr, lat, rope, sl, fn=fn: fn(ql, qr, lat, rope, ops[4], sl, ops[6]),
+                                    arg_sets))
                 got = fn(ops[0][check], ops[1][check], *ops[2:5], ops[5][check], ops[6]).astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                 return {"s": sec, "err": err}
@@ -910,9 +919,11 @@ def main() -> int:
                    help="sparse MLA prefill variants: Triton tilings block_h:block_k:warps:stages[:splits], 'dispatch' "
                         "(the Triton tiling the dispatch picks), 'mgpu', 'mgpu_alt' or 'mgpu_split' (the Mosaic GPU "
                         "kernel, its scores computed by both warpgroups, by each in turn, or split by rows)")
-    p.add_argument("--mla-decode-tilings", default="dispatch,mgpu_rows,64:32:8:2:8,64:64:8:2:16,64:32:4:2:33",
-                   help="sparse MLA decode variants: as --mla-tilings, and 'mgpu_rows' (the Mosaic GPU kernel with "
-                        "each query's rows dealt to several programs, dispatch.row_splits_for)")
+    p.add_argument("--mla-decode-tilings", default="mgpu_rows,dispatch,mgpu_rows:1,mgpu_rows:4,64:64:8:2:2",
+                   help="sparse MLA decode variants: as --mla-tilings ('dispatch': the Triton kernel with the "
+                        "dispatch's tiling, taken with mgpu_sparse_mla_rows off), 'mgpu_rows' (the Mosaic GPU "
+                        "kernel with each query's rows cut in dispatch.row_splits_for shares, the default path) "
+                        "and 'mgpu_rows:S' (S shares)")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
     if args.moe_small:

@@ -943,3 +943,19 @@ def test_model_outputs_with_topk_kernels_on_and_off():
             print(f"top-k {mode} vs off ({p}): rel err {err:.2e}")
             assert err <= 1e-4, (mode, p, err)
             np.testing.assert_array_equal(out[mode][p].argmax(-1), out["off"][p].argmax(-1))
+
+
+def test_batched_time_calls_each_argument_set_once_per_batch():
+    """perf.batched_time (decode sparse MLA's timer in bench_kernels): one executable calls fn on every
+    argument set (each traced into it), and the time is per call."""
+    from cpkv_jax.perf import batched_time
+
+    traced = []
+
+    def fn(x, y):
+        traced.append(x.shape)
+        return x * y
+
+    sets = [(jnp.full((4,), float(i)), jnp.float32(2.0)) for i in range(3)]
+    t = batched_time(fn, sets)
+    assert len(traced) == 3 and 0 < t < 1.0

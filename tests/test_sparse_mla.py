@@ -160,8 +160,8 @@ def test_dispatch_takes_the_reference_off_the_gpu_and_names_what_does_not_fit():
 def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
     """Which kernel the dispatch calls, and how, for each policy (on CPU: the kernels are replaced by
     recorders and the policy reports a GPU): prefill-sized bf16 calls take the Mosaic GPU kernel with
-    the scores mode the policy names, decode-sized ones the Triton kernel's row splits or, with
-    mgpu_sparse_mla_rows, the Mosaic GPU row splits; the policy off takes the reference."""
+    the scores mode the policy names, decode-sized ones the Mosaic GPU row splits over one wave or,
+    with mgpu_sparse_mla_rows off, the Triton kernel's splits; the policy off takes the reference."""
     import pallas_kernels.sparse_mla.dispatch as dispatch
     calls = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
@@ -179,8 +179,9 @@ def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
         return calls[0]
     assert route(8192) == ("mgpu", "both")
     assert route(8192, mgpu_sparse_mla_alternate=True) == ("mgpu", "alternate")
-    assert route(8) == ("triton", tiling_for(8, 64, 2048).splits)
-    assert route(8, mgpu_sparse_mla_rows=True) == ("rows", dispatch.row_splits_for(8, 2048)) == ("rows", 32)
+    assert route(8) == ("rows", dispatch.row_splits_for(8, 2048)) == ("rows", 16)      # one wave: 8 x 16 programs
+    assert route(64) == ("rows", 2) and route(1) == ("rows", 32) and route(200) == ("rows", 1)
+    assert route(8, mgpu_sparse_mla_rows=False) == ("triton", tiling_for(8, 64, 2048).splits)
     assert route(8192, mgpu_sparse_mla=False)[0] == "triton"
     assert route(8192, enabled=False) == ("reference",)
 
@@ -250,28 +251,31 @@ def test_selected_first_keeps_each_rows_selection_in_order():
 
 @pytest.mark.parametrize("row_splits", [1, 3, 8])
 def test_row_splits_merged_equal_the_whole_rows(row_splits):
-    """Decode-sized calls deal each query's selected rows to row_splits programs and merge their
-    normalized outputs by their softmax statistics: with the kernel stood in for by the jnp reference
-    and its statistics (the same conventions: log2 units, m = -1e30 and l = 0 for no row), the merged
-    attention equals the whole rows' reference on full, short and empty rows (K = 20 not a multiple of
-    the splits: splits with no row at all merge as nothing)."""
-    from pallas_kernels.sparse_mla.kernel_mgpu import deal_rows, sparse_mla_mgpu_rows
+    """Decode-sized calls cut each query's selected rows in row_splits contiguous shares (split_rows,
+    what the kernel's programs read) and merge their normalized outputs by their softmax statistics:
+    with the kernel stood in for by the jnp reference and its statistics (the same conventions: log2
+    units, m = -1e30 and l = 0 for no row), the merged attention equals the whole rows' reference on
+    full, short and empty rows (shares of 4-row blocks here, so 20 rows split; shares with no row
+    at all merge as nothing)."""
+    from pallas_kernels.sparse_mla.kernel_mgpu import merge_row_splits, split_rows
     from pallas_kernels.sparse_mla.reference import sparse_mla_stats_reference
 
     q_lat, q_rope, latent, k_rope, slots = make_case(9, 4, 32, 16, 20, seed=row_splits)
     args = (*map(jnp.asarray, (q_lat, q_rope, latent, k_rope)), 1)
-    dealt = np.asarray(deal_rows(jnp.asarray(slots), row_splits))
-    assert dealt.shape == (9 * row_splits, -(-20 // row_splits))
-    for n in range(9):                       # each query's rows, every one exactly once over its splits
-        mine = dealt[n * row_splits:(n + 1) * row_splits]
-        np.testing.assert_array_equal(np.sort(mine[mine >= 0]), np.sort(slots[n][slots[n] >= 0]))
+    shares = np.asarray(split_rows(jnp.asarray(slots), row_splits, step=4))
+    W = shares.shape[1]
+    assert shares.shape[0] == 9 * row_splits and W % 4 == 0 and W >= -(-20 // row_splits)
+    for n in range(9):                       # each query's rows, every one exactly once, in contiguous shares
+        mine = shares[n * row_splits:(n + 1) * row_splits]
+        np.testing.assert_array_equal(mine[mine >= 0], slots[n][slots[n] >= 0])
         counts = (mine >= 0).sum(axis=1)
-        assert counts.max() - counts.min() <= 1                    # dealt evenly
-
-    def standin(q_lat, q_rope, latent, k_rope, layer, slots, scale):
-        return (sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale),
-                sparse_mla_stats_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale))
-    got = sparse_mla_mgpu_rows(*args, jnp.asarray(slots), 0.3, row_splits=row_splits, kernel=standin)
+        share = -(-(-(-counts.sum() // row_splits)) // 4) * 4        # ceil(c / S) up to whole blocks
+        assert np.all(counts <= share) and np.all(np.diff(counts) <= 0)
+        assert counts.sum() == (slots[n] >= 0).sum()
+    rep = lambda a: jnp.repeat(a, row_splits, axis=0)   # noqa: E731
+    split = (rep(args[0]), rep(args[1]), *args[2:], jnp.asarray(shares), 0.3)
+    got = merge_row_splits(sparse_mla_reference(*split), sparse_mla_stats_reference(*split), row_splits,
+                           jnp.float32)
     want = sparse_mla_reference(*args, jnp.asarray(slots), 0.3)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     assert not np.asarray(got)[2].any()                              # the empty row: zeros
@@ -316,9 +320,9 @@ def test_mgpu_row_splits_lower_for_cuda():
 def test_mgpu_row_splits_compiled_equal_reference(N, monkeypatch):
     """Decode-sized calls through the Mosaic GPU kernel with row splits (the dispatch's count), compiled:
     GLM-5's widths, full / short / empty rows; the kernel's statistics output against the reference's
-    statistics on the dealt rows; the dispatch with policy.mgpu_sparse_mla_rows takes this path."""
+    statistics on split_rows' shares (the kernel computes its shares itself); the dispatch with policy.mgpu_sparse_mla_rows takes this path."""
     from pallas_kernels.sparse_mla.dispatch import row_splits_for
-    from pallas_kernels.sparse_mla.kernel_mgpu import deal_rows, sparse_mla_mgpu, sparse_mla_mgpu_rows
+    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu, sparse_mla_mgpu_rows, split_rows
     from pallas_kernels.sparse_mla.reference import sparse_mla_stats_reference
 
     q_lat, q_rope, latent, k_rope, slots = make_case(N, 64, 512, 64, 2048, P=8192, L=2, seed=N)
@@ -331,9 +335,9 @@ def test_mgpu_row_splits_compiled_equal_reference(N, monkeypatch):
     assert np.all(np.isfinite(got)) and np.max(np.abs(got - want)) / np.max(np.abs(want)) < 2e-2
     assert np.all(got[np.all(slots < 0, axis=1)] == 0)
     rep = lambda a: jnp.repeat(a, S, axis=0)   # noqa: E731
-    dealt = (rep(args[0]), rep(args[1]), *args[2:5], deal_rows(args[5], S), args[6])
-    _, stats = sparse_mla_mgpu(*dealt, with_stats=True)
-    ref = np.asarray(sparse_mla_stats_reference(*dealt))
+    shares = (rep(args[0]), rep(args[1]), *args[2:5], split_rows(args[5], S), args[6])
+    _, stats = sparse_mla_mgpu(*args, with_stats=True, row_splits=S)     # the kernel's own shares
+    ref = np.asarray(sparse_mla_stats_reference(*shares))
     some = ref[:, 1] > 0
     np.testing.assert_allclose(np.asarray(stats)[:, 0][some], ref[:, 0][some], rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(stats)[:, 1][some], ref[:, 1][some], rtol=2e-2)

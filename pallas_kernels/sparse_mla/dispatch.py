@@ -47,15 +47,17 @@ def kernel_applies(q_lat, q_rope, policy: KernelPolicy) -> bool:
 
 
 def mgpu_applies(N: int, q_lat, q_rope, policy: KernelPolicy) -> bool:
-    """Whether a kernel call takes the Mosaic GPU kernel: one program per query, so prefill-sized
-    calls (two programs per SM at least); fewer queries split their rows over Triton programs."""
+    """Whether a kernel call takes the Mosaic GPU kernel with one program per query: prefill-sized
+    calls (two programs per SM at least); fewer queries cut their rows in shares (row_splits_for)."""
     return policy.mgpu_sparse_mla and N >= 2 * _SM_COUNT and mgpu_shape_error(q_lat, q_rope) is None
 
 
 def row_splits_for(N: int, K: int) -> int:
-    """Programs per query of a decode-sized Mosaic GPU call: enough to cover the SMs twice, each with
-    at least one 64-row block."""
-    return max(1, min(-(-2 * _SM_COUNT // N), -(-K // BLOCK)))
+    """Programs per query of a decode-sized Mosaic GPU call: one wave over the SMs (the kernel holds
+    one program per SM), each share at least one 64-row block. Measured on the H200 (docs/perf.md,
+    2026-12-04): at 64 queries 2 shares 78.7 us, 1 / 3 / 4 / 5 shares 117 / 100 / 90 / 106 us; at 8
+    queries 8 and 16 shares 31 us, 4 and 32 shares 42 us."""
+    return max(1, min(_SM_COUNT // N, -(-K // BLOCK)))
 
 
 @jax.named_call     # profiles name the ops inside by this scope
@@ -66,7 +68,7 @@ def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, pol
         if mgpu_applies(N, q_lat, q_rope, policy):
             return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                    scores="alternate" if policy.mgpu_sparse_mla_alternate else "both")
-        if policy.mgpu_sparse_mla_rows and mgpu_shape_error(q_lat, q_rope) is None:
+        if policy.mgpu_sparse_mla and policy.mgpu_sparse_mla_rows and mgpu_shape_error(q_lat, q_rope) is None:
             return sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                         row_splits=row_splits_for(N, slots.shape[1]))
         return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale,

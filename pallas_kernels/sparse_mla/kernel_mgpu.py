@@ -23,7 +23,8 @@ over its selected rows. One program per query token, three warpgroups:
   half of P_j lat_j in block order. One buffer of each serves: a warpgroup overwrites them only after
   its own value product has read what the other published.
 The output goes out through the query's shared-memory buffer once both warpgroups are past their last
-score product."""
+score product. Decode and verify (row_splits S > 1): program n * S + s takes share s of query n's rows,
+so a few queries still fill the SMs; the shares merge by their softmax statistics."""
 
 from __future__ import annotations
 
@@ -324,13 +325,20 @@ SCORES = ("both", "split_keys", "alternate")
 
 
 def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, *out_refs, scale: float,
-            n_queries: int, scores: str, **smem):
+            n_queries: int, scores: str, row_splits: int, **smem):
     q_lat_smem = smem["q_lat"]
     k_bar, k_free, q_bar, done = smem["k_bar"], smem["k_free"], smem["q_bar"], smem["done"]
-    n = n_queries - 1 - lax.axis_index("n")            # the latest queries first: they select the most rows
+    v = n_queries * row_splits - 1 - lax.axis_index("n")   # the latest queries first: they select the most rows
     wg = lax.axis_index("wg")
-    end = ends_ref[n]                                  # the query's selected rows: slots [0, end)
     step = 2 * BLOCK if scores == "alternate" else BLOCK       # alternate: blocks in pairs
+    if row_splits == 1:
+        n, first, end = v, 0, ends_ref[v]              # the query's selected rows: slots [0, end)
+    else:                                              # program v: share v % S of query v // S (split_rows)
+        n = lax.div(v, row_splits)
+        total = ends_ref[n]
+        share = (lax.div(total + row_splits - 1, row_splits) + step - 1) // step * step
+        first = jnp.minimum(lax.rem(v, row_splits) * share, total)
+        end = jnp.minimum(total - first, share)        # slots [first, first + end)
     blocks = (end + step - 1) // step * (step // BLOCK)
 
     @pl.when(wg < 2)
@@ -338,11 +346,11 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar)
         if scores == "both":
-            _compute_all_keys(wg, n, end, blocks, scale, out_refs, smem)
+            _compute_all_keys(wg, v, end, blocks, scale, out_refs, smem)
         else:
             compute = _compute_split_keys if scores == "split_keys" else _compute_alternate
             for w in range(2):
-                pl.when(wg == w)(functools.partial(compute, w, n, end, blocks, scale, out_refs, smem))
+                pl.when(wg == w)(functools.partial(compute, w, v, end, blocks, scale, out_refs, smem))
 
     @pl.when(wg == 2)
     def _memory():
@@ -355,7 +363,7 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
 
         def issue(i):
             slot = lax.rem(i, STAGES)
-            _gather_block(layer_ref, lat_ref, rope_ref, slots_ref.at[n, pl.ds(i * BLOCK, BLOCK)], lat_smem.at[slot],
+            _gather_block(layer_ref, lat_ref, rope_ref, slots_ref.at[n, pl.ds(first + i * BLOCK, BLOCK)], lat_smem.at[slot],
                           rope_smem.at[slot])
 
         def ready(i):
@@ -395,19 +403,24 @@ def selected_first(slots):
 
 
 def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
-                    scores: str = "both", with_stats: bool = False):
+                    scores: str = "both", with_stats: bool = False, row_splits: int = 1):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
     query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
     scores: how the two compute warpgroups share out the score product ("both", "split_keys",
     "alternate": the module docstring).
     with_stats: also each query's softmax statistics [N, 2, H] fp32 (running max m and sum l in log2
-    units of the scaled scores: its log-sum-exp is (m + log2 l) / log2 e), returned second."""
+    units of the scaled scores: its log-sum-exp is (m + log2 l) / log2 e), returned second.
+    row_splits S > 1 (decode, verify; with_stats): S programs per query, program n * S + s over share s
+    of its selected rows (split_rows); outputs and statistics [N * S, ...], for merge_row_splits."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
         raise ValueError(f"sparse_mla_mgpu: {err}")
     if scores not in SCORES:
         raise ValueError(f"sparse_mla_mgpu: scores must be one of {SCORES}, got {scores!r}")
+    if row_splits < 1 or (row_splits > 1 and not with_stats):
+        raise ValueError(f"sparse_mla_mgpu: row_splits {row_splits} must be >= 1, and > 1 only with with_stats "
+                         "(the splits are merged by their statistics)")
     N, H, C = q_lat.shape
     R = q_rope.shape[-1]
     if H != HEADS:
@@ -434,12 +447,13 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
                 k_free=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
                 q_bar=plgpu.Barrier(num_arrivals=3),
                 done=plgpu.Barrier(num_arrivals=2))
-    out_type = jax.ShapeDtypeStruct((N, HEADS, C), jnp.bfloat16)
+    programs = N * row_splits
+    out_type = jax.ShapeDtypeStruct((programs, HEADS, C), jnp.bfloat16)
     if with_stats:
-        out_type = (out_type, jax.ShapeDtypeStruct((N, 2, HEADS), jnp.float32))
+        out_type = (out_type, jax.ShapeDtypeStruct((programs, 2, HEADS), jnp.float32))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, n_queries=N, scores=scores),
-        out_type=out_type, grid=(N,), grid_names=("n",),
+        functools.partial(_kernel, scale=scale, n_queries=N, scores=scores, row_splits=row_splits),
+        out_type=out_type, grid=(programs,), grid_names=("n",),
         num_threads=3, thread_name="wg", scratch_types=smem,
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane if lane_semantics
@@ -451,15 +465,22 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     return out[:, :H]
 
 
-def deal_rows(slots, row_splits: int):
-    """[N, K] slots -> [N * row_splits, ceil(K / row_splits)]: each query's selected slots dealt round
-    robin to row_splits virtual queries (query n's splits are rows n * row_splits + s), so a query
-    selecting fewer than K rows still spreads them evenly; -1 pads."""
+def split_rows(slots, row_splits: int, step: int = BLOCK):
+    """[N, K] slots -> [N * S, W]: the rows program n * S + s of a row-split kernel call reads (the
+    kernel computes the same shares itself): query n's selected slots moved to the front
+    (selected_first), its count c cut in S contiguous shares of ceil(c / S) rounded up to whole
+    blocks (`step` rows), the last shares short or empty; -1 pads."""
     N, K = slots.shape
-    front, _ = selected_first(slots)
-    width = -(-K // row_splits)
-    front = jnp.pad(front, ((0, 0), (0, width * row_splits - K)), constant_values=-1)
-    return front.reshape(N, width, row_splits).transpose(0, 2, 1).reshape(N * row_splits, width)
+    front, ends = selected_first(slots.astype(jnp.int32))
+    S = row_splits
+    share = (-(-ends // S) + step - 1) // step * step                        # [N]
+    width = (-(-K // S) + step - 1) // step * step
+    first = jnp.minimum(jnp.arange(S, dtype=jnp.int32)[None, :] * share[:, None], ends[:, None])   # [N, S]
+    count = jnp.minimum(ends[:, None] - first, share[:, None])
+    lane = jnp.arange(width, dtype=jnp.int32)
+    idx = jnp.minimum(first[:, :, None] + lane, K - 1)                        # [N, S, W]
+    rows = jnp.take_along_axis(front[:, None, :], idx, axis=2)
+    return jnp.where(lane < count[:, :, None], rows, -1).reshape(N * S, width)
 
 
 def merge_row_splits(out, stats, row_splits: int, dtype):
@@ -477,14 +498,12 @@ def merge_row_splits(out, stats, row_splits: int, dtype):
     return jnp.where(total[..., None] > 0, o / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
-def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int,
-                         kernel=None):
-    """sparse_mla_mgpu for few queries (decode, verify): each query's selected rows dealt to row_splits
-    programs (deal_rows), each returning its normalized output and softmax statistics, merged in
-    fp32 (merge_row_splits). `kernel` (default sparse_mla_mgpu with stats) is what runs the virtual
-    queries: the tests put a jnp stand-in there."""
-    N = q_lat.shape[0]
-    kernel = kernel or functools.partial(sparse_mla_mgpu, with_stats=True)
-    rep = lambda a: jnp.repeat(a, row_splits, axis=0)   # noqa: E731
-    out, stats = kernel(rep(q_lat), rep(q_rope), latent, k_rope, layer, deal_rows(slots, row_splits), scale)
+def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int):
+    """sparse_mla_mgpu for few queries (decode, verify): each query's selected rows cut in row_splits
+    shares (split_rows), one program each returning its normalized output and softmax statistics,
+    merged in fp32 (merge_row_splits); one share is the plain kernel."""
+    if row_splits == 1:
+        return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale)
+    out, stats = sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, with_stats=True,
+                                 row_splits=row_splits)
     return merge_row_splits(out, stats, row_splits, q_lat.dtype)
