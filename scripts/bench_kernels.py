@@ -667,9 +667,9 @@ def bench_sparse_mla(args, ceil):
             variants[f"kernel_{spec}"] = jax.jit(lambda *a, t=t: sparse_mla_pallas(*a, tiling=t), static_argnums=(4, 6))
         # decode: 8 calls over distinct queries and rows in one executable (a call is shorter than its
         # host dispatch, and repeating one call's rows would find them in L2)
-        keys = jax.random.split(jax.random.key(7), 8)
-        arg_sets = [(jax.random.permutation(k, ops[0], axis=1), ops[1], ops[2], ops[3],
-                     jax.random.permutation(k, ops[5], axis=1)) for k in keys]
+        arg_sets = [] if prefill else [
+            (jax.random.permutation(k, ops[0], axis=1), ops[1], ops[2], ops[3], jax.random.permutation(k, ops[5], axis=1))
+            for k in jax.random.split(jax.random.key(7), 8)]
         for name, fn in variants.items():
             def one(fn=fn):
                 sec = (fitted_pipelined_time(fn, *ops) if prefill else

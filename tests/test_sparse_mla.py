@@ -269,7 +269,8 @@ def test_row_splits_merged_equal_the_whole_rows(row_splits):
         mine = shares[n * row_splits:(n + 1) * row_splits]
         np.testing.assert_array_equal(mine[mine >= 0], slots[n][slots[n] >= 0])
         counts = (mine >= 0).sum(axis=1)
-        share = -(-(-(-counts.sum() // row_splits)) // 4) * 4        # ceil(c / S) up to whole blocks
+        per_split = -(-counts.sum() // row_splits)
+        share = -(-per_split // 4) * 4                                # ceil(c / S) up to whole 4-row blocks
         assert np.all(counts <= share) and np.all(np.diff(counts) <= 0)
         assert counts.sum() == (slots[n] >= 0).sum()
     rep = lambda a: jnp.repeat(a, row_splits, axis=0)   # noqa: E731
@@ -320,7 +321,8 @@ def test_mgpu_row_splits_lower_for_cuda():
 def test_mgpu_row_splits_compiled_equal_reference(N, monkeypatch):
     """Decode-sized calls through the Mosaic GPU kernel with row splits (the dispatch's count), compiled:
     GLM-5's widths, full / short / empty rows; the kernel's statistics output against the reference's
-    statistics on split_rows' shares (the kernel computes its shares itself); the dispatch with policy.mgpu_sparse_mla_rows takes this path."""
+    statistics on split_rows' shares (the kernel computes its shares itself); the dispatch with
+    policy.mgpu_sparse_mla_rows takes this path."""
     from pallas_kernels.sparse_mla.dispatch import row_splits_for
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu, sparse_mla_mgpu_rows, split_rows
     from pallas_kernels.sparse_mla.reference import sparse_mla_stats_reference

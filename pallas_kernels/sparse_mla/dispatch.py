@@ -46,10 +46,11 @@ def kernel_applies(q_lat, q_rope, policy: KernelPolicy) -> bool:
     return policy.on_gpu() and policy.sparse_mla_kernel and kernel_shape_error(q_lat, q_rope) is None
 
 
-def mgpu_applies(N: int, q_lat, q_rope, policy: KernelPolicy) -> bool:
-    """Whether a kernel call takes the Mosaic GPU kernel with one program per query: prefill-sized
-    calls (two programs per SM at least); fewer queries cut their rows in shares (row_splits_for)."""
-    return policy.mgpu_sparse_mla and N >= 2 * _SM_COUNT and mgpu_shape_error(q_lat, q_rope) is None
+def mgpu_applies(q_lat, q_rope, policy: KernelPolicy) -> bool:
+    """Whether a kernel call takes the Mosaic GPU kernel: with one program per query for prefill-sized
+    calls (two programs per SM at least); fewer queries cut their rows in shares (row_splits_for)
+    with policy.mgpu_sparse_mla_rows, else they take the Triton kernel."""
+    return policy.mgpu_sparse_mla and mgpu_shape_error(q_lat, q_rope) is None
 
 
 def row_splits_for(N: int, K: int) -> int:
@@ -65,12 +66,13 @@ def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, pol
     """The dispatch (see sparse_mla_reference for the arguments)."""
     if kernel_applies(q_lat, q_rope, policy):
         N, H, _ = q_lat.shape
-        if mgpu_applies(N, q_lat, q_rope, policy):
-            return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale,
-                                   scores="alternate" if policy.mgpu_sparse_mla_alternate else "both")
-        if policy.mgpu_sparse_mla and policy.mgpu_sparse_mla_rows and mgpu_shape_error(q_lat, q_rope) is None:
-            return sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale,
-                                        row_splits=row_splits_for(N, slots.shape[1]))
+        if mgpu_applies(q_lat, q_rope, policy):
+            if N >= 2 * _SM_COUNT:
+                return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale,
+                                       scores="alternate" if policy.mgpu_sparse_mla_alternate else "both")
+            if policy.mgpu_sparse_mla_rows:
+                return sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale,
+                                            row_splits=row_splits_for(N, slots.shape[1]))
         return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                  tiling=tiling_for(N, H, slots.shape[1], q_lat.dtype))
     return sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale)

@@ -336,7 +336,7 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
     else:                                              # program v: share v % S of query v // S (split_rows)
         n = lax.div(v, row_splits)
         total = ends_ref[n]
-        share = (lax.div(total + row_splits - 1, row_splits) + step - 1) // step * step
+        share = row_share(total, row_splits, step)
         first = jnp.minimum(lax.rem(v, row_splits) * share, total)
         end = jnp.minimum(total - first, share)        # slots [first, first + end)
     blocks = (end + step - 1) // step * (step // BLOCK)
@@ -465,6 +465,12 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     return out[:, :H]
 
 
+def row_share(count, row_splits: int, step: int):
+    """Rows of each share when `count` selected rows (>= 0; a scalar inside the kernel, an array in
+    split_rows) are cut in row_splits shares: ceil(count / row_splits) up to whole blocks of `step`."""
+    return ((count + row_splits - 1) // row_splits + step - 1) // step * step
+
+
 def split_rows(slots, row_splits: int, step: int = BLOCK):
     """[N, K] slots -> [N * S, W]: the rows program n * S + s of a row-split kernel call reads (the
     kernel computes the same shares itself): query n's selected slots moved to the front
@@ -473,8 +479,8 @@ def split_rows(slots, row_splits: int, step: int = BLOCK):
     N, K = slots.shape
     front, ends = selected_first(slots.astype(jnp.int32))
     S = row_splits
-    share = (-(-ends // S) + step - 1) // step * step                        # [N]
-    width = (-(-K // S) + step - 1) // step * step
+    share = row_share(ends, S, step)                                          # [N]
+    width = row_share(K, S, step)
     first = jnp.minimum(jnp.arange(S, dtype=jnp.int32)[None, :] * share[:, None], ends[:, None])   # [N, S]
     count = jnp.minimum(ends[:, None] - first, share[:, None])
     lane = jnp.arange(width, dtype=jnp.int32)
