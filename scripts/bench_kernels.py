@@ -650,13 +650,15 @@ def bench_sparse_mla(args, ceil):
         entry = {"case": kind, "queries": N, "k": K, "flops": flops, "bytes": nbytes}
         variants = {}
         for spec in [t for t in (args.mla_tilings if prefill else args.mla_decode_tilings).split(",") if t]:
-            if spec in MGPU_SCORES:                 # the Mosaic GPU prefill kernel (one program per query)
-                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, scores=MGPU_SCORES[spec]),
+            name, *opts = spec.split(":")
+            copy_threads = {"row_threads": int(o[1:]) for o in opts if o.startswith("r")}   # ":rT"
+            if name in MGPU_SCORES:                 # the Mosaic GPU prefill kernel (one program per query)
+                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, scores=MGPU_SCORES[name], **copy_threads),
                                          static_argnums=(4, 6))
                 continue
-            if spec.startswith("mgpu_rows"):        # the same, each query's rows cut in shares over programs
-                S = int(spec.split(":")[1]) if ":" in spec else row_splits_for(N, K)
-                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu_rows, row_splits=S),
+            if name == "mgpu_rows":                 # the same, each query's rows cut in shares over programs
+                S = next((int(o) for o in opts if o.isdigit()), row_splits_for(N, K))
+                variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu_rows, row_splits=S, **copy_threads),
                                          static_argnums=(4, 6))
                 continue
             if spec == "dispatch":
@@ -918,12 +920,13 @@ def main() -> int:
     p.add_argument("--mla-tilings", default="mgpu,mgpu_alt,mgpu_split,dispatch,64:32:8:2,64:64:8:2,64:32:4:2,64:16:4:3,64:32:8:3",
                    help="sparse MLA prefill variants: Triton tilings block_h:block_k:warps:stages[:splits], 'dispatch' "
                         "(the Triton tiling the dispatch picks), 'mgpu', 'mgpu_alt' or 'mgpu_split' (the Mosaic GPU "
-                        "kernel, its scores computed by both warpgroups, by each in turn, or split by rows)")
+                        "kernel, its scores computed by both warpgroups, by each in turn, or split by rows; "
+                        "':rT' after one: T threads a row in the row copies)")
     p.add_argument("--mla-decode-tilings", default="mgpu_rows,dispatch,mgpu_rows:1,mgpu_rows:4,64:64:8:2:2",
                    help="sparse MLA decode variants: as --mla-tilings ('dispatch': the Triton kernel with the "
                         "dispatch's tiling, taken with mgpu_sparse_mla_rows off), 'mgpu_rows' (the Mosaic GPU "
                         "kernel with each query's rows cut in dispatch.row_splits_for shares, the default path) "
-                        "and 'mgpu_rows:S' (S shares)")
+                        "and 'mgpu_rows:S' (S shares), either with ':rT' (T threads a row in the row copies)")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
     if args.moe_small:

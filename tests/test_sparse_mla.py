@@ -9,7 +9,7 @@ import pytest
 from pallas_kernels.policy import KernelPolicy
 from pallas_kernels.sparse_mla import Tiling, kernel_shape_error, sparse_mla, sparse_mla_pallas, sparse_mla_reference
 from pallas_kernels.sparse_mla.dispatch import tiling_for
-from pallas_kernels.sparse_mla.kernel_mgpu import SCORES
+from pallas_kernels.sparse_mla.kernel_mgpu import ROW_THREADS, SCORES
 
 
 def make_case(N, H, C, R, K, P=300, L=3, seed=0, dtype=np.float32):
@@ -233,6 +233,25 @@ def test_mgpu_kernel_compiled_equals_reference(N, H, K, P, scores):
     assert np.max(np.abs(routed - want)) / np.max(np.abs(want)) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_threads", ROW_THREADS)
+@pytest.mark.parametrize("N,K,P,row_splits", [(300, 2048, 4096, 1), (5, 64, 64, 1), (8, 2048, 8192, 16)])
+def test_mgpu_row_copies_compiled_equal_reference(N, K, P, row_splits, row_threads):
+    """Each way of laying the memory warpgroup's threads over a block's rows (row_threads a row, in
+    64 * row_threads / 128 passes) copies every selected row to where the compute reads it: full /
+    short / empty rows with -1 anywhere, one program per query and row shares."""
+    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu_rows
+
+    q_lat, q_rope, latent, k_rope, slots = make_case(N, 64, 512, 64, K, P=P, L=2, seed=N + row_threads)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
+    want = np.asarray(sparse_mla_reference(*args), np.float32)
+    got = np.asarray(sparse_mla_mgpu_rows(*args, row_splits=row_splits, row_threads=row_threads), np.float32)
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 2e-2
+    assert np.all(got[np.all(slots < 0, axis=1)] == 0)
+
+
 def test_selected_first_keeps_each_rows_selection_in_order():
     """The Mosaic GPU kernel's wrapper moves each row's selected slots to the front (the kernel masks by
     a count); the reference gives the same attention either way."""
@@ -282,8 +301,8 @@ def test_row_splits_merged_equal_the_whole_rows(row_splits):
     assert not np.asarray(got)[2].any()                              # the empty row: zeros
 
 
-@pytest.mark.parametrize("scores", SCORES)
-def test_mgpu_kernel_lowers_for_cuda(scores):
+@pytest.mark.parametrize("scores,row_threads", [(s, 2) for s in SCORES] + [("both", 4), ("both", 8)])
+def test_mgpu_kernel_lowers_for_cuda(scores, row_threads):
     """Each way of sharing the scores in the Mosaic GPU kernel traces and lowers for CUDA on any machine
     (layout inference, shared memory within the H100/H200 limit); the gpu test above runs them."""
     import functools
@@ -294,10 +313,11 @@ def test_mgpu_kernel_lowers_for_cuda(scores):
     sds = jax.ShapeDtypeStruct
     args = (sds((N, H, C), jnp.bfloat16), sds((N, H, R), jnp.bfloat16), sds((L, P, C), jnp.bfloat16),
             sds((L, P, R), jnp.bfloat16), 1, sds((N, K), jnp.int32), 0.1)
-    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores), static_argnums=(4, 6))
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, row_threads=row_threads), static_argnums=(4, 6))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, with_stats=True), static_argnums=(4, 6))
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, with_stats=True, row_threads=row_threads),
+                 static_argnums=(4, 6))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

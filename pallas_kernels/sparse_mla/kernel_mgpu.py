@@ -5,7 +5,7 @@ Same function as kernel.sparse_mla_pallas with one split: for each query, its he
 over its selected rows. One program per query token, three warpgroups:
 - a memory warpgroup gathers each block of 64 selected rows (latent [64, C] and rope [64, R]) from the
   pool into a shared-memory stage. Hopper's TMA has no row gather (its gather4 is Blackwell's), so its
-  128 threads issue 16-byte cp.async copies, two threads a row, each to the swizzled position a TMA copy
+  128 threads issue 16-byte cp.async copies, row_threads (4) threads a row, each to the swizzled position a TMA copy
   would have written (the layout wgmma reads), waits for its copies, fences them for the async proxy
   and arrives on the stage's barrier. The wrapper moves each row's selected slots to its front
   (selected_first), so a row's tail is masked by its count alone. Two stages: a block is copied while the one before it is computed.
@@ -66,13 +66,14 @@ def mgpu_shape_error(q_lat, q_rope) -> str | None:
     return None
 
 
-def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem):
-    """The memory warpgroup's copies of one block: row r's slot read by threads 2r and 2r + 1, each
-    copying half of the row's 16-byte latent and rope chunks (thread 2r + h: chunks 2i + h, so each copy
-    instruction reads whole 32-byte sectors; with the halves of the row to each thread, every sector was
-    fetched twice from L2 and L2 throughput bounded the kernel) into the (8, 64)-tiled, 128-byte-swizzled
-    stage (lat_smem [2, 64, C/2]), where a TMA copy would have put them (an unselected slot, -1, copies
-    row 0: the compute masks it). One cp.async group per block."""
+def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem, row_threads: int):
+    """The memory warpgroup's copies of one block: its 128 threads take the block's 64 rows in passes
+    of 128 / row_threads rows, row_threads threads a row, thread `lane` of a row copying its 16-byte
+    latent and rope chunks row_threads * i + lane (so a warp's copy instruction reads 16 * row_threads
+    contiguous bytes, whole 32-byte sectors, of each of 32 / row_threads rows) into
+    the (8, 64)-tiled, 128-byte-swizzled stage (lat_smem [2, 64, C/2]), where a TMA copy would have
+    put them (an unselected slot, -1, copies row 0: the compute masks it). One cp.async group per
+    block."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
     from jax.experimental.mosaic.gpu import utils as mu
@@ -86,17 +87,15 @@ def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_sm
         P, C = ir.MemRefType(lat.type).shape[-2:]
         R = ir.MemRefType(rope.type).shape[-1]
         tid = arith.remui(mu.thread_idx(), c32(128))
-        row = arith.shrui(tid, c32(1))
-        half = arith.andi(tid, c32(1))
-        slot = memref.load(slots, [arith.index_cast(index, row)])
-        valid = arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0))
+        lane = arith.remui(tid, c32(row_threads))
         layer = memref.load(layer_ref, [arith.constant(index, 0)])
-        pool_row = arith.extui(i64, arith.addi(arith.muli(layer, c32(P)), arith.select(valid, slot, c32(0))))
+        pass_rows = [arith.addi(arith.divui(tid, c32(row_threads)), c32(p * 128 // row_threads))
+                     for p in range(BLOCK * row_threads // 128)]
+        pass_slots = [memref.load(slots, [arith.index_cast(index, row)]) for row in pass_rows]   # loads first
 
-        r8 = arith.andi(row, c32(7))
-
-        def copy(src, dst, width, parts):
-            """This thread's chunks 2i + half of the row of src [L, P, width] into dst [parts, 64, width / parts]."""
+        def copy(src, dst, width, parts, row, pool_row):
+            """This thread's chunks row_threads * i + lane of the row of src [L, P, width] into dst
+            [parts, 64, width / parts] (row: the block's, pool_row: the pool's)."""
             gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src))
             gptr = mu.getelementptr(gptr, [arith.muli(pool_row, arith.constant(i64, width * 2))], i8)
             sptr = mu.memref_ptr(dst)
@@ -105,10 +104,11 @@ def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_sm
             part_chunks = part_bytes // _CHUNK
             tiles = part_bytes // _SWIZZLE                # 128-byte tile rows per part row
             # tile (row // 8, t) of a part starts at ((row // 8) * tiles + t) * 1024, the row at r8 * 128
+            r8 = arith.andi(row, c32(7))
             row_base = arith.addi(arith.muli(arith.shrui(row, c32(3)), c32(tiles * 1024)),
                                   arith.muli(r8, c32(_SWIZZLE)))
-            for k in range(chunks // 2):
-                chunk = arith.addi(c32(2 * k), half)
+            for k in range(chunks // row_threads):
+                chunk = arith.addi(c32(row_threads * k), lane)
                 part = arith.divui(chunk, c32(part_chunks))
                 within_part = arith.remui(chunk, c32(part_chunks))
                 t = arith.shrui(within_part, c32(3))
@@ -120,8 +120,11 @@ def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_sm
                 g = mu.getelementptr(gptr, [arith.muli(chunk, c32(_CHUNK))], i8)
                 nvvm.cp_async_shared_global(s, g, _CHUNK, nvvm.LoadCacheModifierKind.CG)
 
-        copy(lat, lat_dst, C, 2)
-        copy(rope, rope_dst, R, 1)
+        for row, slot in zip(pass_rows, pass_slots):
+            valid = arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0))
+            pool_row = arith.extui(i64, arith.addi(arith.muli(layer, c32(P)), arith.select(valid, slot, c32(0))))
+            copy(lat, lat_dst, C, 2, row, pool_row)
+            copy(rope, rope_dst, R, 1, row, pool_row)
         nvvm.cp_async_commit_group()
 
     gather(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem)
@@ -322,10 +325,11 @@ def _compute_alternate(w, n, end, blocks, scale, out_refs, smem):
 
 
 SCORES = ("both", "split_keys", "alternate")
+ROW_THREADS = (2, 4, 8)   # threads a row in one pass of a block's copies: the rope row's 8 chunks at most
 
 
 def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, *out_refs, scale: float,
-            n_queries: int, scores: str, row_splits: int, **smem):
+            n_queries: int, scores: str, row_splits: int, row_threads: int, **smem):
     q_lat_smem = smem["q_lat"]
     k_bar, k_free, q_bar, done = smem["k_bar"], smem["k_free"], smem["q_bar"], smem["done"]
     v = n_queries * row_splits - 1 - lax.axis_index("n")   # the latest queries first: they select the most rows
@@ -364,7 +368,7 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
         def issue(i):
             slot = lax.rem(i, STAGES)
             _gather_block(layer_ref, lat_ref, rope_ref, slots_ref.at[n, pl.ds(first + i * BLOCK, BLOCK)], lat_smem.at[slot],
-                          rope_smem.at[slot])
+                          rope_smem.at[slot], row_threads)
 
         def ready(i):
             _await_copies()
@@ -403,7 +407,7 @@ def selected_first(slots):
 
 
 def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
-                    scores: str = "both", with_stats: bool = False, row_splits: int = 1):
+                    scores: str = "both", with_stats: bool = False, row_splits: int = 1, row_threads: int = 4):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
     query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
     scores: how the two compute warpgroups share out the score product ("both", "split_keys",
@@ -411,13 +415,17 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     with_stats: also each query's softmax statistics [N, 2, H] fp32 (running max m and sum l in log2
     units of the scaled scores: its log-sum-exp is (m + log2 l) / log2 e), returned second.
     row_splits S > 1 (decode, verify; with_stats): S programs per query, program n * S + s over share s
-    of its selected rows (split_rows); outputs and statistics [N * S, ...], for merge_row_splits."""
+    of its selected rows (split_rows); outputs and statistics [N * S, ...], for merge_row_splits.
+    row_threads (2, 4, 8): the memory warpgroup's threads per row in one copy pass (_gather_block; 4
+    measured best or within 2% of it from 8 decode queries to 8192 prefill queries, docs/perf.md)."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
         raise ValueError(f"sparse_mla_mgpu: {err}")
     if scores not in SCORES:
         raise ValueError(f"sparse_mla_mgpu: scores must be one of {SCORES}, got {scores!r}")
+    if row_threads not in ROW_THREADS:
+        raise ValueError(f"sparse_mla_mgpu: row_threads must be one of {ROW_THREADS}, got {row_threads}")
     if row_splits < 1 or (row_splits > 1 and not with_stats):
         raise ValueError(f"sparse_mla_mgpu: row_splits {row_splits} must be >= 1, and > 1 only with with_stats "
                          "(the splits are merged by their statistics)")
@@ -452,7 +460,8 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     if with_stats:
         out_type = (out_type, jax.ShapeDtypeStruct((programs, 2, HEADS), jnp.float32))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, n_queries=N, scores=scores, row_splits=row_splits),
+        functools.partial(_kernel, scale=scale, n_queries=N, scores=scores, row_splits=row_splits,
+                          row_threads=row_threads),
         out_type=out_type, grid=(programs,), grid_names=("n",),
         num_threads=3, thread_name="wg", scratch_types=smem,
         compiler_params=plgpu.CompilerParams(
@@ -504,12 +513,13 @@ def merge_row_splits(out, stats, row_splits: int, dtype):
     return jnp.where(total[..., None] > 0, o / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
-def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int):
+def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int,
+                         row_threads: int = 4):
     """sparse_mla_mgpu for few queries (decode, verify): each query's selected rows cut in row_splits
     shares (split_rows), one program each returning its normalized output and softmax statistics,
     merged in fp32 (merge_row_splits); one share is the plain kernel."""
     if row_splits == 1:
-        return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale)
+        return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, row_threads=row_threads)
     out, stats = sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, with_stats=True,
-                                 row_splits=row_splits)
+                                 row_splits=row_splits, row_threads=row_threads)
     return merge_row_splits(out, stats, row_splits, q_lat.dtype)
