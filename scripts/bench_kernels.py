@@ -828,6 +828,8 @@ def bench_moe_fp8(args, ceil):
             "fp8_dequantized": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_kernel=False), scales=scales),
             "fp8_kernel_1wg": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=1), scales=scales),
             "fp8_kernel": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=2), scales=scales),
+            "fp8_kernel_pairwise_plan": lambda: run(x, fe, *q8, k, scales=scales,
+                                                    policy=KernelPolicy(moe_pairwise_plan_slots=slots)),
         }
         chosen = args.moe_fp8_variants.split(",") if args.moe_fp8_variants else list(variants)
         unknown = set(chosen) - set(variants)

@@ -25,12 +25,14 @@ def routings(rng, S, E):
     yield e
 
 
+@pytest.mark.parametrize("pairwise_slots", [0, 150], ids=["sorted", "pairwise"])
 @pytest.mark.parametrize("block_m", [4, 64])
-def test_block_plan_gives_each_expert_whole_tiles(block_m):
+def test_block_plan_gives_each_expert_whole_tiles(block_m, pairwise_slots):
     rng = np.random.default_rng(1)
     S, E = 150, 6
     for fe in routings(rng, S, E):
-        slot_row, row_slot, tile_expert = map(np.asarray, block_plan(jnp.asarray(fe, jnp.int32), E, block_m))
+        slot_row, row_slot, tile_expert = map(np.asarray, block_plan(jnp.asarray(fe, jnp.int32), E, block_m,
+                                                                     pairwise_slots=pairwise_slots))
         P = padded_rows(S, E, block_m)
         assert row_slot.shape == (P,) and tile_expert.shape == (P // block_m,)
         real = fe < E
@@ -44,6 +46,28 @@ def test_block_plan_gives_each_expert_whole_tiles(block_m):
                                                          np.full(P // block_m - used.sum(), -1)])
         for g in range(E):                                        # slots of one expert keep their order
             assert (np.diff(slot_row[fe == g]) == 1).all()
+
+
+@pytest.mark.parametrize("S,E,block_m", [(1, 256, 64), (8, 256, 64), (64, 256, 64), (37, 6, 4), (150, 6, 64)])
+def test_pairwise_plan_equals_the_sorted_plan(S, E, block_m):
+    """The few-slot plan (every slot against every other) gives the sorted plan's three arrays exactly:
+    decode-sized slots over GLM-5's 256 experts, experts with more slots than a tile, dummies (E and
+    negative ids), one expert holding every slot, empty experts; and block_plan takes it only up to
+    pairwise_slots slots."""
+    from pallas_kernels.moe import plan
+
+    rng = np.random.default_rng(S * 1000 + E)
+    cases = list(routings(rng, S, E)) + [np.where(rng.random(S) < 0.2, -1, rng.integers(0, E, S))]
+    for fe in cases:
+        fe = jnp.asarray(fe, jnp.int32)
+        want = plan._sorted_plan(fe, E, block_m)
+        got = jax.jit(plan._pairwise_plan, static_argnums=(1, 2))(fe, E, block_m)
+        for w, g, name in zip(want, got, ("slot_row", "row_slot", "tile_expert")):
+            assert g.dtype == w.dtype == jnp.int32 and g.shape == w.shape, name
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name}: {np.asarray(fe)}")
+    text = lambda n: jax.jit(functools.partial(block_plan, pairwise_slots=n), static_argnums=(1, 2)).lower(  # noqa: E731
+        fe, E, block_m).as_text()
+    assert "sort" in text(S - 1) and "sort" not in text(S)
 
 
 def mlp_inputs(rng, N, D, I, E, dtype=jnp.bfloat16):

@@ -67,7 +67,8 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
     if up_tiling.block_m != down_tiling.block_m:
         raise ValueError(f"the two tilings must share block_m ({up_tiling.block_m} != {down_tiling.block_m})")
     E = gate.shape[0]
-    slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m)
+    slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m,
+                                                 pairwise_slots=policy.moe_pairwise_plan_slots)
     xp = gather_rows(x, jnp.where(row_slot >= 0, row_slot // topk, -1), policy=policy)
     with jax.named_scope("gate_up"):
         h = grouped_matmul(xp, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret)
@@ -168,7 +169,8 @@ def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *,
     transpose). The rows are quantized per row per 128 columns (quantize_rows) before each grouped
     matmul; fp8 x fp8 products with fp32 sums, x's dtype out. x [N, D]; returns [N * topk, D]."""
     E, _ = check_experts(x.shape[1], gate, up, down, scales)
-    slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m)
+    slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m,
+                                                 pairwise_slots=policy.moe_pairwise_plan_slots)
     src = jnp.where(row_slot >= 0, row_slot // topk, -1)
     tq, ts = quantize_rows(x)      # each token once, then its rows gathered as bytes (half of bf16's)
     xq = jax.lax.bitcast_convert_type(
