@@ -2,7 +2,8 @@
 vs the warp-specialized two, bf16 and fp8 (block-scaled, K-major experts), the gate_up call (SiLU *
 up fused) and the down call apart, at GLM-5's widths (hidden 6144, expert width 2048, top-8, uniform
 routing): prefill 8192 tokens over 16 and 256 experts, decode 64 tokens over 256. Prints a table
-(ms, TFLOP/s, max error against the first tiling of its group) and writes JSON.
+(ms, TFLOP/s, GB/s of the touched experts' weights, max error against the first tiling of its group)
+and writes JSON.
 
     python3 scripts/bench_moe_tilings.py --json moe_tilings.json
 """
@@ -24,7 +25,8 @@ def tilings(bm: int, fp8: bool):
     """(gate_up, down) tilings to compare at row tile bm: the first of each is the reference; `_c2`:
     clusters of two programs sharing their x tiles by multicast; `_pairs`: two column blocks per tile
     (fp8 down: the gate_up call's two-accumulator shape); `_joint`: a step's two products issued together
-    (fp8, a warpgroup's part at most 64 x 64)."""
+    (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
+    bytes in flight per SM)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 1, cluster_n=c, column_pairs=pairs, joint_products=joint)
@@ -37,8 +39,9 @@ def tilings(bm: int, fp8: bool):
                  "2wg_n64_g16_pairs_joint": T(64, 4, 2, 16, 1, True, True)})
     if fp8:
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2),
-                 "2wg_n128_c2_joint": T(128, 4, 2, 1, 2, joint=True)},
+                 "2wg_n128_c2_s5": T(128, 5, 2, 1, 2), "2wg_n128_c2_joint": T(128, 4, 2, 1, 2, joint=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2),
+                 "2wg_n128_c2_s5": T(128, 5, 2, 1, 2), "2wg_n128_c2_s6": T(128, 6, 2, 1, 2),
                  "2wg_n256_c2_pairs_joint": T(128, 4, 2, 1, 2, True, True)})
     if bm == 128:
         return ({"1wg_n64": T(64, 4, 1), "2wg_n128_s3": T(128, 3, 2), "2wg_n128_s3_c2": T(128, 3, 2, 8, 2)},
@@ -56,7 +59,7 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     D, I, k = args.hidden, args.width, args.top_k
-    res, rows = [], [["case", "dtype", "call", "tiling", "ms", "TFLOP/s", "err"]]
+    res, rows = [], [["case", "dtype", "call", "tiling", "ms", "TFLOP/s", "GB/s", "err"]]
     for case in args.cases.split(","):
         tokens, E = map(int, case.split("x"))
         key = jax.random.split(jax.random.key(E + tokens), 8)
@@ -73,6 +76,8 @@ def main():
         h = jax.random.normal(key[6], (xp.shape[0], I), jnp.bfloat16)
         used = np.repeat(np.asarray(te) >= 0, bm)
         flops = {"gate_up": 4.0 * slots * D * I, "down": 2.0 * slots * D * I}
+        touched = len(np.unique(np.asarray(fe)))
+        weights = {"gate_up": 2.0 * touched * D * I, "down": 1.0 * touched * D * I}   # elements
         for fp8 in (False, True):
             if fp8:
                 (xq, xs), (hq, hs) = quantize_rows(xp), quantize_rows(h)
@@ -97,12 +102,13 @@ def main():
                         out = np.asarray(f(*operands).astype(jnp.float32))[used]
                         ref = out if ref is None else ref
                         entry.update(s=s, tflops=flops[call] / s / 1e12,
+                                     weight_gbps=weights[call] * (1 if fp8 else 2) / s / 1e9,
                                      err=float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)))
                         rows.append([case, entry["dtype"], call, name, f"{s * 1e3:.3f}", f"{entry['tflops']:.0f}",
-                                     f"{entry['err']:.1e}"])
+                                     f"{entry['weight_gbps']:.0f}", f"{entry['err']:.1e}"])
                     except Exception as e:          # a tiling over the shared memory, say: a row, not a stop
                         entry["error"] = str(e)[:300]
-                        rows.append([case, entry["dtype"], call, name, entry["error"][:60], "", ""])
+                        rows.append([case, entry["dtype"], call, name, entry["error"][:60], "", "", ""])
                     res.append(entry)
             if not fp8:
                 del gb, ub, db
