@@ -143,14 +143,14 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                 def step(idx, x_smem, xs_smem, *rest):
                     *w_smems, sums = rest
                     row_scale = plgpu.load(xs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))   # [bm]
-                    row_scale = jax.lax.broadcast_in_dim(row_scale, (bm, bn), [0])
                     new = []
                     for total, w_smem, ws_ref in zip(sums, w_smems, ws_refs):
                         def product(acc_ref, w_smem=w_smem):
                             plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
                             return acc_ref[...]
                         part = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
-                        new.append(total + part * row_scale * ws_ref[expert, (ni * bn) // FP8_BLOCK, idx[0]])
+                        scale = row_scale * ws_ref[expert, (ni * bn) // FP8_BLOCK, idx[0]]   # [bm] first
+                        new.append(total + part * jax.lax.broadcast_in_dim(scale, (bm, bn), [0]))
                     return tuple(new)
 
                 zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
@@ -235,7 +235,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 *w_smems, sums = rest
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
                 plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
-                row_scale = jax.lax.broadcast_in_dim(row_scale, (sm, sn), [0])
 
                 def products(smems):
                     """This step's products with the weight blocks `smems`, issued together, awaited once."""
@@ -246,8 +245,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
                 def scaled(j, total, part):
+                    """total + part x its rows' scales x its weight block's scale, the two scales
+                    multiplied first ([sm] values, not [sm, sn]): one multiply-add per element."""
                     col = column(ni, j) + (0 if split_rows else wg * sn)
-                    return total + part * row_scale * ws_refs[j][expert, col // FP8_BLOCK, idx[0]]
+                    scale = row_scale * ws_refs[j][expert, col // FP8_BLOCK, idx[0]]
+                    return total + part * jax.lax.broadcast_in_dim(scale, (sm, sn), [0])
 
                 if tiling.joint_products:
                     return tuple(scaled(j, total, part) for j, (total, part)
