@@ -101,6 +101,13 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     return None
 
 
+def _add_scaled(total, part, row_scale, block_scale):
+    """total + part x its rows' scales row_scale [rows] x its weight block's scale: the two scales
+    multiplied first ([rows] values, not [rows, cols]), so one multiply and one add per element."""
+    scale = row_scale * block_scale
+    return total + part * jax.lax.broadcast_in_dim(scale, part.shape, [0])
+
+
 def _silu_mul(gate, up):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
@@ -149,8 +156,8 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                             plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
                             return acc_ref[...]
                         part = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
-                        scale = row_scale * ws_ref[expert, (ni * bn) // FP8_BLOCK, idx[0]]   # [bm] first
-                        new.append(total + part * jax.lax.broadcast_in_dim(scale, (bm, bn), [0]))
+                        new.append(_add_scaled(total, part, row_scale,
+                                               ws_ref[expert, (ni * bn) // FP8_BLOCK, idx[0]]))
                     return tuple(new)
 
                 zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
@@ -245,11 +252,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
                 def scaled(j, total, part):
-                    """total + part x its rows' scales x its weight block's scale, the two scales
-                    multiplied first ([sm] values, not [sm, sn]): one multiply-add per element."""
                     col = column(ni, j) + (0 if split_rows else wg * sn)
-                    scale = row_scale * ws_refs[j][expert, col // FP8_BLOCK, idx[0]]
-                    return total + part * jax.lax.broadcast_in_dim(scale, (sm, sn), [0])
+                    return _add_scaled(total, part, row_scale, ws_refs[j][expert, col // FP8_BLOCK, idx[0]])
 
                 if tiling.joint_products:
                     return tuple(scaled(j, total, part) for j, (total, part)

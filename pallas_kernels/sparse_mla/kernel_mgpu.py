@@ -5,8 +5,8 @@ Same function as kernel.sparse_mla_pallas with one split: for each query, its he
 over its selected rows. One program per query token, three warpgroups:
 - a memory warpgroup gathers each block of 64 selected rows (latent [64, C] and rope [64, R]) from the
   pool into a shared-memory stage. Hopper's TMA has no row gather (its gather4 is Blackwell's), so its
-  128 threads issue 16-byte cp.async copies, row_threads (4) threads a row, each to the swizzled position a TMA copy
-  would have written (the layout wgmma reads), waits for its copies, fences them for the async proxy
+  128 threads issue 16-byte cp.async copies, row_threads (4) threads a row, each to the swizzled
+  position a TMA copy would have written (the layout wgmma reads), waits for its copies, fences them for the async proxy
   and arrives on the stage's barrier. The wrapper moves each row's selected slots to its front
   (selected_first), so a row's tail is masked by its count alone. Two stages: a block is copied while the one before it is computed.
 - two compute warpgroups, each holding its own half of the output columns, O[:, half] += P lat[:, half]
@@ -70,10 +70,9 @@ def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_sm
     """The memory warpgroup's copies of one block: its 128 threads take the block's 64 rows in passes
     of 128 / row_threads rows, row_threads threads a row, thread `lane` of a row copying its 16-byte
     latent and rope chunks row_threads * i + lane (so a warp's copy instruction reads 16 * row_threads
-    contiguous bytes, whole 32-byte sectors, of each of 32 / row_threads rows) into
-    the (8, 64)-tiled, 128-byte-swizzled stage (lat_smem [2, 64, C/2]), where a TMA copy would have
-    put them (an unselected slot, -1, copies row 0: the compute masks it). One cp.async group per
-    block."""
+    contiguous bytes, whole 32-byte sectors, of each of 32 / row_threads rows) into the (8, 64)-tiled,
+    128-byte-swizzled stage (lat_smem [2, 64, C/2]), where a TMA copy would have put them (an
+    unselected slot, -1, copies row 0: the compute masks it). One cp.async group per block."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
     from jax.experimental.mosaic.gpu import utils as mu
@@ -326,6 +325,7 @@ def _compute_alternate(w, n, end, blocks, scale, out_refs, smem):
 
 SCORES = ("both", "split_keys", "alternate")
 ROW_THREADS = (2, 4, 8)   # threads a row in one pass of a block's copies: the rope row's 8 chunks at most
+DEFAULT_ROW_THREADS = 4   # best or within 2% of it from 8 decode to 8192 prefill queries (docs/perf.md)
 
 
 def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, *out_refs, scale: float,
@@ -407,7 +407,8 @@ def selected_first(slots):
 
 
 def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
-                    scores: str = "both", with_stats: bool = False, row_splits: int = 1, row_threads: int = 4):
+                    scores: str = "both", with_stats: bool = False, row_splits: int = 1,
+                    row_threads: int = DEFAULT_ROW_THREADS):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
     query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
     scores: how the two compute warpgroups share out the score product ("both", "split_keys",
@@ -416,8 +417,7 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     units of the scaled scores: its log-sum-exp is (m + log2 l) / log2 e), returned second.
     row_splits S > 1 (decode, verify; with_stats): S programs per query, program n * S + s over share s
     of its selected rows (split_rows); outputs and statistics [N * S, ...], for merge_row_splits.
-    row_threads (2, 4, 8): the memory warpgroup's threads per row in one copy pass (_gather_block; 4
-    measured best or within 2% of it from 8 decode queries to 8192 prefill queries, docs/perf.md)."""
+    row_threads (ROW_THREADS): the memory warpgroup's threads per row in one copy pass (_gather_block)."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
@@ -514,7 +514,7 @@ def merge_row_splits(out, stats, row_splits: int, dtype):
 
 
 def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int,
-                         row_threads: int = 4):
+                         row_threads: int = DEFAULT_ROW_THREADS):
     """sparse_mla_mgpu for few queries (decode, verify): each query's selected rows cut in row_splits
     shares (split_rows), one program each returning its normalized output and softmax statistics,
     merged in fp32 (merge_row_splits); one share is the plain kernel."""
