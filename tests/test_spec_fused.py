@@ -4,7 +4,10 @@ reads a round is meant to cost.
 
 The reference numbers (tests/fixtures/spec_rounds.npz) were recorded on the CPU backend by the unfused
 implementation, so a change that alters any token, log-probability, alternative, captured logit or
-acceptance count of these scripts turns the test red. Regenerate them (`python -m tests.test_spec_fused`) only
+acceptance count of these scripts turns the test red: integers exactly, floats to FLOAT_ATOL (XLA's
+CPU code rounds the last bits differently on other processors: a 2-core Xeon without the recording
+machine's vector extensions read differences up to 9.5e-7 in logits and log-probabilities, every token
+and count equal). Regenerate them (`python -m tests.test_spec_fused`) only
 for a change meant to alter the numbers."""
 
 import dataclasses
@@ -23,6 +26,7 @@ SNAPSHOT = os.path.join(os.path.dirname(__file__), "fixtures", "spec_rounds.npz"
 CONFIG = EngineConfig(page_size=16, kv_pages=64, max_running=8, max_prefill_tokens=64, speculative="nextn",
                       overlap=False)   # the recorded loop (tests/test_spec_overlap.py: the overlapped one against it)
 STOP = (9, 38)   # stop tokens of requests 0 (greedy) and 4 (seeded), reached mid-round
+FLOAT_ATOL = 1e-5
 CASES = {"n1": dict(num_draft_tokens=1), "n3": dict(num_draft_tokens=3), "cp2_n2": dict(num_draft_tokens=2, cp_size=2)}
 
 
@@ -101,15 +105,19 @@ def write_snapshot():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_rounds_equal_the_recorded_unfused_rounds(copy, case):
-    """Every token, finish reason, cached prefix, log-probability, alternative, captured logit, event
-    and acceptance count bit-equal to the unfused implementation's."""
+    """Every token, finish reason, cached prefix, event and acceptance count equal to the unfused
+    implementation's; every log-probability, alternative value and captured logit within FLOAT_ATOL."""
     want = recorded(case)
     got = run_script(copy, **CASES[case])
     assert sorted(got) == sorted(want)
     stops = [int(f) for k, f in want.items() if k.endswith("_finish")].count(0)
     assert stops >= 1 and want["metrics"][2] > 0     # the script does end requests on stop tokens, drafts are kept
     for k in sorted(want):
-        assert got[k].shape == want[k].shape and np.array_equal(got[k], want[k]), k
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+        if np.issubdtype(want[k].dtype, np.floating):
+            np.testing.assert_allclose(got[k], want[k], rtol=0, atol=FLOAT_ATOL, err_msg=k)
+        else:
+            assert np.array_equal(got[k], want[k]), k
 
 
 @pytest.mark.parametrize("overlap", [False, True])
