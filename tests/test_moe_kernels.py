@@ -190,6 +190,35 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, comp
         grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs[:1], w_scale=gs)
 
 
+@pytest.mark.parametrize("compute_wgs,ahead", [(1, 2), (2, 0), (2, 1), (2, 3)])
+def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead):
+    """The weight block scales queued `scale_ahead` K steps ahead of their use (or read at use: 0), over
+    more K steps (5) than the queue holds, each step's block scale distinct: the fused gate/up call in
+    the interpreter (races detected) against float64 products of the dequantized operands."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    rng = np.random.default_rng(7)
+    E, K, N, bm = 2, 640, 128, 64
+    tile_expert = jnp.asarray([1, 0], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((2 * bm, K)), jnp.float32)
+    xq, xs = quantize_rows(x)
+    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
+    gs = gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)   # every K step's scale its own
+    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
+    gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
+    t = Tiling(block_m=bm, block_n=N if compute_wgs == 2 else 64, block_k=128, stages=2, grid_block_n=1,
+               programs=2, compute_wgs=compute_wgs, scale_ahead=ahead)
+    out = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, x_scale=xs, w_scale=gs, up_scale=us,
+                                    interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
+    for i, e in enumerate(np.asarray(tile_expert)):
+        rows = slice(i * bm, (i + 1) * bm)
+        a = xd[rows] @ gd[e]
+        want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
+        assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
+
+
 def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
     """The fp8 path of the dispatch (interpreter) on K-major experts (hidden 256 != expert width 128, so
     gate / up [E, 128, 256] and down [E, 256, 128] are told apart by shape) against the same arithmetic
@@ -407,16 +436,19 @@ def test_clusters_apply_only_where_the_column_blocks_pair_up():
     it; at GLM-5's widths every default tiling is kept."""
     from pallas_kernels.moe.dispatch import blocked_tilings, expert_tilings, fp8_tilings, paired
     from pallas_kernels.moe.grouped_matmul import shape_error
-    t = fp8_tilings(64, 256)[1]
+    t = fp8_tilings(64, 256)[0]                 # decode fp8 gate_up: clusters of two programs
     assert t.cluster_n == 2 and paired(t, 6144) is t and paired(t, 6144 - 128).cluster_n == 1
     x = jax.ShapeDtypeStruct((128, 128), jnp.float8_e4m3fn)
     assert "even number of column blocks" in shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn),
                                                         t, fp8=True)
     assert shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn), paired(t, 384), fp8=True) is None
-    pairs = fp8_tilings(65536, 256)[1]          # prefill fp8 down: two column blocks per tile, same rule
+    pairs = dataclasses.replace(fp8_tilings(65536, 256)[1], cluster_n=1, column_pairs=True)   # two column blocks a tile
     assert pairs.column_pairs and paired(pairs, 6144) is pairs and not paired(pairs, 6144 - 128).column_pairs
     assert "column_pairs" in shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn), pairs, fp8=True)
     assert shape_error(x, jax.ShapeDtypeStruct((1, 384, 128), jnp.float8_e4m3fn), paired(pairs, 384), fp8=True) is None
+    joint = fp8_tilings(64, 256)[1]             # decode fp8 down: clustered column pairs, products issued jointly
+    assert joint.cluster_n == 2 and joint.column_pairs and joint.joint_products and paired(joint, 6144) is joint
+    assert paired(joint, 6144 - 128).cluster_n == 1 and not paired(joint, 6144 - 128).column_pairs
     for slots in (8, 65536):
         for fp8 in (False, True):
             gate = jax.ShapeDtypeStruct((256, 2048, 6144) if fp8 else (256, 6144, 2048), jnp.bfloat16)

@@ -123,21 +123,22 @@ def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling)
 def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tiling]:
     """The fp8 kernel's tilings: one 128-wide scale block per K step. Two compute warpgroups
     (warp-specialized) each hold half the tile, 64 of 128 rows or, at block_m 64 (few rows per
-    expert), half of 128 columns. At decode both calls run in clusters of two programs sharing their
-    x tiles by multicast (H200, docs/perf.md 2026-12-03 fourth session: 64 x 256 gate_up 1.51 vs 1.76
-    ms, down 0.90 vs 1.06); at prefill the down call computes two column blocks per tile (column
-    pairs, the gate_up call's two accumulators; fifth session: 8192 x 16 1.76 vs 2.01 ms, clustered
-    1.88; 8192 x 256 2.27 vs 2.62) and gate_up stays single (clusters slower, 3.46 vs 3.43). One
-    warpgroup: 64 columns per accumulator (the per-step product and the running sum each hold a
-    [block_m, block_n] fp32 tile in registers)."""
+    expert), half of 128 columns. H200 timings in docs/perf.md (2026-12-04 third session, kernel calls
+    alone at GLM-5's widths, top-8): at prefill gate_up issues a step's gate and up products together
+    (joint_products, 64-wide column blocks: 8192 x 256 4.22 vs 7.77 ms single-issue, 8192 x 16 3.18 vs
+    3.39) and down runs in clusters of two programs sharing their x tiles by multicast (8192 x 256
+    2.16 vs 3.05 ms in column pairs, 8192 x 16 1.56 vs 1.52); at decode both calls run clustered and
+    down computes two column blocks per tile with its products issued together (8 x 256 0.210 vs
+    0.250 ms, 64 x 256 0.800 vs 0.902). One warpgroup: 64 columns per accumulator (the per-step
+    product and the running sum each hold a [block_m, block_n] fp32 tile in registers)."""
     block_m = 64 if slots < 4 * E else 128
     if compute_wgs == 2:
         t = Tiling(block_m=block_m, block_n=128, block_k=128, stages=4, compute_wgs=2,
                    grid_block_n=1 if block_m == 64 else 16)
         if block_m == 64:
             clustered = dataclasses.replace(t, cluster_n=2)
-            return clustered, clustered
-        return t, dataclasses.replace(t, stages=3, column_pairs=True)
+            return clustered, dataclasses.replace(clustered, column_pairs=True, joint_products=True)
+        return dataclasses.replace(t, block_n=64, joint_products=True), dataclasses.replace(t, cluster_n=2)
     return (Tiling(block_m=block_m, block_n=64, block_k=128, stages=3),
             Tiling(block_m=block_m, block_n=64, block_k=128, stages=4))
 

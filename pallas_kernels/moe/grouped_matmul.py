@@ -58,6 +58,11 @@ class Tiling:
     other with a wait between. Half the per-step chain of issue, wait and rescale, which bounds a call
     with few rows per expert (decode); twice the fresh accumulators in registers, so only where a
     warpgroup's part of the tile is at most 64 x 64."""
+    scale_ahead: int = 0
+    """fp8: K steps ahead of its use that each weight block scale is read from global memory (a queue
+    of scalars in the K loop's carry), so the read's latency overlaps that many steps instead of
+    following every step's start; 0 reads each at its use. Aimed at decode, where a step is ~1.7 us
+    for 32 KB of weights per SM (docs/perf.md, 2026-12-04 third session); 0 until the H200 times it."""
 
 
 def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
@@ -101,11 +106,26 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     return None
 
 
-def _add_scaled(total, part, row_scale, block_scale):
-    """total + part x its rows' scales row_scale [rows] x its weight block's scale: the two scales
-    multiplied first ([rows] values, not [rows, cols]), so one multiply and one add per element."""
-    scale = row_scale * block_scale
+def _add_scaled(total, part, scale):
+    """total + part x scale [rows]: the step's row scales times its weight block's scale (multiplied
+    first, before the step's products are issued), so one multiply and one add per element."""
     return total + part * jax.lax.broadcast_in_dim(scale, part.shape, [0])
+
+
+def _scale_queue(load, k_steps: int, ahead: int, n: int):
+    """The weight block scales of the first `ahead` K steps, for each of n weights: the K loop's
+    initial queue. load(j, k) reads weight j's scale at step k (a global-memory scalar)."""
+    return tuple(tuple(load(j, min(k, k_steps - 1)) for k in range(ahead)) for j in range(n))
+
+
+def _next_scales(load, k_steps: int, step, queue):
+    """(this step's block scale of each weight, the queue for the next step): with a queue of `ahead`
+    scalars the step takes their heads and reads step + ahead's; with none it reads its own."""
+    if not queue or not queue[0]:
+        return [load(j, step) for j in range(len(queue))], queue
+    ahead = len(queue[0])
+    return ([q[0] for q in queue],
+            tuple(q[1:] + (load(j, jnp.minimum(step + ahead, k_steps - 1)),) for j, q in enumerate(queue)))
 
 
 def _silu_mul(gate, up):
@@ -147,28 +167,35 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                 return tuple(acc[...] for acc in accs)
 
             def accumulate_fp8():
+                def load(j, k):
+                    return ws_refs[j][expert, (ni * bn) // FP8_BLOCK, k]
+
                 def step(idx, x_smem, xs_smem, *rest):
-                    *w_smems, sums = rest
+                    *w_smems, (sums, queue) = rest
                     row_scale = plgpu.load(xs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))   # [bm]
+                    plgpu.commit_smem()   # the read above ordered before the pipeline's next TMA write there
+                    block_scales, queue = _next_scales(load, k_steps, idx[0], queue)
+                    scales = [row_scale * b for b in block_scales]
                     new = []
-                    for total, w_smem, ws_ref in zip(sums, w_smems, ws_refs):
+                    for total, w_smem, scale in zip(sums, w_smems, scales):
                         def product(acc_ref, w_smem=w_smem):
                             plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
                             return acc_ref[...]
                         part = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
-                        new.append(_add_scaled(total, part, row_scale,
-                                               ws_ref[expert, (ni * bn) // FP8_BLOCK, idx[0]]))
-                    return tuple(new)
+                        new.append(_add_scaled(total, part, scale))
+                    return tuple(new), queue
 
                 zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-                return plgpu.emit_pipeline(
+                sums, _ = plgpu.emit_pipeline(
                     step, grid=(k_steps,),
                     in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k)),
                               plgpu.BlockSpec((1, bm), lambda k: (k, mi))]
                     + [plgpu.BlockSpec((bn, bk), lambda k: (ni, k))] * len(w_refs),
                     max_concurrent_steps=tiling.stages,
-                    init_carry=(zeros,) * len(w_refs),
+                    init_carry=((zeros,) * len(w_refs),
+                                _scale_queue(load, k_steps, tiling.scale_ahead, len(w_refs))),
                 )(x_ref, xs_ref, *[w.at[expert] for w in w_refs])
+                return sums
 
             if fp8:
                 accs = accumulate_fp8()
@@ -238,8 +265,13 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
 
+            def load_scale(j, k):
+                """Weight j's block scale at K step k for this warpgroup's columns of the tile."""
+                col = column(ni, j) + (0 if split_rows else wg * sn)
+                return ws_refs[j][expert, col // FP8_BLOCK, k]
+
             def step_fp8(idx, x_smem, xs_smem, *rest):
-                *w_smems, sums = rest
+                *w_smems, (sums, queue) = rest
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
                 plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
 
@@ -251,16 +283,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
-                def scaled(j, total, part):
-                    col = column(ni, j) + (0 if split_rows else wg * sn)
-                    return _add_scaled(total, part, row_scale, ws_refs[j][expert, col // FP8_BLOCK, idx[0]])
-
+                block_scales, queue = _next_scales(load_scale, k_steps, idx[0], queue)
+                scales = [row_scale * b for b in block_scales]
                 if tiling.joint_products:
-                    return tuple(scaled(j, total, part) for j, (total, part)
-                                 in enumerate(zip(sums, products(w_smems))))
+                    return tuple(_add_scaled(total, part, scale)
+                                 for total, part, scale in zip(sums, products(w_smems), scales)), queue
                 # one product at a time, each rescaled before the next is issued
-                return tuple(scaled(j, total, products([w_smem])[0])
-                             for j, (total, w_smem) in enumerate(zip(sums, w_smems)))
+                return tuple(_add_scaled(total, products([w_smem])[0], scale)
+                             for total, w_smem, scale in zip(sums, w_smems, scales)), queue
 
             def step_bf16(_, x_smem, *rest):
                 *w_smems, accs = rest
@@ -284,7 +314,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def context_fp8(run):
                 zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-                store(outputs(run((zeros,) * n_w)))
+                sums, _ = run(((zeros,) * n_w, _scale_queue(load_scale, k_steps, tiling.scale_ahead, n_w)))
+                store(outputs(sums))
 
             def context_bf16(run):
                 def scoped(*accs):
