@@ -652,6 +652,8 @@ def bench_sparse_mla(args, ceil):
         for spec in [t for t in (args.mla_tilings if prefill else args.mla_decode_tilings).split(",") if t]:
             name, *opts = spec.split(":")
             copy_threads = {"row_threads": int(o[1:]) for o in opts if o.startswith("r")}   # ":rT"
+            if "p" in opts:                                                                   # ":p"
+                copy_threads["l2_prefetch"] = True
             if name in MGPU_SCORES:                 # the Mosaic GPU prefill kernel (one program per query)
                 variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, scores=MGPU_SCORES[name], **copy_threads),
                                          static_argnums=(4, 6))
@@ -925,12 +927,12 @@ def main() -> int:
                    help="sparse MLA prefill variants: Triton tilings block_h:block_k:warps:stages[:splits], 'dispatch' "
                         "(the Triton tiling the dispatch picks), 'mgpu', 'mgpu_alt' or 'mgpu_split' (the Mosaic GPU "
                         "kernel, its scores computed by both warpgroups, by each in turn, or split by rows; "
-                        "':rT' after one: T threads a row in the row copies)")
+                        "':rT' after one: T threads a row in the row copies; ':p': the copies' L2::256B prefetch hint)")
     p.add_argument("--mla-decode-tilings", default="mgpu_rows,dispatch,mgpu_rows:1,mgpu_rows:4,64:64:8:2:2",
                    help="sparse MLA decode variants: as --mla-tilings ('dispatch': the Triton kernel with the "
                         "dispatch's tiling, taken with mgpu_sparse_mla_rows off), 'mgpu_rows' (the Mosaic GPU "
                         "kernel with each query's rows cut in dispatch.row_splits_for shares, the default path) "
-                        "and 'mgpu_rows:S' (S shares), either with ':rT' (T threads a row in the row copies)")
+                        "and 'mgpu_rows:S' (S shares), either with ':rT' and ':p' as there)")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
     if args.moe_small:

@@ -234,19 +234,21 @@ def test_mgpu_kernel_compiled_equals_reference(N, H, K, P, scores):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_threads", ROW_THREADS)
+@pytest.mark.parametrize("row_threads,l2_prefetch", [(t, False) for t in ROW_THREADS] + [(4, True)])
 @pytest.mark.parametrize("N,K,P,row_splits", [(300, 2048, 4096, 1), (5, 64, 64, 1), (8, 2048, 8192, 16)])
-def test_mgpu_row_copies_compiled_equal_reference(N, K, P, row_splits, row_threads):
+def test_mgpu_row_copies_compiled_equal_reference(N, K, P, row_splits, row_threads, l2_prefetch):
     """Each way of laying the memory warpgroup's threads over a block's rows (row_threads a row, in
-    64 * row_threads / 128 passes) copies every selected row to where the compute reads it: full /
-    short / empty rows with -1 anywhere, one program per query and row shares."""
+    64 * row_threads / 128 passes; the copies with or without the L2::256B prefetch hint) copies every
+    selected row to where the compute reads it: full / short / empty rows with -1 anywhere, one program
+    per query and row shares."""
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu_rows
 
     q_lat, q_rope, latent, k_rope, slots = make_case(N, 64, 512, 64, K, P=P, L=2, seed=N + row_threads)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
     want = np.asarray(sparse_mla_reference(*args), np.float32)
-    got = np.asarray(sparse_mla_mgpu_rows(*args, row_splits=row_splits, row_threads=row_threads), np.float32)
+    got = np.asarray(sparse_mla_mgpu_rows(*args, row_splits=row_splits, row_threads=row_threads,
+                                          l2_prefetch=l2_prefetch), np.float32)
     assert got.shape == want.shape and np.all(np.isfinite(got))
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 2e-2
     assert np.all(got[np.all(slots < 0, axis=1)] == 0)
@@ -301,10 +303,12 @@ def test_row_splits_merged_equal_the_whole_rows(row_splits):
     assert not np.asarray(got)[2].any()                              # the empty row: zeros
 
 
-@pytest.mark.parametrize("scores,row_threads", [(s, 2) for s in SCORES] + [("both", 4), ("both", 8)])
-def test_mgpu_kernel_lowers_for_cuda(scores, row_threads):
+@pytest.mark.parametrize("scores,row_threads,l2_prefetch",
+                         [(s, 2, False) for s in SCORES] + [("both", 4, False), ("both", 8, False), ("both", 4, True)])
+def test_mgpu_kernel_lowers_for_cuda(scores, row_threads, l2_prefetch):
     """Each way of sharing the scores in the Mosaic GPU kernel traces and lowers for CUDA on any machine
-    (layout inference, shared memory within the H100/H200 limit); the gpu test above runs them."""
+    (layout inference, shared memory within the H100/H200 limit); the gpu test above runs them. With
+    l2_prefetch the row copies are the inline PTX with the L2::256B hint."""
     import functools
 
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
@@ -313,11 +317,12 @@ def test_mgpu_kernel_lowers_for_cuda(scores, row_threads):
     sds = jax.ShapeDtypeStruct
     args = (sds((N, H, C), jnp.bfloat16), sds((N, H, R), jnp.bfloat16), sds((L, P, C), jnp.bfloat16),
             sds((L, P, R), jnp.bfloat16), 1, sds((N, K), jnp.int32), 0.1)
-    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, row_threads=row_threads), static_argnums=(4, 6))
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, row_threads=row_threads, l2_prefetch=l2_prefetch),
+                 static_argnums=(4, 6))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, with_stats=True, row_threads=row_threads),
-                 static_argnums=(4, 6))
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, with_stats=True, row_threads=row_threads,
+                                   l2_prefetch=l2_prefetch), static_argnums=(4, 6))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -66,13 +66,16 @@ def mgpu_shape_error(q_lat, q_rope) -> str | None:
     return None
 
 
-def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem, row_threads: int):
+def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem, row_threads: int,
+                  l2_prefetch: bool = False):
     """The memory warpgroup's copies of one block: its 128 threads take the block's 64 rows in passes
     of 128 / row_threads rows, row_threads threads a row, thread `lane` of a row copying its 16-byte
     latent and rope chunks row_threads * i + lane (so a warp's copy instruction reads 16 * row_threads
     contiguous bytes, whole 32-byte sectors, of each of 32 / row_threads rows) into the (8, 64)-tiled,
     128-byte-swizzled stage (lat_smem [2, 64, C/2]), where a TMA copy would have put them (an
-    unselected slot, -1, copies row 0: the compute masks it). One cp.async group per block."""
+    unselected slot, -1, copies row 0: the compute masks it). One cp.async group per block.
+    l2_prefetch: each copy carries PTX's L2::256B hint (the L2 fetches the 256-byte block around the
+    chunk from HBM: a pool row is 1152 contiguous bytes), as FlashMLA's sparse prefill does."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
     from jax.experimental.mosaic.gpu import utils as mu
@@ -117,7 +120,12 @@ def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_sm
                                                                  arith.muli(swz, c32(_CHUNK)))))
                 s = mu.getelementptr(sptr, [off], i8)
                 g = mu.getelementptr(gptr, [arith.muli(chunk, c32(_CHUNK))], i8)
-                nvvm.cp_async_shared_global(s, g, _CHUNK, nvvm.LoadCacheModifierKind.CG)
+                if l2_prefetch:
+                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [s, g],
+                                    f"cp.async.cg.shared.global.L2::256B [$0], [$1], {_CHUNK};", "r,l",
+                                    has_side_effects=True)
+                else:
+                    nvvm.cp_async_shared_global(s, g, _CHUNK, nvvm.LoadCacheModifierKind.CG)
 
         for row, slot in zip(pass_rows, pass_slots):
             valid = arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0))
@@ -329,7 +337,7 @@ DEFAULT_ROW_THREADS = 4   # best or within 2% of it from 8 decode to 8192 prefil
 
 
 def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, *out_refs, scale: float,
-            n_queries: int, scores: str, row_splits: int, row_threads: int, **smem):
+            n_queries: int, scores: str, row_splits: int, row_threads: int, l2_prefetch: bool, **smem):
     q_lat_smem = smem["q_lat"]
     k_bar, k_free, q_bar, done = smem["k_bar"], smem["k_free"], smem["q_bar"], smem["done"]
     v = n_queries * row_splits - 1 - lax.axis_index("n")   # the latest queries first: they select the most rows
@@ -368,7 +376,7 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
         def issue(i):
             slot = lax.rem(i, STAGES)
             _gather_block(layer_ref, lat_ref, rope_ref, slots_ref.at[n, pl.ds(first + i * BLOCK, BLOCK)], lat_smem.at[slot],
-                          rope_smem.at[slot], row_threads)
+                          rope_smem.at[slot], row_threads, l2_prefetch)
 
         def ready(i):
             _await_copies()
@@ -408,7 +416,7 @@ def selected_first(slots):
 
 def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
                     scores: str = "both", with_stats: bool = False, row_splits: int = 1,
-                    row_threads: int = DEFAULT_ROW_THREADS):
+                    row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
     query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
     scores: how the two compute warpgroups share out the score product ("both", "split_keys",
@@ -417,7 +425,8 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     units of the scaled scores: its log-sum-exp is (m + log2 l) / log2 e), returned second.
     row_splits S > 1 (decode, verify; with_stats): S programs per query, program n * S + s over share s
     of its selected rows (split_rows); outputs and statistics [N * S, ...], for merge_row_splits.
-    row_threads (ROW_THREADS): the memory warpgroup's threads per row in one copy pass (_gather_block)."""
+    row_threads (ROW_THREADS): the memory warpgroup's threads per row in one copy pass (_gather_block).
+    l2_prefetch: the row copies carry the L2::256B prefetch hint (_gather_block)."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
@@ -461,7 +470,7 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
         out_type = (out_type, jax.ShapeDtypeStruct((programs, 2, HEADS), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, n_queries=N, scores=scores, row_splits=row_splits,
-                          row_threads=row_threads),
+                          row_threads=row_threads, l2_prefetch=l2_prefetch),
         out_type=out_type, grid=(programs,), grid_names=("n",),
         num_threads=3, thread_name="wg", scratch_types=smem,
         compiler_params=plgpu.CompilerParams(
@@ -514,12 +523,13 @@ def merge_row_splits(out, stats, row_splits: int, dtype):
 
 
 def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int,
-                         row_threads: int = DEFAULT_ROW_THREADS):
+                         row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False):
     """sparse_mla_mgpu for few queries (decode, verify): each query's selected rows cut in row_splits
     shares (split_rows), one program each returning its normalized output and softmax statistics,
     merged in fp32 (merge_row_splits); one share is the plain kernel."""
     if row_splits == 1:
-        return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, row_threads=row_threads)
+        return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, row_threads=row_threads,
+                               l2_prefetch=l2_prefetch)
     out, stats = sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, with_stats=True,
-                                 row_splits=row_splits, row_threads=row_threads)
+                                 row_splits=row_splits, row_threads=row_threads, l2_prefetch=l2_prefetch)
     return merge_row_splits(out, stats, row_splits, q_lat.dtype)
