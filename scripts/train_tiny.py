@@ -599,6 +599,12 @@ def parse(argv=None):
     d.add_argument("--draft-balance", type=float, default=0.005,
                    help="per step, move the MTP router's score-correction bias by this toward balanced expert "
                         "loads (DeepSeek-V3's auxiliary-loss-free balancing; 0: the bias stays)")
+    d.add_argument("--draft-own-head", action="store_true",
+                   help="give the MTP layer its own shared_head.head (as GLM-5 / DeepSeek-V3 checkpoints carry), "
+                        "started as a copy of lm_head and trained with the layer")
+    d.add_argument("--draft-own-embed", action="store_true",
+                   help="give the MTP layer its own embed_tokens (as the real checkpoints carry), started as a copy "
+                        "of the main embedding and trained with the layer")
     d.add_argument("--draft-eval-every", type=int, default=100, help="probe every N steps")
     d.add_argument("--draft-eval-windows", type=int, default=32,
                    help="held-out text windows of the final acceptance measurement through the engine "
@@ -813,7 +819,7 @@ def main(argv=None) -> int:
 DRAFT_ARGS = ("init", "out", "seed", "draft_seqs", "draft_val", "draft_prompt", "draft_len", "draft_steps",
               "draft_batch", "draft_lr", "draft_warmup", "draft_depths", "draft_hard", "draft_prompt_weight",
               "draft_kl", "draft_balance", "draft_task_mix", "draft_task_seqs", "draft_eval_every",
-              "draft_eval_windows", "clip", "min_lr_ratio")
+              "draft_eval_windows", "draft_own_head", "draft_own_embed", "clip", "min_lr_ratio")
 
 
 def mtp_stage(args) -> int:
@@ -827,7 +833,8 @@ def mtp_stage(args) -> int:
     2, 3 (build_forward's mtp_chain); a few sequences of the other tasks (--draft-task-mix) keep it
     following those. The MTP-owned parameters train (its norms, eh_proj, its decoder layer with its
     indexer, shared_head.norm; the router's score-correction bias by --draft-balance only); the
-    embedding and lm_head it reads are the main model's and stay. Records its arguments, history and
+    embedding and lm_head it reads are the main model's and stay, unless --draft-own-head /
+    --draft-own-embed give the layer its own copies (trained with it). Records its arguments, history and
     the acceptance measured through the engine (cpkv_jax.eval.run_eval on the held-out text windows)
     under "mtp_stage" in training.json; the main stage's record stays as it was."""
     import optax
@@ -851,6 +858,10 @@ def mtp_stage(args) -> int:
     cfg = model.cfg
     if model.mtp is None:
         raise SystemExit(f"{init} has no MTP layer")
+    if args.draft_own_head and model.mtp.head is None:
+        model.mtp.head = nnx.data(nnx.clone(model.lm_head))
+    if args.draft_own_embed and model.mtp.embed_tokens is None:
+        model.mtp.embed_tokens = nnx.data(nnx.Param(jnp.array(model.embed_tokens[...])))
     tok = Tokenizer.from_file(str(init / "tokenizer.json"))
     tt = tasks.TaskTokenizer.from_dir(init)          # applies the task formats the main stage trained with
     cfg_json = json.loads((init / "config.json").read_text())
@@ -1000,7 +1011,8 @@ def mtp_stage(args) -> int:
     print(f"trained {args.draft_steps} steps in {train_s:.0f}s; the stage took {stage_s:.0f}s", flush=True)
     model = nnx.merge(graphdef, mtp_params, rest)
 
-    record = {"args": {k: getattr(args, k) for k in DRAFT_ARGS}, "generate_seconds": round(t_gen, 1),
+    record = {"args": {k: getattr(args, k) for k in DRAFT_ARGS}, "init_mtp_stage": meta.get("mtp_stage"),
+              "generate_seconds": round(t_gen, 1),
               "hidden_seconds": round(t_hidden, 1), "train_seconds": round(train_s, 1),
               "stage_seconds": round(stage_s, 1), "history": history}
     if args.draft_eval_windows:

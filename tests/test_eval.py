@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 from cpkv_jax import eval as tasks
 from cpkv_jax.cli import main
-from models.weights import TINY_DIR
+from models.weights import TINY_DIR, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +138,13 @@ def test_training_forward_chains_the_mtp_layer_as_the_engine_drafts(monkeypatch)
         assert [int(jnp.argmax(mtp[d][0, L - 2 + d])) for d in range(3)] == drafts
 
 
-def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("own", [False, True])
+def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path, own):
     """scripts/train_tiny.py --stage mtp (a few sequences and steps): only the MTP layer changes; every
     other part of the checkpoint is the initial one's, file for file and array for array, and the
-    stage's arguments are recorded beside the main stage's record in training.json."""
+    stage's arguments are recorded beside the main stage's record in training.json (with the record of
+    the stage that trained the layer it started from). own: the layer gets its own shared_head.head and
+    embed_tokens, started as copies of the main model's, trained, saved and loaded back as its own."""
     import importlib.util
     from pathlib import Path
 
@@ -154,7 +158,8 @@ def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path):
     assert train.main(["--stage", "mtp", "--init", str(TINY_DIR), "--out", str(out), "--draft-seqs", "6",
                        "--draft-val", "2", "--draft-steps", "2", "--draft-warmup", "1", "--draft-batch", "6",
                        "--draft-task-seqs", "4",
-                       "--draft-eval-every", "2", "--draft-eval-windows", "0"]) == 0
+                       "--draft-eval-every", "2", "--draft-eval-windows", "0"]
+                      + (["--draft-own-head", "--draft-own-embed"] if own else [])) == 0
     before, after = (json.loads((d / MANIFEST).read_text())["digests"] for d in (TINY_DIR, out))
     assert before.keys() == after.keys()
     assert all(after[k] == before[k] for k in after if k != "mtp") and after["mtp"] != before["mtp"]
@@ -162,3 +167,10 @@ def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path):
     meta, init_meta = (json.loads((d / "training.json").read_text()) for d in (out, TINY_DIR))
     assert meta["args"] == init_meta["args"] and meta["history"] == init_meta["history"]
     assert meta["mtp_stage"]["args"]["draft_steps"] == 2
+    assert meta["mtp_stage"]["init_mtp_stage"] == init_meta["mtp_stage"]
+    trained, base = load_checkpoint(out), load_checkpoint(TINY_DIR)
+    assert (trained.mtp.head is not None, trained.mtp.embed_tokens is not None) == (own, own)
+    if own:   # trained away from the copies they started as; the main model's own stay
+        assert not np.array_equal(np.asarray(trained.mtp.head.kernel[...]), np.asarray(base.lm_head.kernel[...]))
+        assert not np.array_equal(np.asarray(trained.mtp.embed_tokens[...]), np.asarray(base.embed_tokens[...]))
+        assert np.array_equal(np.asarray(trained.lm_head.kernel[...]), np.asarray(base.lm_head.kernel[...]))
