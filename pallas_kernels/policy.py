@@ -84,6 +84,12 @@ class KernelPolicy:
     their outputs merged by their softmax statistics (kernel_mgpu.sparse_mla_mgpu_rows), instead of
     the Triton kernel's splits. On the H200 (docs/perf.md, 2026-12-04): 64 queries 78.7 against 181.7
     us, 8 queries 31 against 50 us, 1 query 22.6 against 22.5 us."""
+    mgpu_sparse_mla_l2_prefetch: bool = False
+    """The Mosaic GPU sparse MLA kernel's row copies carry PTX's L2::256B prefetch hint (kernel_mgpu
+    _gather_block, FlashMLA's sparse producer does). Off until the H200 times it."""
+    fp8_scale_ahead: int = 0
+    """The fp8 kernels (routed experts and dense linears) read each weight block scale this many K
+    steps before its use (grouped_matmul.Tiling.scale_ahead); 0: at its use. Off until the H200 times it."""
     unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
     groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from models import fp8
+from pallas_kernels import fp8_linear as fp8_linear_module
 from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_applies, fp8_linear_reference, linear_tiling, shape_error
 from pallas_kernels.moe.fp8_rows import dequantize_rows, quantize_rows
 from pallas_kernels.policy import KernelPolicy
@@ -71,8 +72,9 @@ def test_fp8_linear_refuses_what_it_cannot_take():
 
 def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     """A kept-fp8 Dense stores HF's [out, in] (fp8_weight) and, where the kernel applies, passes it and
-    its scales to fp8_linear as they are; with the policy's fp8_linear_kernel off (and on CPU) it
-    multiplies by the dequantized [in, out] weight."""
+    its scales to fp8_linear as they are, with the policy's fp8_scale_ahead (which fp8_linear sets in its
+    tiling); with the policy's fp8_linear_kernel off (and on CPU) it multiplies by the dequantized
+    [in, out] weight."""
     from flax import nnx
 
     import models.layers as layers
@@ -80,10 +82,24 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s: seen.append((w, s)) or jnp.zeros((*x.shape[:-1], 192)))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, scale_ahead: seen.append((w, s, scale_ahead))
+                        or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
+    dense(x, KernelPolicy(fp8_scale_ahead=3))
+    assert [a for _, _, a in seen] == [0, 3]
+    del seen[1:]
+    tilings = []
+
+    def kernel(xq, w, tile_expert, *, tiling, out_dtype, **kw):   # fp8_linear's kernel call, recorded
+        tilings.append(tiling)
+        return jnp.zeros((xq.shape[0], w.shape[1]), out_dtype)
+
+    monkeypatch.setattr(fp8_linear_module, "grouped_matmul", kernel)
+    fp8_linear(x, dense.fp8_weight[...], dense.scale_inv[...], scale_ahead=3)
+    fp8_linear(x, dense.fp8_weight[...], dense.scale_inv[...])
+    assert [t.scale_ahead for t in tilings] == [3, linear_tiling(21, 192).scale_ahead]
     off = dense(x, KernelPolicy(fp8_linear_kernel=False))
     want = np.asarray(x, np.float32) @ np.asarray(fp8.dequantize(dense.fp8_weight[...], dense.scale_inv[...],
                                                                  jnp.float32)).T

@@ -310,7 +310,7 @@ def test_fp8_experts_transposed_change_the_result():
 def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     """With the fp8 kernel chosen (the GPU and policy.fp8_moe_kernel, faked here), the dispatch passes
     the stored K-major arrays to expert_mlp_blocked_fp8 untouched (the same arrays: no transpose, no
-    copy)."""
+    copy), with the policy's fp8_scale_ahead in both tilings."""
     import pallas_kernels.moe.dispatch as dispatch
     rng = np.random.default_rng(9)
     N, k, D, I, E = 8, 2, 256, 128, 4
@@ -320,10 +320,13 @@ def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
     monkeypatch.setattr(dispatch, "expert_mlp_blocked_fp8",
-                        lambda x, fe, g, u, d, sc, *a, **kw: seen.append((g, u, d, sc)))
+                        lambda x, fe, g, u, d, sc, *a, up_tiling, down_tiling, **kw:
+                        seen.append((g, u, d, sc, (up_tiling.scale_ahead, down_tiling.scale_ahead))))
     dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_moe_kernel=True), scales=(gs, us, ds))
-    (g, u, d, sc), = seen
-    assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds)))
+    (g, u, d, sc, ahead), = seen
+    assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds))) and ahead == (0, 0)
+    dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_scale_ahead=3), scales=(gs, us, ds))
+    assert seen[-1][-1] == (3, 3)
 
 
 @pytest.mark.parametrize("compute_wgs", [1, 2])

@@ -161,12 +161,16 @@ def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
     """Which kernel the dispatch calls, and how, for each policy (on CPU: the kernels are replaced by
     recorders and the policy reports a GPU): prefill-sized bf16 calls take the Mosaic GPU kernel with
     the scores mode the policy names, decode-sized ones the Mosaic GPU row splits over one wave or,
-    with mgpu_sparse_mla_rows off, the Triton kernel's splits; the policy off takes the reference."""
+    with mgpu_sparse_mla_rows off, the Triton kernel's splits; the policy off takes the reference; both
+    Mosaic GPU calls are handed mgpu_sparse_mla_l2_prefetch."""
     import pallas_kernels.sparse_mla.dispatch as dispatch
     calls = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(dispatch, "sparse_mla_mgpu", lambda *a, scores: calls.append(("mgpu", scores)))
-    monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows", lambda *a, row_splits: calls.append(("rows", row_splits)))
+    prefetch = []
+    monkeypatch.setattr(dispatch, "sparse_mla_mgpu",
+                        lambda *a, scores, l2_prefetch: calls.append(("mgpu", scores)) or prefetch.append(l2_prefetch))
+    monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows",
+                        lambda *a, row_splits, l2_prefetch: calls.append(("rows", row_splits)) or prefetch.append(l2_prefetch))
     monkeypatch.setattr(dispatch, "sparse_mla_pallas", lambda *a, tiling: calls.append(("triton", tiling.splits)))
     monkeypatch.setattr(dispatch, "sparse_mla_reference", lambda *a: calls.append(("reference",)))
     sds = jax.ShapeDtypeStruct
@@ -184,6 +188,9 @@ def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
     assert route(8, mgpu_sparse_mla_rows=False) == ("triton", tiling_for(8, 64, 2048).splits)
     assert route(8192, mgpu_sparse_mla=False)[0] == "triton"
     assert route(8192, enabled=False) == ("reference",)
+    assert not any(prefetch)
+    assert route(8192, mgpu_sparse_mla_l2_prefetch=True)[0] == "mgpu" and prefetch[-1] is True
+    assert route(8, mgpu_sparse_mla_l2_prefetch=True)[0] == "rows" and prefetch[-1] is True
 
 
 @pytest.mark.gpu

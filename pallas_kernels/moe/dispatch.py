@@ -201,7 +201,8 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     check_experts(x.shape[1], gate, up, down, scales)
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
-            up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs)
+            up_t, down_t = (dataclasses.replace(t, scale_ahead=policy.fp8_scale_ahead)
+                            for t in expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs))
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
