@@ -118,13 +118,14 @@ def _scale_queue(load, k_steps: int, ahead: int, n: int):
     return tuple(tuple(load(j, min(k, k_steps - 1)) for k in range(ahead)) for j in range(n))
 
 
-def _next_scales(load, k_steps: int, step, queue):
-    """(this step's block scale of each weight, the queue for the next step): with a queue of `ahead`
-    scalars the step takes their heads and reads step + ahead's; with none it reads its own."""
-    if not queue or not queue[0]:
-        return [load(j, step) for j in range(len(queue))], queue
+def _step_scales(row_scale, load, k_steps: int, step, queue):
+    """(each weight's scale for this step: row_scale [rows] x its block scale, the queue for the next
+    step): with a queue of `ahead` scalars per weight the step takes their heads and reads
+    step + ahead's; with empty ones it reads its own."""
+    if not queue[0]:
+        return [row_scale * load(j, step) for j in range(len(queue))], queue
     ahead = len(queue[0])
-    return ([q[0] for q in queue],
+    return ([row_scale * q[0] for q in queue],
             tuple(q[1:] + (load(j, jnp.minimum(step + ahead, k_steps - 1)),) for j, q in enumerate(queue)))
 
 
@@ -174,8 +175,7 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                     *w_smems, (sums, queue) = rest
                     row_scale = plgpu.load(xs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))   # [bm]
                     plgpu.commit_smem()   # the read above ordered before the pipeline's next TMA write there
-                    block_scales, queue = _next_scales(load, k_steps, idx[0], queue)
-                    scales = [row_scale * b for b in block_scales]
+                    scales, queue = _step_scales(row_scale, load, k_steps, idx[0], queue)
                     new = []
                     for total, w_smem, scale in zip(sums, w_smems, scales):
                         def product(acc_ref, w_smem=w_smem):
@@ -283,8 +283,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
-                block_scales, queue = _next_scales(load_scale, k_steps, idx[0], queue)
-                scales = [row_scale * b for b in block_scales]
+                scales, queue = _step_scales(row_scale, load_scale, k_steps, idx[0], queue)
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
                                  for total, part, scale in zip(sums, products(w_smems), scales)), queue

@@ -67,7 +67,7 @@ def mgpu_shape_error(q_lat, q_rope) -> str | None:
 
 
 def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem, row_threads: int,
-                  l2_prefetch: bool = False):
+                  l2_prefetch: bool):
     """The memory warpgroup's copies of one block: its 128 threads take the block's 64 rows in passes
     of 128 / row_threads rows, row_threads threads a row, thread `lane` of a row copying its 16-byte
     latent and rope chunks row_threads * i + lane (so a warp's copy instruction reads 16 * row_threads
