@@ -84,12 +84,15 @@ class KernelPolicy:
     their outputs merged by their softmax statistics (kernel_mgpu.sparse_mla_mgpu_rows), instead of
     the Triton kernel's splits. On the H200 (docs/perf.md, 2026-12-04): 64 queries 78.7 against 181.7
     us, 8 queries 31 against 50 us, 1 query 22.6 against 22.5 us."""
-    mgpu_sparse_mla_l2_prefetch: bool = False
+    mgpu_sparse_mla_l2_prefetch: bool = True
     """The Mosaic GPU sparse MLA kernel's row copies carry PTX's L2::256B prefetch hint (kernel_mgpu
-    _gather_block, FlashMLA's sparse producer does). Off until the H200 times it."""
+    _gather_block, FlashMLA's sparse producer does). On the H200 (docs/perf.md, 2026-12-04 fourth
+    session): decode 8 queries 42 -> 31 us, 64: 74 -> 73, 128: 113 -> 109, prefill 8192 4.75 -> 4.68 ms."""
     fp8_scale_ahead: int = 0
     """The fp8 kernels (routed experts and dense linears) read each weight block scale this many K
-    steps before its use (grouped_matmul.Tiling.scale_ahead); 0: at its use. Off until the H200 times it."""
+    steps before its use (grouped_matmul.Tiling.scale_ahead); 0: at its use. Off: on the H200
+    (docs/perf.md, 2026-12-04 fourth session) 4 or 8 steps ahead changed no expert call by more than
+    1.5% (1-token down 0.052 -> 0.057 ms), so a step does not wait on its scale read."""
     unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
     groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose

@@ -188,9 +188,9 @@ def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
     assert route(8, mgpu_sparse_mla_rows=False) == ("triton", tiling_for(8, 64, 2048).splits)
     assert route(8192, mgpu_sparse_mla=False)[0] == "triton"
     assert route(8192, enabled=False) == ("reference",)
-    assert not any(prefetch)
-    assert route(8192, mgpu_sparse_mla_l2_prefetch=True)[0] == "mgpu" and prefetch[-1] is True
-    assert route(8, mgpu_sparse_mla_l2_prefetch=True)[0] == "rows" and prefetch[-1] is True
+    assert all(prefetch)                 # on by default
+    assert route(8192, mgpu_sparse_mla_l2_prefetch=False)[0] == "mgpu" and prefetch[-1] is False
+    assert route(8, mgpu_sparse_mla_l2_prefetch=False)[0] == "rows" and prefetch[-1] is False
 
 
 @pytest.mark.gpu
@@ -380,5 +380,5 @@ def test_mgpu_row_splits_compiled_equal_reference(N, monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows", lambda *a, **kw: calls.append(kw) or sparse_mla_mgpu_rows(*a, **kw))
     routed = np.asarray(sparse_mla(*args, policy=KernelPolicy(mgpu_sparse_mla_rows=True)), np.float32)
-    assert calls == [{"row_splits": S}]
+    assert calls == [{"row_splits": S, "l2_prefetch": KernelPolicy().mgpu_sparse_mla_l2_prefetch}]
     assert np.max(np.abs(routed - want)) / np.max(np.abs(want)) < 2e-2
