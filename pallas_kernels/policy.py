@@ -93,6 +93,11 @@ class KernelPolicy:
     steps before its use (grouped_matmul.Tiling.scale_ahead); 0: at its use. Off: on the H200
     (docs/perf.md, 2026-12-04 fourth session) 4 or 8 steps ahead changed no expert call by more than
     1.5% (1-token down 0.052 -> 0.057 ms), so a step does not wait on its scale read."""
+    moe_rotate_k: bool = False
+    """The routed experts' warp-specialized kernel walks each tile's K steps from its own start
+    (grouped_matmul.Tiling.rotate_k), so the programs of a wave do not all read the same K columns of
+    their weights at once. Off until the H200 times it (aimed at the 1-token decode call: one wave of
+    128 programs in lock step, DRAM at 54% of peak; docs/perf.md, 2026-12-04 fourth session)."""
     unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
     groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose

@@ -108,7 +108,11 @@ def test_expert_mlp_blocked_interpret_equals_reference():
                 Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
                # clusters of two programs sharing x by multicast (the down call: its two column blocks)
                (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=4, compute_wgs=2, cluster_n=2),
-                Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2)))
+                Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2)),
+               # each tile from its own K step (two here: odd tiles start at the second)
+               (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2, rotate_k=True),
+                Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2,
+                       rotate_k=True)))
     for fe in routings(rng, N * k, E):
         fe = jnp.asarray(fe, jnp.int32)
         ref = slot_reference(x, np.asarray(fe), gate, up, down, k)
@@ -190,30 +194,38 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, comp
         grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs[:1], w_scale=gs)
 
 
-@pytest.mark.parametrize("compute_wgs,ahead", [(1, 2), (2, 0), (2, 1), (2, 3)])
-def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead):
+@pytest.mark.parametrize("compute_wgs,ahead,rotate,cluster_n", [
+    (1, 2, False, 1), (2, 0, False, 1), (2, 1, False, 1), (2, 3, False, 1), (2, 0, True, 1), (2, 3, True, 1),
+    (2, 0, True, 2)])
+def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead, rotate, cluster_n):
     """The weight block scales queued `scale_ahead` K steps ahead of their use (or read at use: 0), over
     more K steps (5) than the queue holds, each step's block scale distinct: the fused gate/up call in
-    the interpreter (races detected) against float64 products of the dequantized operands."""
+    the interpreter (races detected) against float64 products of the dequantized operands. rotate_k:
+    each tile starts at its own K step (the four row tiles' loop indices 0..3), alone, with the queue,
+    and in clusters of two sharing their x tiles."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
     from pallas_kernels.moe.fp8_rows import dequantize_rows
     rng = np.random.default_rng(7)
-    E, K, N, bm = 2, 640, 128, 64
-    tile_expert = jnp.asarray([1, 0], jnp.int32)
-    x = jnp.asarray(rng.standard_normal((2 * bm, K)), jnp.float32)
+    E, K, bm = 2, 640, 64
+    N = 128 * cluster_n
+    tile_expert = jnp.asarray([1, 0, -1, 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((4 * bm, K)), jnp.float32)
     xq, xs = quantize_rows(x)
     (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
     gs = gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)   # every K step's scale its own
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
     gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
-    t = Tiling(block_m=bm, block_n=N if compute_wgs == 2 else 64, block_k=128, stages=2, grid_block_n=1,
-               programs=2, compute_wgs=compute_wgs, scale_ahead=ahead)
+    t = Tiling(block_m=bm, block_n=128 if compute_wgs == 2 else 64, block_k=128, stages=2, grid_block_n=cluster_n,
+               programs=2, compute_wgs=compute_wgs, scale_ahead=ahead, rotate_k=rotate, cluster_n=cluster_n)
     out = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, x_scale=xs, w_scale=gs, up_scale=us,
                                     interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
     for i, e in enumerate(np.asarray(tile_expert)):
         rows = slice(i * bm, (i + 1) * bm)
+        if e < 0:
+            assert np.isnan(out[rows]).all()       # unwritten
+            continue
         a = xd[rows] @ gd[e]
         want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
         assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
@@ -310,7 +322,8 @@ def test_fp8_experts_transposed_change_the_result():
 def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     """With the fp8 kernel chosen (the GPU and policy.fp8_moe_kernel, faked here), the dispatch passes
     the stored K-major arrays to expert_mlp_blocked_fp8 untouched (the same arrays: no transpose, no
-    copy), with the policy's fp8_scale_ahead in both tilings."""
+    copy), with the policy's fp8_scale_ahead and moe_rotate_k in both tilings; bf16 experts reach
+    expert_mlp_blocked with moe_rotate_k and no read-ahead."""
     import pallas_kernels.moe.dispatch as dispatch
     rng = np.random.default_rng(9)
     N, k, D, I, E = 8, 2, 256, 128, 4
@@ -321,12 +334,22 @@ def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
     monkeypatch.setattr(dispatch, "expert_mlp_blocked_fp8",
                         lambda x, fe, g, u, d, sc, *a, up_tiling, down_tiling, **kw:
-                        seen.append((g, u, d, sc, (up_tiling.scale_ahead, down_tiling.scale_ahead))))
+                        seen.append((g, u, d, sc, (up_tiling.scale_ahead, down_tiling.scale_ahead),
+                                     (up_tiling.rotate_k, down_tiling.rotate_k))))
     dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_moe_kernel=True), scales=(gs, us, ds))
-    (g, u, d, sc, ahead), = seen
-    assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds))) and ahead == (0, 0)
-    dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_scale_ahead=3), scales=(gs, us, ds))
-    assert seen[-1][-1] == (3, 3)
+    (g, u, d, sc, ahead, rotate), = seen
+    assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds)))
+    assert ahead == (0, 0) and rotate == (False, False)
+    dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_scale_ahead=3, moe_rotate_k=True),
+                        scales=(gs, us, ds))
+    assert seen[-1][-2:] == ((3, 3), (True, True))
+    plain = []
+    monkeypatch.setattr(dispatch, "expert_mlp_blocked", lambda *a, up_tiling, down_tiling, **kw: plain.append(
+        (up_tiling.scale_ahead, down_tiling.scale_ahead, up_tiling.rotate_k, down_tiling.rotate_k)))
+    x, gate, up, down = mlp_inputs(rng, N, D, I, E)
+    for rotate in (False, True):
+        dispatch.expert_mlp(x, fe, gate, up, down, k, policy=KernelPolicy(fp8_scale_ahead=3, moe_rotate_k=rotate))
+        assert plain[-1] == (0, 0, rotate, rotate)
 
 
 @pytest.mark.parametrize("compute_wgs", [1, 2])
@@ -472,23 +495,26 @@ def lower_fp8_experts_for_cuda(tokens: int, experts: int, up_t, down_t, D: int =
         sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), *q8, *sc).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("compute_wgs", [1, 2])
+@pytest.mark.parametrize("compute_wgs,rotate", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
-def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_wgs):
+def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_wgs, rotate):
     """The dispatch's tilings (blocked_tilings, fp8_tilings) at GLM-5's widths (hidden 6144, expert
-    width 2048, top-8), prefill and decode row counts, bf16 and fp8, traced and lowered for CUDA on this
-    machine from shapes alone: a tiling over the shared memory (Mosaic GPU checks it while lowering)
-    fails here instead of on the GPU."""
+    width 2048, top-8), prefill and decode row counts, bf16 and fp8, with and without
+    policy.moe_rotate_k, traced and lowered for CUDA on this machine from shapes alone: a tiling over
+    the shared memory (Mosaic GPU checks it while lowering) fails here instead of on the GPU."""
     from pallas_kernels.moe import expert_mlp_blocked
-    from pallas_kernels.moe.dispatch import blocked_tilings, fp8_tilings
+    from pallas_kernels.moe.dispatch import blocked_tilings, fp8_tilings, with_policy
     D, I, k = 6144, 2048, 8
     sds = jax.ShapeDtypeStruct
+    policy = KernelPolicy(moe_rotate_k=rotate)
     x, fe = sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32)
-    up_t, down_t = blocked_tilings(tokens * k, experts, compute_wgs)
+    up_t, down_t = (with_policy(t, policy, False) for t in blocked_tilings(tokens * k, experts, compute_wgs))
+    assert all(t.rotate_k == (rotate and t.compute_wgs == 2) for t in (up_t, down_t))
     plain = [sds((experts, D, I), jnp.bfloat16)] * 2 + [sds((experts, I, D), jnp.bfloat16)]
     f = functools.partial(expert_mlp_blocked, topk=k, up_tiling=up_t, down_tiling=down_t)
     jax.jit(f).trace(x, fe, *plain).lower(lowering_platforms=("cuda",))
-    lower_fp8_experts_for_cuda(tokens, experts, *fp8_tilings(tokens * k, experts, compute_wgs), D, I, k)
+    lower_fp8_experts_for_cuda(tokens, experts, *(with_policy(t, policy, True)
+                                                  for t in fp8_tilings(tokens * k, experts, compute_wgs)), D, I, k)
 
 
 def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_where_they_would_spill():

@@ -62,7 +62,14 @@ class Tiling:
     """fp8: K steps ahead of its use that each weight block scale is read from global memory (a queue
     of scalars in the K loop's carry), so the read's latency overlaps that many steps instead of
     following every step's start; 0 reads each at its use. Aimed at decode, where a step is ~1.7 us
-    for 32 KB of weights per SM (docs/perf.md, 2026-12-04 third session); 0 until the H200 times it."""
+    for 32 KB of weights per SM (docs/perf.md, 2026-12-04 third session); timed there and after: no call
+    moved by more than the spread between rounds (fourth session)."""
+    rotate_k: bool = False
+    """Warp-specialized kernel: each tile walks its K steps from its own start (its index in the
+    programs' tile loop, modulo the K steps) and wraps around, instead of every tile from step 0. The
+    programs of one wave otherwise read the same K columns of their weights at the same time (all
+    addresses of a moment equal modulo the row pitch); a single-wave decode call runs them in lock
+    step. The sums differ from the unrotated order by fp32 summation order only."""
 
 
 def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
@@ -99,6 +106,8 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         if not fp8 or tiling.compute_wgs != 2 or part > 64 * 64:
             return (f"joint_products: fp8, two compute warpgroups and each one's part of the tile at most 64 x 64 "
                     f"({tiling})")
+    if tiling.rotate_k and tiling.compute_wgs != 2:
+        return f"rotate_k: the warp-specialized kernel (two compute warpgroups) ({tiling})"
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
             tiling.compute_wgs != 2 or (N // tiling.block_n // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
@@ -229,12 +238,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
     # in a cluster the two programs share the row tile: its x (and row scales) arrive by multicast
     shared = dict(collective_axes=("cluster",)) if cn == 2 else {}
-    w_block, w_index = ((bn, bk), lambda k: (0, k)) if fp8 else ((bk, bn), lambda k: (k, 0))
-    specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, k), **shared)]
-             + ([plgpu.BlockSpec((1, bm), lambda k: (k, 0), **shared)] if fp8 else [])
-             + [plgpu.BlockSpec(w_block, w_index)] * n_w)
 
-    def pipeline(body, context):
+    def pipeline(body, context, start=0):
+        """The tile's K pipeline; its step i reads K block (i + start) mod k_steps (Tiling.rotate_k)."""
+        kb = (lambda k: k) if isinstance(start, int) and start == 0 else (lambda k: (k + start) % k_steps)
+        w_block, w_index = ((bn, bk), lambda k: (0, kb(k))) if fp8 else ((bk, bn), lambda k: (kb(k), 0))
+        specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, kb(k)), **shared)]
+                 + ([plgpu.BlockSpec((1, bm), lambda k: (kb(k), 0), **shared)] if fp8 else [])
+                 + [plgpu.BlockSpec(w_block, w_index)] * n_w)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs)
@@ -262,13 +273,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             mi, nc = plgpu.planar_snake(info.index[0], (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
             ni = nc * cn + jax.lax.axis_index("cluster") if cn == 2 else nc
             expert = tile_expert_ref[mi]
+            start = info.index[0] % k_steps if tiling.rotate_k else 0     # one per cluster: x is shared
             rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
 
-            def load_scale(j, k):
-                """Weight j's block scale at K step k for this warpgroup's columns of the tile."""
+            def load_scale(j, i):
+                """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile."""
                 col = column(ni, j) + (0 if split_rows else wg * sn)
-                return ws_refs[j][expert, col // FP8_BLOCK, k]
+                return ws_refs[j][expert, col // FP8_BLOCK, (i + start) % k_steps if tiling.rotate_k else i]
 
             def step_fp8(idx, x_smem, xs_smem, *rest):
                 *w_smems, (sums, queue) = rest
@@ -324,7 +336,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             @pl.when(expert >= 0)
             def _():
-                pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16)(
+                pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16, start)(
                     *operands(mi, ni, expert), allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
