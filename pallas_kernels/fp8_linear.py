@@ -22,16 +22,36 @@ from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_erro
 from pallas_kernels.policy import KernelPolicy
 
 
-def linear_tiling(rows: int, N: int) -> Tiling:
-    """The kernel's tiling for `rows` rows and N outputs: 128-row tiles split over two compute
-    warpgroups (as the routed experts' prefill tiling), 64-row tiles for decode-sized calls; 64-wide
-    column blocks where N is not a multiple of 128 (kv_a_proj_with_mqa: 512 + 64)."""
+GLM5_LINEARS = {   # (K, N) of GLM-5's kept-fp8 dense linears: the widths the tests and bench_kernels take
+    "q_a_proj": (6144, 2048), "q_b_proj": (2048, 64 * 256), "kv_a_proj_with_mqa": (6144, 576),
+    "o_proj": (64 * 256, 6144), "indexer.wq_b": (2048, 32 * 128), "indexer.wk": (6144, 128),
+    "shared_experts.gate_proj": (6144, 2048), "shared_experts.down_proj": (2048, 6144),
+    "mlp.gate_proj": (6144, 12288), "mlp.down_proj": (12288, 6144), "eh_proj": (12288, 6144),
+}
+
+
+def decode_k_splits(tiles: int, k_steps: int, programs: int = 132) -> int:
+    """The most K splits (a divisor of k_steps, two steps each at least) that keep tiles x splits
+    within one wave of the kernel's programs; 1 where the output tiles fill the wave already."""
+    return max((s for s in range(1, k_steps // 2 + 1) if k_steps % s == 0 and tiles * s <= programs), default=1)
+
+
+def linear_tiling(rows: int, N: int, K: int = GROUP, *, split_k: bool = False) -> Tiling:
+    """The kernel's tiling for `rows` rows, K inputs and N outputs: 128-row tiles split over two
+    compute warpgroups (as the routed experts' prefill tiling), 64-row tiles for decode-sized calls;
+    64-wide column blocks where N is not a multiple of 128 (kv_a_proj_with_mqa: 512 + 64). split_k
+    (KernelPolicy.fp8_linear_split_k): a decode-sized call's output tiles split K over programs up to
+    one wave (decode_k_splits: q_a_proj's 16 tiles run as 128 programs of 6 K steps each)."""
     block_n = 128 if N % 128 == 0 else 64
     if rows > 64:
         return Tiling(block_m=128, block_n=block_n, block_k=GROUP, stages=4, compute_wgs=2, grid_block_n=16)
     if block_n == 128:
-        return Tiling(block_m=64, block_n=128, block_k=GROUP, stages=4, compute_wgs=2, grid_block_n=1)
-    return Tiling(block_m=64, block_n=64, block_k=GROUP, stages=4, grid_block_n=1)
+        t = Tiling(block_m=64, block_n=128, block_k=GROUP, stages=4, compute_wgs=2, grid_block_n=1)
+    else:
+        t = Tiling(block_m=64, block_n=64, block_k=GROUP, stages=4, grid_block_n=1)
+    if split_k:
+        t = dataclasses.replace(t, k_splits=decode_k_splits(N // block_n, K // GROUP, t.programs))
+    return t
 
 
 def _tile_rows(rows: int, tiling: Tiling) -> int:
@@ -53,7 +73,7 @@ def shape_error(x, w, scale_inv, tiling: Tiling | None = None) -> str | None:
         return f"scale_inv must be fp32 {want}, got {tuple(scale_inv.shape)} {scale_inv.dtype}"
     if K % GROUP:
         return f"K {K} is not a multiple of {GROUP} (the activations' scale groups)"
-    t = tiling or linear_tiling(rows, N)
+    t = tiling or linear_tiling(rows, N, K)
     return grouped_shape_error(jax.ShapeDtypeStruct((_tile_rows(rows, t), K), jnp.float8_e4m3fn),
                                jax.ShapeDtypeStruct((1, N, K), w.dtype), t, fp8=True)
 
@@ -74,17 +94,19 @@ def fp8_linear_reference(x, w, scale_inv):
 
 
 @jax.named_call     # profiles name the ops inside by this scope
-def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, scale_ahead: int | None = None, interpret=False):
+def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, scale_ahead: int | None = None,
+               split_k: bool = False, interpret=False):
     """x [..., K] @ W^T -> [..., N] in x's dtype, for W = w * scale_inv's blocks (w [N, K] e4m3,
     scale_inv [ceil(N / 128), K / 128] fp32), fp8 x fp8 with the rows quantized per 128 columns.
-    scale_ahead: overrides the tiling's (Tiling.scale_ahead; KernelPolicy.fp8_scale_ahead)."""
+    scale_ahead: overrides the tiling's (Tiling.scale_ahead; KernelPolicy.fp8_scale_ahead); split_k:
+    the default tiling splits a decode-sized call's K (linear_tiling; KernelPolicy.fp8_linear_split_k)."""
     err = shape_error(x, w, scale_inv, tiling)
     if err is not None:
         raise ValueError(f"fp8_linear: {err}")
     *lead, K = x.shape
     N = w.shape[0]
     rows = x.reshape(-1, K)
-    t = tiling or linear_tiling(rows.shape[0], N)
+    t = tiling or linear_tiling(rows.shape[0], N, K, split_k=split_k)   # splits divide K's steps: fits too
     if scale_ahead is not None:
         t = dataclasses.replace(t, scale_ahead=scale_ahead)
     P = _tile_rows(rows.shape[0], t)

@@ -93,6 +93,11 @@ class KernelPolicy:
     steps before its use (grouped_matmul.Tiling.scale_ahead); 0: at its use. Off: on the H200
     (docs/perf.md, 2026-12-04 fourth session) 4 or 8 steps ahead changed no expert call by more than
     1.5% (1-token down 0.052 -> 0.057 ms), so a step does not wait on its scale read."""
+    fp8_linear_split_k: bool = False
+    """Decode-sized fp8 dense linears (at most 64 rows: one row tile) split K over programs up to one
+    wave of the SMs (fp8_linear.linear_tiling), instead of one program per 128 output columns: q_a_proj
+    (2048 outputs) otherwise reads its 12.6 MB through 16 of 132 SMs, o_proj through 48. Off until the
+    H200 times it."""
     moe_rotate_k: bool = False
     """The routed experts' warp-specialized kernel walks each tile's K steps from its own start
     (grouped_matmul.Tiling.rotate_k), so the programs of a wave do not all read the same K columns of

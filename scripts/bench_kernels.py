@@ -1,6 +1,6 @@
 """Kernel benchmarks on the GPU, side by side with XLA in one run (table + JSON).
 
-    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe,moe_rows,moe_fp8,sparse_mla]
+    python scripts/bench_kernels.py --json bench_kernels.json [--only compaction,selection,indexer,moe,moe_rows,moe_fp8,sparse_mla,fp8_linear]
     JAX_PLATFORMS=cpu python scripts/bench_kernels.py --only moe --moe-small   # CPU smoke test
 
 compaction: rows x 6144 bf16 with ~half the rows valid; bytes = valid rows read and written plus
@@ -41,6 +41,9 @@ sparse_mla: GLM-5's absorbed attention over the top-k rows (64 heads, latent 512
   bf16) read from the pool through their slots: kernel tilings vs the jnp composition (gather +
   einsums) and, at prefill, the expanded path it replaces; prefill TFLOP/s over the selected rows
   against the matmul rate, decode bytes of the selected rows against the copy rate.
+fp8_linear: GLM-5's fp8 dense linears at decode row counts (1, 8, 64): the fp8 kernel with one
+  program per output tile and with K split over a wave (split_k), XLA's dot on the weight dequantized
+  at use and on a bf16 copy; bytes of the weight each reads against the copy rate.
 Short kernels are timed by `cpkv_jax.perf.chained_time` (n chained calls in one executable), decode
 sparse MLA by `batched_time` (8 calls over distinct rows in one executable); the row
 gather and its same-size copy by `pipelined_time` (back-to-back calls: a chain would let XLA narrow
@@ -861,6 +864,60 @@ def bench_moe_fp8(args, ceil):
     return out
 
 
+def bench_fp8_linear(args, ceil):
+    """GLM-5's fp8 dense linears (pallas_kernels.fp8_linear.GLM5_LINEARS) at decode row counts: the
+    fp8 kernel with one program per output tile and with K split over one wave (split_k), XLA's dot
+    on the weight dequantized at use, and XLA's bf16 dot on a bf16 copy of it (a bf16 model's linear).
+    GB/s over the weight bytes each variant reads (fp8: N x K, bf16: 2 N x K), against the copy rate;
+    error against fp8_linear_reference."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from cpkv_jax.perf import fitted_pipelined_time, print_table
+    from models.fp8 import dequantize
+    from pallas_kernels.fp8_linear import GLM5_LINEARS, fp8_linear, fp8_linear_reference, linear_tiling
+    out, rows = [], [["linear", "rows", "variant", "splits", "us", "GB/s", "share", "err"]]
+    names = args.linear_names.split(",") if args.linear_names else list(GLM5_LINEARS)
+    if set(names) - set(GLM5_LINEARS):
+        raise SystemExit(f"--linear-names: unknown {sorted(set(names) - set(GLM5_LINEARS))}; known: {list(GLM5_LINEARS)}")
+    for name in names:
+        K, N = GLM5_LINEARS[name]
+        keys = jax.random.split(jax.random.key(K + N), 3)
+        w = (jax.random.normal(keys[0], (N, K), jnp.bfloat16) * 64).astype(jnp.float8_e4m3fn)
+        s = jax.random.uniform(keys[1], (-(-N // 128), K // 128), jnp.float32, 0.5, 1.5) * K ** -0.5 / 64
+        wb = dequantize(w, s, jnp.bfloat16).T              # [K, N]: the bf16 model's weight
+        for T in map(int, args.linear_rows.split(",")):
+            x = jax.random.normal(keys[2], (T, K), jnp.bfloat16)
+            want = fp8_linear_reference(x, w, s).astype(jnp.float32)
+            variants = {
+                "kernel": (jax.jit(fp8_linear), (x, w, s), N * K, 1),
+                "kernel_split_k": (jax.jit(functools.partial(fp8_linear, split_k=True)), (x, w, s), N * K,
+                                   linear_tiling(T, N, K, split_k=True).k_splits),
+                "xla_dequantized": (jax.jit(lambda x, w, s: jnp.dot(x, dequantize(w, s, x.dtype).T)), (x, w, s),
+                                    N * K, 1),
+                "xla_bf16": (jax.jit(jnp.dot), (x, wb), 2 * N * K, 1),
+            }
+            entry = {"linear": name, "K": K, "N": N, "rows": T}
+            for variant, (fn, operands, nbytes, splits) in variants.items():
+                def one(fn=fn, operands=operands):
+                    sec = fitted_pipelined_time(fn, *operands)
+                    err = float(jnp.max(jnp.abs(fn(*operands).astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+                    return {"s": sec, "err": err, "bytes": nbytes, "k_splits": splits}
+                entry[variant] = v = _try(one)
+                if "s" in v:
+                    rows.append([name, str(T), variant, str(splits), f"{v['s'] * 1e6:.1f}",
+                                 f"{nbytes / v['s'] / 1e9:.0f}", f"{nbytes / v['s'] / ceil['copy_bytes_per_s']:.0%}",
+                                 f"{v['err']:.1e}"])
+                else:
+                    rows.append([name, str(T), variant, str(splits), v["error"][:80], "", "", ""])
+                print("  ".join(rows[-1]), flush=True)
+            out.append(entry)
+    print_table(rows)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
@@ -933,6 +990,8 @@ def main() -> int:
                         "dispatch's tiling, taken with mgpu_sparse_mla_rows off), 'mgpu_rows' (the Mosaic GPU "
                         "kernel with each query's rows cut in dispatch.row_splits_for shares, the default path) "
                         "and 'mgpu_rows:S' (S shares), either with ':rT' and ':p' as there)")
+    p.add_argument("--linear-rows", default="1,8,64", help="fp8_linear: rows of each call")
+    p.add_argument("--linear-names", default="", help="fp8_linear: GLM-5 linears to time (default: all)")
     p.add_argument("--json", default="bench_kernels.json")
     args = p.parse_args()
     if args.moe_small:
@@ -963,6 +1022,8 @@ def main() -> int:
         save("moe_fp8", bench_moe_fp8(args, ceil))
     if "sparse_mla" in args.only.split(","):
         save("sparse_mla", bench_sparse_mla(args, ceil))
+    if "fp8_linear" in args.only.split(","):
+        save("fp8_linear", bench_fp8_linear(args, ceil))
     return 0
 
 

@@ -4,6 +4,7 @@ Mosaic GPU's interpreter on CPU and compiled on the GPU (marked gpu); the model'
 stored [out, in] fp8 weight to it as it is; GLM-5's projections lower for CUDA with the default tilings."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -13,7 +14,8 @@ import pytest
 
 from models import fp8
 from pallas_kernels import fp8_linear as fp8_linear_module
-from pallas_kernels.fp8_linear import fp8_linear, fp8_linear_applies, fp8_linear_reference, linear_tiling, shape_error
+from pallas_kernels.fp8_linear import (GLM5_LINEARS, fp8_linear, fp8_linear_applies, fp8_linear_reference, linear_tiling,
+                                      shape_error)
 from pallas_kernels.moe.fp8_rows import dequantize_rows, quantize_rows
 from pallas_kernels.policy import KernelPolicy
 
@@ -55,6 +57,36 @@ def test_fp8_linear_interpret_equals_the_quantized_reference(lead, N, dtype):
     assert np.abs(ref - want).max() / np.abs(want).max() <= (1e-6 if dtype == jnp.float32 else 8e-3)
 
 
+@pytest.mark.parametrize("N", [256, 192])
+def test_fp8_linear_split_k_interpret_equals_the_quantized_reference(N):
+    """A decode-sized call (5 rows: one 64-row tile) with K split over programs (split_k: K = 1024 is
+    eight 128-deep steps -> four splits of two; N = 256: two column tiles of two warpgroups, N = 192:
+    three 64-wide tiles of one), in the interpreter with the race detector: the summed fp32 partials
+    against the float64 reference, every block scale distinct."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    rng = np.random.default_rng(N)
+    K = 1024
+    x = jnp.asarray(rng.standard_normal((5, K)), jnp.bfloat16)
+    w, s = fp8_weight(rng, N, K)
+    t = linear_tiling(5, N, K, split_k=True)
+    assert t.k_splits == 4 and linear_tiling(5, N, K).k_splits == 1
+    got = fp8_linear(x, w, s, tiling=dataclasses.replace(t, programs=4, stages=2),
+                     interpret=plgpu.InterpretGPUParams(detect_races=True))
+    want = reference(x, w, s)
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= 8e-3 * np.abs(want).max()
+
+
+def test_decode_k_splits_fill_one_wave_at_glm5_widths():
+    """The split counts the policy's split_k gives GLM-5's linears at decode: tiles x splits within the
+    132 programs, splits dividing K's 128-deep steps with two steps each at least; no split where the
+    output tiles fill the wave (q_b_proj's 128) or at prefill row counts."""
+    got = {name: linear_tiling(8, N, K, split_k=True).k_splits for name, (K, N) in GLM5_LINEARS.items()}
+    assert got == {"q_a_proj": 8, "q_b_proj": 1, "kv_a_proj_with_mqa": 12, "o_proj": 2, "indexer.wq_b": 4,
+                   "indexer.wk": 24, "shared_experts.gate_proj": 8, "shared_experts.down_proj": 2,
+                   "mlp.gate_proj": 1, "mlp.down_proj": 2, "eh_proj": 2}, got
+    assert all(linear_tiling(8192, N, K, split_k=True).k_splits == 1 for K, N in GLM5_LINEARS.values())
+
+
 def test_fp8_linear_refuses_what_it_cannot_take():
     """Shapes the kernel cannot take give a named reason (and the Dense then dequantizes instead)."""
     rng = np.random.default_rng(0)
@@ -72,9 +104,9 @@ def test_fp8_linear_refuses_what_it_cannot_take():
 
 def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     """A kept-fp8 Dense stores HF's [out, in] (fp8_weight) and, where the kernel applies, passes it and
-    its scales to fp8_linear as they are, with the policy's fp8_scale_ahead (which fp8_linear sets in its
-    tiling); with the policy's fp8_linear_kernel off (and on CPU) it multiplies by the dequantized
-    [in, out] weight."""
+    its scales to fp8_linear as they are, with the policy's fp8_scale_ahead and fp8_linear_split_k
+    (which fp8_linear sets in its tiling); with the policy's fp8_linear_kernel off (and on CPU) it
+    multiplies by the dequantized [in, out] weight."""
     from flax import nnx
 
     import models.layers as layers
@@ -82,13 +114,13 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, scale_ahead: seen.append((w, s, scale_ahead))
-                        or jnp.zeros((*x.shape[:-1], 192)))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, scale_ahead, split_k: seen.append(
+        (w, s, scale_ahead, split_k)) or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
-    dense(x, KernelPolicy(fp8_scale_ahead=3))
-    assert [a for _, _, a in seen] == [0, 3]
+    dense(x, KernelPolicy(fp8_scale_ahead=3, fp8_linear_split_k=True))
+    assert [a[2:] for a in seen] == [(0, False), (3, True)]
     del seen[1:]
     tilings = []
 
@@ -107,24 +139,17 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     np.testing.assert_allclose(np.asarray(off, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-GLM5_LINEARS = {   # (K, N) of GLM-5's kept-fp8 dense linears
-    "q_a_proj": (6144, 2048), "q_b_proj": (2048, 64 * 256), "kv_a_proj_with_mqa": (6144, 576),
-    "o_proj": (64 * 256, 6144), "indexer.wq_b": (2048, 32 * 128), "indexer.wk": (6144, 128),
-    "shared_experts.gate_proj": (6144, 2048), "shared_experts.down_proj": (2048, 6144),
-    "mlp.gate_proj": (6144, 12288), "mlp.down_proj": (12288, 6144), "eh_proj": (12288, 6144),
-}
-
-
-@pytest.mark.parametrize("rows", [8192, 64, 1])
-def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows):
-    """Each of GLM-5's fp8 dense linears at prefill and decode row counts, traced and lowered for CUDA
-    on this machine from shapes alone (Mosaic GPU checks shared memory while lowering): one kernel call,
-    the weight argument reaching it untransposed."""
+@pytest.mark.parametrize("rows,split_k", [(8192, False), (64, False), (1, False), (64, True), (1, True)])
+def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows, split_k):
+    """Each of GLM-5's fp8 dense linears at prefill and decode row counts (decode also with K split),
+    traced and lowered for CUDA on this machine from shapes alone (Mosaic GPU checks shared memory
+    while lowering): one kernel call, the weight argument reaching it untransposed."""
     sds = jax.ShapeDtypeStruct
     for name, (K, N) in GLM5_LINEARS.items():
         x, w, s = sds((rows, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn), sds((-(-N // 128), K // 128), jnp.float32)
         assert shape_error(x, w, s) is None, name
-        text = jax.jit(fp8_linear).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(functools.partial(fp8_linear, split_k=split_k)).trace(x, w, s).lower(
+            lowering_platforms=("cuda",)).as_text()
         lines = text.splitlines()
         assert sum("custom_call @mosaic_gpu" in line for line in lines) == 1, name
         # the weight reaches the call only with its one-expert axis added (a free broadcast), untransposed
@@ -135,11 +160,12 @@ def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows):
 
 @pytest.mark.gpu
 def test_fp8_linear_compiled_equals_the_quantized_reference():
-    """Compiled on the GPU, GLM-5's widths at prefill and decode row counts (bf16 in and out)."""
+    """Compiled on the GPU, GLM-5's widths at prefill and decode row counts (bf16 in and out), decode
+    also with K split over programs (split_k)."""
     rng = np.random.default_rng(7)
-    run = jax.jit(fp8_linear)
-    for rows in (1000, 64, 3):
-        for name in ("q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+    for rows, split_k in ((1000, False), (64, False), (3, False), (64, True), (3, True)):
+        run = jax.jit(functools.partial(fp8_linear, split_k=split_k))
+        for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
             K, N = GLM5_LINEARS[name]
             x = jnp.asarray(rng.standard_normal((rows, K)), jnp.bfloat16)
             w, s = fp8_weight(rng, N, K)

@@ -231,6 +231,56 @@ def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead, rotate,
         assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("fp8,compute_wgs,cluster_n", [(True, 2, 1), (True, 2, 2), (True, 1, 1), (False, 2, 1),
+                                                     (False, 1, 1)])
+def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
+    """K split over programs (Tiling.k_splits: each sums its consecutive K steps into an fp32 partial,
+    the call adds them): plain calls over several experts' row tiles, an unused tile left unwritten,
+    in the interpreter (races detected) against float64 products; fp8 with a distinct scale per K
+    block; refused with `up` and where the splits do not divide the K steps."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    rng = np.random.default_rng(11)
+    E, bm, splits = 3, 64, 3
+    K, N = (768, 256) if fp8 else (384, 256)              # 6 K steps either way
+    tile_expert = jnp.asarray([2, -1, 0, 2], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((4 * bm, K)), jnp.float32)
+    bn = 128 if compute_wgs == 2 else 64
+    t = Tiling(block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=2, grid_block_n=cluster_n, programs=4,
+               compute_wgs=compute_wgs, cluster_n=cluster_n, k_splits=splits)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    if fp8:
+        xq, xs = quantize_rows(x)
+        (gq, gs), = fp8_experts(rng, K, N, E)[:1]
+        gs = gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)
+        xd, wd = np.asarray(dequantize_rows(xq, xs), np.float64), np.asarray(plain_f32(gq, gs), np.float64)
+        run = lambda t, **kw: grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs,  # noqa: E731
+                                             w_scale=gs, **kw)
+        up = dict(up=gq, up_scale=gs)
+    else:
+        xb, wb = x.astype(jnp.bfloat16), jnp.asarray(rng.standard_normal((E, K, N)) * K ** -0.5, jnp.bfloat16)
+        xd, wd = np.asarray(xb, np.float64), np.asarray(wb, np.float64)
+        run = lambda t, **kw: grouped_matmul(xb, wb, tile_expert, tiling=t, interpret=interp, **kw)  # noqa: E731
+        up = dict(up=wb)
+    out = np.asarray(run(t), np.float64)
+    for i, e in enumerate(np.asarray(tile_expert)):
+        rows = slice(i * bm, (i + 1) * bm)
+        if e < 0:
+            assert np.isnan(out[rows]).all()
+            continue
+        want = xd[rows] @ wd[e]
+        assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
+    with pytest.raises(ValueError, match="k_splits takes no up"):
+        run(t, **up)
+    sds = jax.ShapeDtypeStruct
+    w_sds = sds((E, N, K) if fp8 else (E, K, N), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+    x_sds = sds((4 * bm, K), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+    assert "k_splits 4" in shape_error(x_sds, w_sds, dataclasses.replace(t, k_splits=4), fp8=fp8)
+
+
 def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
     """The fp8 path of the dispatch (interpreter) on K-major experts (hidden 256 != expert width 128, so
     gate / up [E, 128, 256] and down [E, 256, 128] are told apart by shape) against the same arithmetic

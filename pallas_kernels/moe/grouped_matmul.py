@@ -70,6 +70,11 @@ class Tiling:
     programs of one wave otherwise read the same K columns of their weights at the same time (all
     addresses of a moment equal modulo the row pitch); a single-wave decode call runs them in lock
     step. The sums differ from the unrotated order by fp32 summation order only."""
+    k_splits: int = 1
+    """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
+    partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
+    calls with fewer output tiles than SMs: a decode-sized dense linear (one row tile, N / block_n
+    tiles, e.g. 16 for a 2048-wide output) otherwise streams its weights through 16 of 132 SMs."""
 
 
 def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
@@ -106,6 +111,9 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         if not fp8 or tiling.compute_wgs != 2 or part > 64 * 64:
             return (f"joint_products: fp8, two compute warpgroups and each one's part of the tile at most 64 x 64 "
                     f"({tiling})")
+    k_steps = K // tiling.block_k
+    if tiling.k_splits < 1 or k_steps % tiling.k_splits or tiling.k_splits > 1 and tiling.rotate_k:
+        return f"k_splits {tiling.k_splits}: a divisor of the {k_steps} K steps, without rotate_k"
     if tiling.rotate_k and tiling.compute_wgs != 2:
         return f"rotate_k: the warp-specialized kernel (two compute warpgroups) ({tiling})"
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
@@ -152,13 +160,33 @@ def _operand_refs(refs, fp8: bool):
     return xs_ref, refs[:n_w], refs[n_w:2 * n_w], refs[-1]
 
 
+def _split_tile(index, k_splits: int, k_steps: int):
+    """(output tile, K split, the pipeline's K steps, its first K step) of the tile loop's index: the
+    k_splits programs of one output tile are neighbours in the loop, so they run at once."""
+    if k_splits == 1:
+        return index, 0, k_steps, 0
+    steps = k_steps // k_splits
+    return index // k_splits, index % k_splits, steps, index % k_splits * steps
+
+
+def _k_block(i, start, k_steps: int):
+    """The K block that a tile's pipeline step i reads: i + start, wrapped (Tiling.rotate_k)."""
+    return i if isinstance(start, int) and start == 0 else (i + start) % k_steps
+
+
+def _out_block(o_ref, split, rows, cols):
+    """The output block of a tile: o_ref [P, N], or its K split's partial of o_ref [k_splits, P, N]."""
+    return o_ref.at[rows, cols] if len(o_ref.shape) == 2 else o_ref.at[split, rows, cols]
+
+
 def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: int, k_steps: int, fp8: bool):
     xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
 
-    @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+    @plgpu.nd_loop((grid_m * grid_n * tiling.k_splits,), collective_axes="sm")
     def _tile(info):
-        mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, tiling.grid_block_n)
+        tile, split, steps, start = _split_tile(info.index[0], tiling.k_splits, k_steps)
+        mi, ni = plgpu.planar_snake(tile, (grid_m, grid_n), 1, tiling.grid_block_n)
         expert = tile_expert_ref[mi]
 
         @pl.when(expert >= 0)
@@ -169,22 +197,22 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                         plgpu.wgmma(acc, x_smem, w_smem)
 
                 plgpu.emit_pipeline(
-                    step, grid=(k_steps,),
-                    in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k), delay_release=1)]
-                    + [plgpu.BlockSpec((bk, bn), lambda k: (k, ni), delay_release=1)] * len(w_refs),
+                    step, grid=(steps,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k + start), delay_release=1)]
+                    + [plgpu.BlockSpec((bk, bn), lambda k: (k + start, ni), delay_release=1)] * len(w_refs),
                     max_concurrent_steps=tiling.stages,
                 )(x_ref, *[w.at[expert] for w in w_refs])
                 return tuple(acc[...] for acc in accs)
 
             def accumulate_fp8():
                 def load(j, k):
-                    return ws_refs[j][expert, (ni * bn) // FP8_BLOCK, k]
+                    return ws_refs[j][expert, (ni * bn) // FP8_BLOCK, k + start]
 
                 def step(idx, x_smem, xs_smem, *rest):
                     *w_smems, (sums, queue) = rest
                     row_scale = plgpu.load(xs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))   # [bm]
                     plgpu.commit_smem()   # the read above ordered before the pipeline's next TMA write there
-                    scales, queue = _step_scales(row_scale, load, k_steps, idx[0], queue)
+                    scales, queue = _step_scales(row_scale, load, steps, idx[0], queue)
                     new = []
                     for total, w_smem, scale in zip(sums, w_smems, scales):
                         def product(acc_ref, w_smem=w_smem):
@@ -196,13 +224,13 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
 
                 zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
                 sums, _ = plgpu.emit_pipeline(
-                    step, grid=(k_steps,),
-                    in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k)),
-                              plgpu.BlockSpec((1, bm), lambda k: (k, mi))]
-                    + [plgpu.BlockSpec((bn, bk), lambda k: (ni, k))] * len(w_refs),
+                    step, grid=(steps,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k + start)),
+                              plgpu.BlockSpec((1, bm), lambda k: (k + start, mi))]
+                    + [plgpu.BlockSpec((bn, bk), lambda k: (ni, k + start))] * len(w_refs),
                     max_concurrent_steps=tiling.stages,
                     init_carry=((zeros,) * len(w_refs),
-                                _scale_queue(load, k_steps, tiling.scale_ahead, len(w_refs))),
+                                _scale_queue(load, steps, tiling.scale_ahead, len(w_refs))),
                 )(x_ref, xs_ref, *[w.at[expert] for w in w_refs])
                 return sums
 
@@ -216,7 +244,8 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
             def _store(o_smem):
                 o_smem[...] = out.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+                block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn))
+                plgpu.copy_smem_to_gmem(o_smem, block)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -239,15 +268,16 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     # in a cluster the two programs share the row tile: its x (and row scales) arrive by multicast
     shared = dict(collective_axes=("cluster",)) if cn == 2 else {}
 
-    def pipeline(body, context, start=0):
-        """The tile's K pipeline; its step i reads K block (i + start) mod k_steps (Tiling.rotate_k)."""
-        kb = (lambda k: k) if isinstance(start, int) and start == 0 else (lambda k: (k + start) % k_steps)
+    def pipeline(body, context, start=0, steps=k_steps):
+        """The tile's K pipeline of `steps` steps; step i reads K block (i + start) mod k_steps
+        (Tiling.rotate_k: a rotation; k_splits: the split's consecutive steps)."""
+        kb = functools.partial(_k_block, start=start, k_steps=k_steps)
         w_block, w_index = ((bn, bk), lambda k: (0, kb(k))) if fp8 else ((bk, bn), lambda k: (kb(k), 0))
         specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, kb(k)), **shared)]
                  + ([plgpu.BlockSpec((1, bm), lambda k: (kb(k), 0), **shared)] if fp8 else [])
                  + [plgpu.BlockSpec(w_block, w_index)] * n_w)
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs)
 
     def column(ni, j):
@@ -268,19 +298,21 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
                        o_smem=plgpu.SMEM((2 * n_out, sm, sn), o_ref.dtype), collective_axes="wg")
     def _scope(allocs, o_smem):
-        @plgpu.nd_loop((grid_m * grid_n // cn,), collective_axes="sm")
+        @plgpu.nd_loop((grid_m * grid_n // cn * tiling.k_splits,), collective_axes="sm")
         def _tile(info):
-            mi, nc = plgpu.planar_snake(info.index[0], (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
+            tile, split, steps, start = _split_tile(info.index[0], tiling.k_splits, k_steps)
+            mi, nc = plgpu.planar_snake(tile, (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
             ni = nc * cn + jax.lax.axis_index("cluster") if cn == 2 else nc
             expert = tile_expert_ref[mi]
-            start = info.index[0] % k_steps if tiling.rotate_k else 0     # one per cluster: x is shared
+            if tiling.rotate_k:
+                start = tile % k_steps            # one per cluster: x is shared
             rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
 
             def load_scale(j, i):
                 """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile."""
                 col = column(ni, j) + (0 if split_rows else wg * sn)
-                return ws_refs[j][expert, col // FP8_BLOCK, (i + start) % k_steps if tiling.rotate_k else i]
+                return ws_refs[j][expert, col // FP8_BLOCK, _k_block(i, start, k_steps)]
 
             def step_fp8(idx, x_smem, xs_smem, *rest):
                 *w_smems, (sums, queue) = rest
@@ -295,7 +327,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
-                scales, queue = _step_scales(row_scale, load_scale, k_steps, idx[0], queue)
+                scales, queue = _step_scales(row_scale, load_scale, steps, idx[0], queue)
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
                                  for total, part, scale in zip(sums, products(w_smems), scales)), queue
@@ -317,7 +349,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     o_smem[wg * n_out + j] = out.astype(o_smem.dtype)
                 plgpu.commit_smem()
                 for j in range(len(outs)):
-                    block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn)]
+                    block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn))
                     plgpu.copy_smem_to_gmem(o_smem.at[wg * n_out + j], block.at[rows, cols])
 
             def outputs(vals):
@@ -325,7 +357,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def context_fp8(run):
                 zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-                sums, _ = run(((zeros,) * n_w, _scale_queue(load_scale, k_steps, tiling.scale_ahead, n_w)))
+                sums, _ = run(((zeros,) * n_w, _scale_queue(load_scale, steps, tiling.scale_ahead, n_w)))
                 store(outputs(sums))
 
             def context_bf16(run):
@@ -336,7 +368,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             @pl.when(expert >= 0)
             def _():
-                pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16, start)(
+                pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16, start, steps)(
                     *operands(mi, ni, expert), allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -373,6 +405,8 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         interpret = plgpu.InterpretGPUParams()
     if tiling.column_pairs and up is not None:
         raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
+    if tiling.k_splits > 1 and up is not None:
+        raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
     pair = 2 if tiling.column_pairs else 1
     weights = (w,) * pair if up is None else (w, up)
     if fp8:
@@ -383,10 +417,13 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     threads = dict(num_threads=3, thread_name="wg") if tiling.compute_wgs == 2 else {}
     if tiling.cluster_n == 2:
         threads.update(cluster=(2,), cluster_names=("cluster",))
+    out_dtype = out_dtype or (jnp.bfloat16 if fp8 else x.dtype)
+    S = tiling.k_splits
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((P, N), out_dtype or (jnp.bfloat16 if fp8 else x.dtype)),
+        body, out_type=jax.ShapeDtypeStruct((S, P, N), jnp.float32) if S > 1 else jax.ShapeDtypeStruct((P, N), out_dtype),
         grid=(tiling.programs // tiling.cluster_n,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret, **threads,
     )
-    return kernel(tile_expert.astype(jnp.int32), x, *weights)
+    out = kernel(tile_expert.astype(jnp.int32), x, *weights)
+    return out.sum(axis=0).astype(out_dtype) if S > 1 else out
