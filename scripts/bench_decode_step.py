@@ -1,10 +1,12 @@
 """Where a decode step's time goes: the whole engine step (with and without the overlapped loop) vs
 the jitted model step alone vs the sampler, on the same shapes, in one run (table + JSON); with
 --profile N, the model step's N costliest device ops (run with XLA_FLAGS=--xla_gpu_enable_command_buffer=
-to see ops rather than command buffers).
+to see ops rather than command buffers). --kernels takes several policies separated by ';': each is
+measured on the same weights (built once) and the JSON holds {"runs": [one result per policy]}.
 
     python scripts/bench_decode_step.py --model tiny --batch 8 --context 512
     python scripts/bench_decode_step.py --model random:glm-5 --num-layers 4 --num-experts 16 --batch 8 --context 2048
+    python scripts/bench_decode_step.py --model random:glm-5 --num-layers 4 --fp8-weights --kernels "default;fp8_linear_split_k=true"
 """
 
 import argparse
@@ -104,30 +106,49 @@ def main() -> int:
     p.add_argument("--engine-profile", type=int, default=0,
                    help="profile N more overlapped engine steps: device busy time per step from a JAX trace, and "
                         "the host's costliest functions (cProfile, by own time)")
-    p.add_argument("--kernels", default="default", help="kernel policy, e.g. 'unroll_layers_max_tokens=16' "
-                                                      "(pallas_kernels.policy.KernelPolicy.parse)")
+    p.add_argument("--kernels", default="default",
+                   help="kernel policy, e.g. 'unroll_layers_max_tokens=16' (pallas_kernels.policy.KernelPolicy.parse); "
+                        "several separated by ';' are measured one after the other on the same weights")
     p.add_argument("--json", default="bench_decode_step.json")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from cpkv_jax.cli import bench_model
+    from pallas_kernels.policy import KernelPolicy
+
+    policies = [k.strip() for k in args.kernels.split(";")]
+    for k in policies:
+        KernelPolicy.parse(k)            # a typo fails before the weights are built
+    model = bench_model(argparse.Namespace(model=args.model, num_layers=args.num_layers,
+                                           num_experts=args.num_experts, dtype=args.dtype,
+                                           fp8_weights=args.fp8_weights))
+    runs = [measure(model, args, k) for k in policies]
+    if len(runs) > 1:
+        keys = ("engine_step_no_overlap_ms", "engine_step_ms", "model_step_ms", "sampler_ms")
+        print(f"{'kernels':<40}" + "".join(f"{k:>27}" for k in keys))
+        for r in runs:
+            print(f"{r['kernels'][:40]:<40}" + "".join(f"{r[k]:27.3f}" for k in keys))
+    Path(args.json).write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=2) + "\n")
+    return 0
+
+
+def measure(model, args, kernels: str) -> dict:
+    """The engine step (overlapped and not), the model step alone and the sampler with one kernel policy."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from cpkv_jax.cli import bench_model
     from cpkv_jax.engine import Engine, EngineConfig
-    from cpkv_jax.sampling import SamplingParams, is_stochastic, sample_tokens
     from cpkv_jax.kv_pool import pages_for
+    from cpkv_jax.sampling import SamplingParams, is_stochastic, sample_tokens
     from pallas_kernels.policy import KernelPolicy
 
-    model = bench_model(argparse.Namespace(model=args.model, num_layers=args.num_layers,
-                                           num_experts=args.num_experts, dtype=args.dtype,
-                                           fp8_weights=args.fp8_weights))
+    print(f"== kernels {kernels}", flush=True)
     B, L, n = args.batch, args.context, args.steps
     pages = B * pages_for(L + 5 * n + 6, args.page_size) + 2
     step_ms = {}
     for overlap in (False, True):
         eng = Engine(model, EngineConfig(page_size=args.page_size, kv_pages=pages, max_running=B, overlap=overlap,
-                                         kernels=KernelPolicy.parse(args.kernels),
+                                         kernels=KernelPolicy.parse(kernels),
                                          max_prefill_tokens=min(B * L, 8192), prefix_cache=False))
         rng = np.random.default_rng(0)
         for _ in range(B):
@@ -167,7 +188,7 @@ def main() -> int:
         out = sample_tokens(logits, *args_s, pos, **greedy)
     jax.block_until_ready(out)
     sample_s = (time.perf_counter() - t) / n
-    res = {"model": args.model, "fp8_weights": args.fp8_weights, "kernels": args.kernels, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind), **step_ms,
+    res = {"model": args.model, "fp8_weights": args.fp8_weights, "kernels": kernels, "batch": B, "context": L, "device": str(jax.devices()[0].device_kind), **step_ms,
            "decode_step_control_flow": flow,
            "model_step_ms": 1e3 * forward_s, "sampler_ms": 1e3 * sample_s}
     for overlap in ("", "_no_overlap"):
@@ -193,8 +214,7 @@ def main() -> int:
                           "top": [{"op": k, "us_per_step": t_us / n, "count_per_step": c / n} for k, (t_us, c) in top]}
     if engine_profile is not None:
         res["engine_profile"] = engine_profile
-    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    return res
 
 
 if __name__ == "__main__":
