@@ -62,8 +62,8 @@ class Tiling:
     """fp8: K steps ahead of its use that each weight block scale is read from global memory (a queue
     of scalars in the K loop's carry), so the read's latency overlaps that many steps instead of
     following every step's start; 0 reads each at its use. Aimed at decode, where a step is ~1.7 us
-    for 32 KB of weights per SM (docs/perf.md, 2026-12-04 third session); timed there and after: no call
-    moved by more than the spread between rounds (fourth session)."""
+    for 32 KB of weights per SM; on the H200 4 or 8 steps ahead moved no call by more than the spread
+    between rounds (docs/perf.md, 2026-12-04 fourth session), so the dispatch keeps 0."""
     rotate_k: bool = False
     """Warp-specialized kernel: each tile walks its K steps from its own start (its index in the
     programs' tile loop, modulo the K steps) and wraps around, instead of every tile from step 0. The
