@@ -490,6 +490,23 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs)
 
 
 @pytest.mark.gpu
+def test_rotated_k_compiled_equals_the_unrotated_kernel():
+    """policy.moe_rotate_k compiled on the GPU through the dispatch: bf16 and fp8 experts at prefill
+    and decode row counts, 16 and 256 experts; each tile's sums only change order, so the outputs
+    match the unrotated kernel's to bf16 rounding."""
+    rng = np.random.default_rng(12)
+    for N, k, D, I, E in ((512, 8, 1024, 512, 16), (1, 8, 1024, 512, 256), (64, 8, 1024, 512, 256)):
+        x, gate, up, down = mlp_inputs(rng, N, D, I, E)
+        (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+        fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
+        for weights, scales in (((gate, up, down), None), ((gq, uq, dq), (gs, us, ds))):
+            got, want = (np.asarray(slots_compiled(x, fe, *weights, k, policy=KernelPolicy(moe_rotate_k=on),
+                                                   scales=scales), np.float64) for on in (True, False))
+            assert np.isfinite(got).all()
+            assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max(), (N, E, scales is None)
+
+
+@pytest.mark.gpu
 def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
     """A bf16 GLM-5-shaped model (hidden 1024, 64 experts, top-8; the kernel's shapes) on the GPU: its
     teacher-forced logits with the grouped_matmul kernel and with XLA's ragged_dot path, each against
