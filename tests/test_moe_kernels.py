@@ -231,13 +231,15 @@ def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead, rotate,
         assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("fp8,compute_wgs,cluster_n", [(True, 2, 1), (True, 2, 2), (True, 1, 1), (False, 2, 1),
-                                                     (False, 1, 1)])
-def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
+@pytest.mark.parametrize("fp8,compute_wgs,cluster_n,ahead", [(True, 2, 1, 0), (True, 2, 2, 0), (True, 1, 1, 0),
+                                                           (False, 2, 1, 0), (False, 1, 1, 0), (True, 2, 1, 1),
+                                                           (True, 1, 1, 1)])
+def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n, ahead):
     """K split over programs (Tiling.k_splits: each sums its consecutive K steps into an fp32 partial,
     the call adds them): plain calls over several experts' row tiles, an unused tile left unwritten,
     in the interpreter (races detected) against float64 products; fp8 with a distinct scale per K
-    block; refused with `up` and where the splits do not divide the K steps."""
+    block, also read a step ahead (the queue within each split's steps); refused with `up` and where
+    the splits do not divide the K steps."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
@@ -250,7 +252,7 @@ def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
     x = jnp.asarray(rng.standard_normal((4 * bm, K)), jnp.float32)
     bn = 128 if compute_wgs == 2 else 64
     t = Tiling(block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=2, grid_block_n=cluster_n, programs=4,
-               compute_wgs=compute_wgs, cluster_n=cluster_n, k_splits=splits)
+               compute_wgs=compute_wgs, cluster_n=cluster_n, k_splits=splits, scale_ahead=ahead)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     if fp8:
         xq, xs = quantize_rows(x)
