@@ -17,7 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling
+from pallas_kernels.moe.grouped_matmul import Tiling, interleave_gate_up
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -27,16 +27,19 @@ def tilings(bm: int, fp8: bool):
     (fp8 down: the gate_up call's two-accumulator shape); `_joint`: a step's two products issued together
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
     bytes in flight per SM); `_aN`: fp8 weight block scales read N K steps ahead of their use (else at their use);
-    `_r`: each tile's K steps from its own start (Tiling.rotate_k)."""
-    T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, ahead=0, rot=False: Tiling(  # noqa: E731
+    `_r`: each tile's K steps from its own start (Tiling.rotate_k); `_il`: gate and up interleaved in 64-row
+    chunks, one m64n128 product a step (Tiling.interleaved_gate_up, fp8 prefill gate_up)."""
+    T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, ahead=0, rot=False, il=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
-        scale_ahead=ahead, rotate_k=rot)
+        scale_ahead=ahead, rotate_k=rot, interleaved_gate_up=il)
     if fp8 and bm == 128:
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n64_g16_joint": T(64, 4, 2, 16, joint=True),
                  "2wg_n64_g16_joint_a4": T(64, 4, 2, 16, joint=True, ahead=4),
-                 "2wg_n64_g16_joint_r": T(64, 4, 2, 16, joint=True, rot=True)},
+                 "2wg_n64_g16_joint_r": T(64, 4, 2, 16, joint=True, rot=True),
+                 "2wg_n128_g16_il": T(128, 4, 2, 16, il=True), "2wg_n128_g16_c2_il": T(128, 4, 2, 16, 2, il=True),
+                 "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n128_g16_c2_a4": T(128, 4, 2, 16, 2, ahead=4), "2wg_n128_g16_c2_r": T(128, 4, 2, 16, 2, rot=True),
                  "2wg_n128_g16_pairs_s3": T(128, 3, 2, 16, 1, True),
@@ -96,9 +99,12 @@ def main():
         for fp8 in (False, True):
             if fp8:
                 (xq, xs), (hq, hs) = quantize_rows(xp), quantize_rows(h)
-                calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a[0], b[0], te, up=c[0], tiling=t, x_scale=a[1],
-                                                                             w_scale=b[1], up_scale=c[1]),
-                                     ((xq, xs), (g, gs), (u, us))),
+                g13 = interleave_gate_up(g, u)       # Tiling.interleaved_gate_up's one weight
+                calls = {"gate_up": (lambda t: lambda a, b, c, w13: grouped_matmul(
+                                         a[0], w13 if t.interleaved_gate_up else b[0], te,
+                                         up=None if t.interleaved_gate_up else c[0], tiling=t, x_scale=a[1],
+                                         w_scale=b[1], up_scale=c[1]),
+                                     ((xq, xs), (g, gs), (u, us), g13)),
                          "down": (lambda t: lambda a, b: grouped_matmul(a[0], b[0], te, tiling=t, x_scale=a[1], w_scale=b[1]),
                                   ((hq, hs), (d, ds)))}
             else:

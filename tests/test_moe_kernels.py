@@ -128,6 +128,17 @@ def test_expert_mlp_blocked_interpret_equals_reference():
             assert np.abs(got - ragged).max() <= 2e-2 * scale
 
 
+def used_tiles(out, tile_expert, bm: int):
+    """(rows, expert) of each used row tile of a kernel's output; an unused tile's rows (expert -1) must be
+    as the interpreter leaves unwritten memory: NaN."""
+    for i, e in enumerate(np.asarray(tile_expert)):
+        rows = slice(i * bm, (i + 1) * bm)
+        if e < 0:
+            assert np.isnan(out[rows]).all()
+        else:
+            yield rows, e
+
+
 def fp8_experts(rng, D, I, E):
     """Random experts as fp8 blocks (models.fp8.quantize), stored K-major [E, N, K] as the model holds
     them (gate / up [E, I, D], down [E, D, I]; scales [E, N/128, K/128])."""
@@ -221,14 +232,72 @@ def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead, rotate,
                programs=2, compute_wgs=compute_wgs, scale_ahead=ahead, rotate_k=rotate, cluster_n=cluster_n)
     out = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, x_scale=xs, w_scale=gs, up_scale=us,
                                     interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
-    for i, e in enumerate(np.asarray(tile_expert)):
-        rows = slice(i * bm, (i + 1) * bm)
-        if e < 0:
-            assert np.isnan(out[rows]).all()       # unwritten
-            continue
+    for rows, e in used_tiles(out, tile_expert, bm):
         a = xd[rows] @ gd[e]
         want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
         assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_interleaved_gate_up_interpret_equals_reference(cluster_n):
+    """Tiling.interleaved_gate_up: gate and up interleaved in 64-row chunks (interleave_gate_up), one
+    m64n128 product a step whose halves take gate's and up's block scales: the interpreter (races
+    detected) against float64 and against the two-weight fused call on the same experts; 2 gate scale
+    blocks (the tile's scale block is its column block // 2), 5 K steps with distinct scales, an unused
+    tile unwritten; refused with `up` and on 64-wide blocks."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    from pallas_kernels.moe.grouped_matmul import interleave_gate_up, shape_error
+    rng = np.random.default_rng(13)
+    E, K, I, bm = 2, 640, 256, 128
+    tile_expert = jnp.asarray([1, -1, 0], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((3 * bm, K)), jnp.float32)
+    xq, xs = quantize_rows(x)
+    (gq, gs), (uq, us) = fp8_experts(rng, K, I, E)[:2]
+    gs = gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)
+    us = us * jnp.asarray(rng.uniform(0.25, 4.0, us.shape), jnp.float32)
+    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
+    gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    t = Tiling(block_m=bm, block_n=128, block_k=128, stages=2, grid_block_n=2, programs=4, compute_wgs=2,
+               cluster_n=cluster_n, interleaved_gate_up=True)
+    w13 = interleave_gate_up(gq, uq)
+    assert w13.shape == (E, 2 * I, K) and (np.asarray(w13[1, 64:128]) == np.asarray(uq[1, :64])).all()
+    got = np.asarray(grouped_matmul(xq, w13, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs,
+                                    up_scale=us), np.float64)
+    assert got.shape == (3 * bm, I)
+    two = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, interpret=interp, x_scale=xs, w_scale=gs, up_scale=us,
+                                    tiling=Tiling(block_m=bm, block_n=64, block_k=128, stages=2, grid_block_n=1,
+                                                  programs=3, compute_wgs=2, joint_products=True)), np.float64)
+    for rows, e in used_tiles(got, tile_expert, bm):
+        a = xd[rows] @ gd[e]
+        want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
+        assert np.abs(got[rows] - want).max() <= 8e-3 * np.abs(want).max()
+        assert np.abs(got[rows] - two[rows]).max() <= 8e-3 * np.abs(want).max()
+    with pytest.raises(ValueError, match="no up"):
+        grouped_matmul(xq, w13, tile_expert, up=w13, tiling=t, interpret=interp, x_scale=xs, w_scale=gs, up_scale=us)
+    sds = jax.ShapeDtypeStruct
+    assert "interleaved_gate_up" in shape_error(sds((3 * bm, K), jnp.float8_e4m3fn), sds(w13.shape, jnp.float8_e4m3fn),
+                                                dataclasses.replace(t, block_n=64), fp8=True)
+
+
+@pytest.mark.parametrize("cluster_n,stages", [(1, 4), (2, 4), (1, 5)])
+def test_interleaved_gate_up_lowers_for_cuda_at_glm5_widths(cluster_n, stages):
+    """The interleaved gate_up call at GLM-5's prefill widths (hidden 6144, expert width 2048, 256
+    experts, 8192 tokens x top-8), traced and lowered for CUDA from shapes: the column-half scales and
+    the epilogue's column slices lower, and the stages fit the shared memory."""
+    from pallas_kernels.moe import grouped_matmul
+    sds = jax.ShapeDtypeStruct
+    E, D, I, P = 256, 6144, 2048, 8192 * 8 + 256 * 128
+    t = Tiling(block_m=128, block_n=128, block_k=128, stages=stages, compute_wgs=2, grid_block_n=16,
+               cluster_n=cluster_n, interleaved_gate_up=True)
+    f = jax.jit(lambda x, w, te, xs, gs, us: grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=gs, up_scale=us))
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), sds((E, 2 * I, D), jnp.float8_e4m3fn), sds((P // 128,), jnp.int32),
+                   sds((D // 128, P), jnp.float32), sds((E, I // 128, D // 128), jnp.float32),
+                   sds((E, I // 128, D // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("fp8,compute_wgs,cluster_n,ahead", [(True, 2, 1, 0), (True, 2, 2, 0), (True, 1, 1, 0),
@@ -268,11 +337,7 @@ def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n, ahead):
         run = lambda t, **kw: grouped_matmul(xb, wb, tile_expert, tiling=t, interpret=interp, **kw)  # noqa: E731
         up = dict(up=wb)
     out = np.asarray(run(t), np.float64)
-    for i, e in enumerate(np.asarray(tile_expert)):
-        rows = slice(i * bm, (i + 1) * bm)
-        if e < 0:
-            assert np.isnan(out[rows]).all()
-            continue
+    for rows, e in used_tiles(out, tile_expert, bm):
         want = xd[rows] @ wd[e]
         assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
     with pytest.raises(ValueError, match="k_splits takes no up"):

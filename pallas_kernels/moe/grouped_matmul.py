@@ -70,6 +70,12 @@ class Tiling:
     programs of one wave otherwise read the same K columns of their weights at the same time (all
     addresses of a moment equal modulo the row pitch); a single-wave decode call runs them in lock
     step. The sums differ from the unrotated order by fp32 summation order only."""
+    interleaved_gate_up: bool = False
+    """fp8, warp-specialized, 128-row tiles of 128 columns: w is gate and up interleaved in 64-row
+    chunks ([E, 2I, K], interleave_gate_up), so a step's one m64n128 product holds 64 gate and 64 up
+    columns (the x tile read from shared memory once, not once per weight) and the epilogue pairs
+    column j with j + 64; w_scale / up_scale stay gate's and up's own [E, I/128, K/128] block scales.
+    Output [P, I]."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -114,6 +120,11 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     k_steps = K // tiling.block_k
     if tiling.k_splits < 1 or k_steps % tiling.k_splits or tiling.k_splits > 1 and tiling.rotate_k:
         return f"k_splits {tiling.k_splits}: a divisor of the {k_steps} K steps, without rotate_k"
+    if tiling.interleaved_gate_up and not (
+            fp8 and tiling.compute_wgs == 2 and tiling.block_m == 128 and tiling.block_n == 128
+            and not (tiling.column_pairs or tiling.joint_products or tiling.scale_ahead or tiling.k_splits > 1)):
+        return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 tiles, without column pairs, joint "
+                f"products, read-ahead or K splits ({tiling})")
     if tiling.rotate_k and tiling.compute_wgs != 2:
         return f"rotate_k: the warp-specialized kernel (two compute warpgroups) ({tiling})"
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
@@ -150,12 +161,14 @@ def _silu_mul(gate, up):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
-def _operand_refs(refs, fp8: bool):
+def _operand_refs(refs, fp8: bool, interleaved: bool = False):
     """The kernel's refs after x, as grouped_matmul passes them: (row scales or None, weights, their
-    block scales (empty for bf16), output)."""
+    block scales (empty for bf16; gate's and up's for the one interleaved weight), output)."""
     if not fp8:
         return None, refs[:-1], (), refs[-1]
     xs_ref, *refs = refs
+    if interleaved:
+        return xs_ref, refs[:1], refs[1:3], refs[-1]
     n_w = (len(refs) - 1) // 2
     return xs_ref, refs[:n_w], refs[n_w:2 * n_w], refs[-1]
 
@@ -255,13 +268,15 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     memory), which each own half of the tile: 64 of its 128 rows, or half of its columns when block_m
     is 64. bf16: each accumulates its wgmma in place. fp8: every step each waits on its own 128-deep
     product and adds it scaled into its fp32 sums while the other's wgmma occupies the tensor cores."""
-    xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
+    interleaved = tiling.interleaved_gate_up
+    xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8, interleaved)
     n_w = len(w_refs)
     n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
     fused = n_w == 2 and not tiling.column_pairs   # gate and up: silu(gate) * up
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
+    out_n = bn // 2 if interleaved else bn         # output columns of a tile's block (interleaved: its gate half)
     wg = jax.lax.axis_index("wg")
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
@@ -296,7 +311,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
-                       o_smem=plgpu.SMEM((2 * n_out, sm, sn), o_ref.dtype), collective_axes="wg")
+                       o_smem=plgpu.SMEM((2 * n_out, sm, sn * out_n // bn), o_ref.dtype), collective_axes="wg")
     def _scope(allocs, o_smem):
         @plgpu.nd_loop((grid_m * grid_n // cn * tiling.k_splits,), collective_axes="sm")
         def _tile(info):
@@ -310,8 +325,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
 
             def load_scale(j, i):
-                """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile."""
-                col = column(ni, j) + (0 if split_rows else wg * sn)
+                """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile
+                (interleaved: j 0 gate's, 1 up's, for the tile's 64 rows of each)."""
+                col = ni * out_n if interleaved else column(ni, j) + (0 if split_rows else wg * sn)
                 return ws_refs[j][expert, col // FP8_BLOCK, _k_block(i, start, k_steps)]
 
             def step_fp8(idx, x_smem, xs_smem, *rest):
@@ -327,6 +343,13 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
+                if interleaved:           # one product: its gate half scaled by gate's block, its up half by up's
+                    half = jax.lax.broadcasted_iota(jnp.int32, (sn,), 0) < sn // 2
+                    col = plgpu.layout_cast(jnp.where(half, load_scale(0, idx[0]), load_scale(1, idx[0])),
+                                            plgpu.Layout.WGMMA.reduce(0))
+                    scale = (jax.lax.broadcast_in_dim(row_scale, (sm, sn), [0])
+                             * jax.lax.broadcast_in_dim(col, (sm, sn), [1]))
+                    return (sums[0] + products(w_smems)[0] * scale,), queue
                 scales, queue = _step_scales(row_scale, load_scale, steps, idx[0], queue)
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
@@ -349,15 +372,21 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     o_smem[wg * n_out + j] = out.astype(o_smem.dtype)
                 plgpu.commit_smem()
                 for j in range(len(outs)):
-                    block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn))
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg * n_out + j], block.at[rows, cols])
+                    if interleaved:
+                        block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * out_n, out_n)].at[rows]
+                    else:
+                        block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn)).at[rows, cols]
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg * n_out + j], block)
 
             def outputs(vals):
+                if interleaved:
+                    return [_silu_mul(vals[0][:, :sn // 2], vals[0][:, sn // 2:])]
                 return [_silu_mul(*vals)] if fused else list(vals)
 
             def context_fp8(run):
                 zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-                sums, _ = run(((zeros,) * n_w, _scale_queue(load_scale, steps, tiling.scale_ahead, n_w)))
+                queue = _scale_queue(load_scale, steps, tiling.scale_ahead, len(ws_refs) if interleaved else n_w)
+                sums, _ = run(((zeros,) * n_w, queue))
                 store(outputs(sums))
 
             def context_bf16(run):
@@ -374,6 +403,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def interleave_gate_up(gate, up, chunk: int = 64):
+    """fp8 gate and up experts [E, I, K] (K-major) as one [E, 2I, K]: chunks of `chunk` rows, gate's then
+    up's, in turn (Tiling.interleaved_gate_up reads a 2 * chunk-row block as both)."""
+    E, I, K = gate.shape
+    return jnp.stack([gate.reshape(E, I // chunk, chunk, K), up.reshape(E, I // chunk, chunk, K)], axis=2).reshape(
+        E, 2 * I, K)
+
+
 def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), interpret=False, x_scale=None,
                    w_scale=None, up_scale=None, out_dtype=None):
     """x [P, K] in the padded layout (P a multiple of block_m), w [E, K, N], tile_expert [P // block_m]
@@ -381,17 +418,23 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     Rows of unused tiles are left unwritten. interpret: True (or plgpu.InterpretGPUParams) runs Mosaic
     GPU's interpreter, on any backend.
     fp8 (x_scale given): x [P, K] e4m3 with x_scale [K / 128, P] fp32; w (and up) [E, N, K] e4m3 with
-    w_scale (up_scale) [E, ceil(N / 128), K / 128] fp32; out_dtype (default bf16)."""
+    w_scale (up_scale) [E, ceil(N / 128), K / 128] fp32; out_dtype (default bf16). With
+    tiling.interleaved_gate_up: w = interleave_gate_up(gate, up) [E, 2I, K], no up, w_scale / up_scale
+    gate's and up's [E, I / 128, K / 128]; returns silu(x @ gate) * (x @ up) [P, I]."""
     fp8 = x_scale is not None
+    interleaved = tiling.interleaved_gate_up
     err = shape_error(x, w, tiling, fp8) or (None if up is None or up.shape == w.shape else
                                              f"up {up.shape} must match gate {w.shape}")
+    if err is None and interleaved and up is not None:
+        err = "interleaved_gate_up takes gate and up in w (interleave_gate_up), no up"
     P, K = x.shape
     N = w.shape[1] if fp8 else w.shape[2]
     if err is None and fp8:
         E = w.shape[0]
-        want = {"x_scale": (K // FP8_BLOCK, P), "w_scale": (E, -(-N // FP8_BLOCK), K // FP8_BLOCK)}
+        n_scaled = N // 2 if interleaved else N       # interleaved: gate's and up's own scales
+        want = {"x_scale": (K // FP8_BLOCK, P), "w_scale": (E, -(-n_scaled // FP8_BLOCK), K // FP8_BLOCK)}
         got = {"x_scale": x_scale, "w_scale": w_scale}
-        if up is not None:
+        if up is not None or interleaved:
             want["up_scale"], got["up_scale"] = want["w_scale"], up_scale
         err = next((f"{name} must be fp32 {want[name]}, got "
                     f"{None if a is None else (tuple(a.shape), str(a.dtype))}" for name, a in got.items()
@@ -410,7 +453,7 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     pair = 2 if tiling.column_pairs else 1
     weights = (w,) * pair if up is None else (w, up)
     if fp8:
-        weights = (x_scale,) + weights + ((w_scale,) * pair if up is None else (w_scale, up_scale))
+        weights = (x_scale,) + weights + ((w_scale,) * pair if up is None and not interleaved else (w_scale, up_scale))
     grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tiling.block_n // pair,
                 k_steps=K // tiling.block_k)
     body = functools.partial(_kernel_ws if tiling.compute_wgs == 2 else _kernel, fp8=fp8, **grid)
@@ -420,7 +463,8 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     out_dtype = out_dtype or (jnp.bfloat16 if fp8 else x.dtype)
     S = tiling.k_splits
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((S, P, N), jnp.float32) if S > 1 else jax.ShapeDtypeStruct((P, N), out_dtype),
+        body, out_type=(jax.ShapeDtypeStruct((S, P, N), jnp.float32) if S > 1
+                        else jax.ShapeDtypeStruct((P, N // 2 if interleaved else N), out_dtype)),
         grid=(tiling.programs // tiling.cluster_n,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret, **threads,
