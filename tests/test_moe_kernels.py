@@ -104,15 +104,12 @@ def test_expert_mlp_blocked_interpret_equals_reference():
                # two compute warpgroups: split 128 rows (gate_up), split 128 columns of 64 rows (down)
                (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
                 Tiling(block_m=128, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
+               # (the down call's tiles each from their own K step: two here, odd tiles start at the second)
                (Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
-                Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
+                Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2, rotate_k=True)),
                # clusters of two programs sharing x by multicast (the down call: its two column blocks)
                (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=4, compute_wgs=2, cluster_n=2),
-                Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2)),
-               # each tile from its own K step (two here: odd tiles start at the second)
-               (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2, rotate_k=True),
-                Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2,
-                       rotate_k=True)))
+                Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2)))
     for fe in routings(rng, N * k, E):
         fe = jnp.asarray(fe, jnp.int32)
         ref = slot_reference(x, np.asarray(fe), gate, up, down, k)
