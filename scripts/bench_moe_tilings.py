@@ -99,7 +99,9 @@ def main():
         for fp8 in (False, True):
             if fp8:
                 (xq, xs), (hq, hs) = quantize_rows(xp), quantize_rows(h)
-                g13 = interleave_gate_up(g, u)       # Tiling.interleaved_gate_up's one weight
+                # Tiling.interleaved_gate_up's one weight (as large as gate and up): only if such a tiling is timed
+                g13 = (interleave_gate_up(g, u) if any(t.interleaved_gate_up for name, t in tilings(bm, True)[0].items()
+                                                       if keep is None or name in keep) else None)
                 calls = {"gate_up": (lambda t: lambda a, b, c, w13: grouped_matmul(
                                          a[0], w13 if t.interleaved_gate_up else b[0], te,
                                          up=None if t.interleaved_gate_up else c[0], tiling=t, x_scale=a[1],

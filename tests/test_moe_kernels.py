@@ -125,13 +125,13 @@ def test_expert_mlp_blocked_interpret_equals_reference():
             assert np.abs(got - ragged).max() <= 2e-2 * scale
 
 
-def used_tiles(out, tile_expert, bm: int):
-    """(rows, expert) of each used row tile of a kernel's output; an unused tile's rows (expert -1) must be
-    as the interpreter leaves unwritten memory: NaN."""
+def used_tiles(tile_expert, bm: int, *outs):
+    """(rows, expert) of each used row tile of kernel outputs; an unused tile's rows (expert -1) must be,
+    in every output, as the interpreter leaves unwritten memory: NaN."""
     for i, e in enumerate(np.asarray(tile_expert)):
         rows = slice(i * bm, (i + 1) * bm)
         if e < 0:
-            assert np.isnan(out[rows]).all()
+            assert all(np.isnan(out[rows]).all() for out in outs)
         else:
             yield rows, e
 
@@ -189,11 +189,7 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, comp
         t = dataclasses.replace(t, column_pairs=False)
     fused = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, interpret=interp, x_scale=xs,
                                       w_scale=gs, up_scale=us), np.float64)
-    for i, e in enumerate(np.asarray(tile_expert)):
-        rows = slice(i * bm, (i + 1) * bm)
-        if e < 0:
-            assert np.isnan(plain[rows]).all() and np.isnan(fused[rows]).all()
-            continue
+    for rows, e in used_tiles(tile_expert, bm, plain, fused):
         a = xd[rows] @ gd[e]
         want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
         assert np.abs(plain[rows] - a).max() <= 8e-3 * np.abs(a).max()            # bf16 output rounding
@@ -229,7 +225,7 @@ def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead, rotate,
                programs=2, compute_wgs=compute_wgs, scale_ahead=ahead, rotate_k=rotate, cluster_n=cluster_n)
     out = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, x_scale=xs, w_scale=gs, up_scale=us,
                                     interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
-    for rows, e in used_tiles(out, tile_expert, bm):
+    for rows, e in used_tiles(tile_expert, bm, out):
         a = xd[rows] @ gd[e]
         want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
         assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
@@ -268,7 +264,7 @@ def test_interleaved_gate_up_interpret_equals_reference(cluster_n):
     two = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, interpret=interp, x_scale=xs, w_scale=gs, up_scale=us,
                                     tiling=Tiling(block_m=bm, block_n=64, block_k=128, stages=2, grid_block_n=1,
                                                   programs=3, compute_wgs=2, joint_products=True)), np.float64)
-    for rows, e in used_tiles(got, tile_expert, bm):
+    for rows, e in used_tiles(tile_expert, bm, got):
         a = xd[rows] @ gd[e]
         want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
         assert np.abs(got[rows] - want).max() <= 8e-3 * np.abs(want).max()
@@ -334,7 +330,7 @@ def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n, ahead):
         run = lambda t, **kw: grouped_matmul(xb, wb, tile_expert, tiling=t, interpret=interp, **kw)  # noqa: E731
         up = dict(up=wb)
     out = np.asarray(run(t), np.float64)
-    for rows, e in used_tiles(out, tile_expert, bm):
+    for rows, e in used_tiles(tile_expert, bm, out):
         want = xd[rows] @ wd[e]
         assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
     with pytest.raises(ValueError, match="k_splits takes no up"):

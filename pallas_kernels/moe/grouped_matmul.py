@@ -385,8 +385,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def context_fp8(run):
                 zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-                queue = _scale_queue(load_scale, steps, tiling.scale_ahead, len(ws_refs) if interleaved else n_w)
-                sums, _ = run(((zeros,) * n_w, queue))
+                sums, _ = run(((zeros,) * n_w, _scale_queue(load_scale, steps, tiling.scale_ahead, len(ws_refs))))
                 store(outputs(sums))
 
             def context_bf16(run):
