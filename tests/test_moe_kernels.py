@@ -104,8 +104,9 @@ def test_expert_mlp_blocked_interpret_equals_reference():
                # two compute warpgroups: split 128 rows (gate_up), split 128 columns of 64 rows (down)
                (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
                 Tiling(block_m=128, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
-               # (the down call's tiles each from their own K step: two here, odd tiles start at the second)
-               (Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
+               # (gate_up walked row by row: grid_block_n past its column blocks, as the dispatch's decode
+               # tilings; the down call's tiles each from their own K step: two here, odd tiles start at the second)
+               (Tiling(block_m=64, block_n=128, stages=2, grid_block_n=64, programs=3, compute_wgs=2),
                 Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2, rotate_k=True)),
                # clusters of two programs sharing x by multicast (the down call: its two column blocks)
                (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=4, compute_wgs=2, cluster_n=2),
@@ -231,20 +232,21 @@ def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead, rotate,
         assert np.abs(out[rows] - want).max() <= 8e-3 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("cluster_n", [1, 2])
-def test_interleaved_gate_up_interpret_equals_reference(cluster_n):
+@pytest.mark.parametrize("bm,bn,cluster_n", [(128, 128, 1), (128, 128, 2), (64, 256, 2)])
+def test_interleaved_gate_up_interpret_equals_reference(bm, bn, cluster_n):
     """Tiling.interleaved_gate_up: gate and up interleaved in 64-row chunks (interleave_gate_up), one
-    m64n128 product a step whose halves take gate's and up's block scales: the interpreter (races
-    detected) against float64 and against the two-weight fused call on the same experts; 2 gate scale
-    blocks (the tile's scale block is its column block // 2), 5 K steps with distinct scales, an unused
-    tile unwritten; refused with `up` and on 64-wide blocks."""
+    m64n128 product a step per warpgroup whose halves take gate's and up's block scales (128-row tiles:
+    each warpgroup 64 rows; 64-row decode tiles of 256: each warpgroup one chunk pair, 64 output
+    columns): the interpreter (races detected) against float64 and against the two-weight fused call
+    on the same experts; 2 gate scale blocks, 5 K steps with distinct scales, an unused tile
+    unwritten; refused with `up` and on 64-wide blocks."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
     from pallas_kernels.moe.fp8_rows import dequantize_rows
     from pallas_kernels.moe.grouped_matmul import interleave_gate_up, shape_error
     rng = np.random.default_rng(13)
-    E, K, I, bm = 2, 640, 256, 128
+    E, K, I = 2, 640, 256
     tile_expert = jnp.asarray([1, -1, 0], jnp.int32)
     x = jnp.asarray(rng.standard_normal((3 * bm, K)), jnp.float32)
     xq, xs = quantize_rows(x)
@@ -254,16 +256,17 @@ def test_interleaved_gate_up_interpret_equals_reference(cluster_n):
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
     gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
     interp = plgpu.InterpretGPUParams(detect_races=True)
-    t = Tiling(block_m=bm, block_n=128, block_k=128, stages=2, grid_block_n=2, programs=4, compute_wgs=2,
-               cluster_n=cluster_n, interleaved_gate_up=True)
+    t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=2 if bm == 128 else 1, programs=4,
+               compute_wgs=2, cluster_n=cluster_n, interleaved_gate_up=True)
     w13 = interleave_gate_up(gq, uq)
     assert w13.shape == (E, 2 * I, K) and (np.asarray(w13[1, 64:128]) == np.asarray(uq[1, :64])).all()
     got = np.asarray(grouped_matmul(xq, w13, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs,
                                     up_scale=us), np.float64)
     assert got.shape == (3 * bm, I)
     two = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, interpret=interp, x_scale=xs, w_scale=gs, up_scale=us,
-                                    tiling=Tiling(block_m=bm, block_n=64, block_k=128, stages=2, grid_block_n=1,
-                                                  programs=3, compute_wgs=2, joint_products=True)), np.float64)
+                                    tiling=Tiling(block_m=bm, block_n=64 if bm == 128 else 128, block_k=128, stages=2,
+                                                  grid_block_n=1, programs=3, compute_wgs=2,
+                                                  joint_products=bm == 128)), np.float64)
     for rows, e in used_tiles(tile_expert, bm, got):
         a = xd[rows] @ gd[e]
         want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
@@ -276,18 +279,20 @@ def test_interleaved_gate_up_interpret_equals_reference(cluster_n):
                                                 dataclasses.replace(t, block_n=64), fp8=True)
 
 
-@pytest.mark.parametrize("cluster_n,stages", [(1, 4), (2, 4), (1, 5)])
-def test_interleaved_gate_up_lowers_for_cuda_at_glm5_widths(cluster_n, stages):
-    """The interleaved gate_up call at GLM-5's prefill widths (hidden 6144, expert width 2048, 256
-    experts, 8192 tokens x top-8), traced and lowered for CUDA from shapes: the column-half scales and
-    the epilogue's column slices lower, and the stages fit the shared memory."""
+@pytest.mark.parametrize("bm,cluster_n,stages", [(128, 1, 4), (128, 2, 4), (128, 1, 5), (64, 2, 4)])
+def test_interleaved_gate_up_lowers_for_cuda_at_glm5_widths(bm, cluster_n, stages):
+    """The interleaved gate_up call at GLM-5's widths (hidden 6144, expert width 2048, 256 experts;
+    prefill 8192 tokens x top-8 on 128-row tiles, decode 64 tokens on 64 x 256 tiles), traced and
+    lowered for CUDA from shapes: the column-half scales and the epilogue's column slices lower, and
+    the stages fit the shared memory."""
     from pallas_kernels.moe import grouped_matmul
     sds = jax.ShapeDtypeStruct
-    E, D, I, P = 256, 6144, 2048, 8192 * 8 + 256 * 128
-    t = Tiling(block_m=128, block_n=128, block_k=128, stages=stages, compute_wgs=2, grid_block_n=16,
-               cluster_n=cluster_n, interleaved_gate_up=True)
+    E, D, I = 256, 6144, 2048
+    P = 8192 * 8 + 256 * 128 if bm == 128 else 64 * 8 * 64
+    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=stages, compute_wgs=2,
+               grid_block_n=16 if bm == 128 else 1, cluster_n=cluster_n, interleaved_gate_up=True)
     f = jax.jit(lambda x, w, te, xs, gs, us: grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=gs, up_scale=us))
-    text = f.trace(sds((P, D), jnp.float8_e4m3fn), sds((E, 2 * I, D), jnp.float8_e4m3fn), sds((P // 128,), jnp.int32),
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), sds((E, 2 * I, D), jnp.float8_e4m3fn), sds((P // bm,), jnp.int32),
                    sds((D // 128, P), jnp.float32), sds((E, I // 128, D // 128), jnp.float32),
                    sds((E, I // 128, D // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -567,6 +572,32 @@ def test_rotated_k_compiled_equals_the_unrotated_kernel():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bm,bn,cluster_n", [(128, 128, 1), (128, 128, 2), (64, 256, 2)])
+def test_interleaved_gate_up_compiled_equals_the_two_weight_call(bm, bn, cluster_n):
+    """Tiling.interleaved_gate_up compiled on the GPU (prefill 128-row and decode 64 x 256 tiles), 64
+    experts with rows routed by block_plan (empty experts, a skewed expert): equal, to bf16 rounding of
+    the output, to the two-weight fused gate_up call on the same fp8 experts."""
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.grouped_matmul import interleave_gate_up
+    rng = np.random.default_rng(21)
+    E, D, I, slots = 64, 1024, 512, (3000 if bm == 128 else 96)
+    (gq, gs), (uq, us) = fp8_experts(rng, D, I, E)[:2]
+    fe = jnp.asarray(np.where(rng.random(slots) < 0.3, 5, rng.integers(0, E, slots)), jnp.int32)
+    _, row_slot, tile_expert = block_plan(fe, E, bm)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((row_slot.shape[0], D)), jnp.bfloat16))
+    t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=4, compute_wgs=2, grid_block_n=16 if bm == 128 else 1,
+               cluster_n=cluster_n, interleaved_gate_up=True)
+    two = Tiling(block_m=bm, block_n=64 if bm == 128 else 128, block_k=128, stages=4, compute_wgs=2,
+                 grid_block_n=t.grid_block_n, joint_products=bm == 128)
+    got = grouped_matmul(xq, interleave_gate_up(gq, uq), tile_expert, tiling=t, x_scale=xs, w_scale=gs, up_scale=us)
+    want = grouped_matmul(xq, gq, tile_expert, up=uq, tiling=two, x_scale=xs, w_scale=gs, up_scale=us)
+    used = np.repeat(np.asarray(tile_expert) >= 0, bm)
+    got, want = (np.asarray(a, np.float64)[used] for a in (got, want))
+    assert np.isfinite(got).all() and np.abs(want).max() > 0
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.gpu
 def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
     """A bf16 GLM-5-shaped model (hidden 1024, 64 experts, top-8; the kernel's shapes) on the GPU: its
     teacher-forced logits with the grouped_matmul kernel and with XLA's ragged_dot path, each against
@@ -606,7 +637,31 @@ def test_clusters_apply_only_where_the_column_blocks_pair_up():
         for fp8 in (False, True):
             gate = jax.ShapeDtypeStruct((256, 2048, 6144) if fp8 else (256, 6144, 2048), jnp.bfloat16)
             want = (fp8_tilings if fp8 else blocked_tilings)(slots, 256)
-            assert expert_tilings(slots, gate, fp8, 2) == want
+            got = expert_tilings(slots, gate, fp8, 2)
+            assert [(t.cluster_n, t.column_pairs) for t in got] == [(t.cluster_n, t.column_pairs) for t in want]
+
+
+def test_decode_tiles_are_walked_row_by_row():
+    """The dispatch's decode tilings (64-row tiles) visit the padded buffer's row tiles in order, all of
+    a row tile's column blocks before the next row tile (the kernel's planar_snake over its tile loop,
+    evaluated here), so the unused row tiles at the buffer's end come after every used one; prefill
+    tilings keep their 16-column bands (L2 reuse of x tiles across a band)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe.dispatch import blocked_tilings, expert_tilings, fp8_tilings
+    from pallas_kernels.moe.plan import padded_rows
+    for fp8 in (False, True):
+        gate = jax.ShapeDtypeStruct((256, 2048, 6144) if fp8 else (256, 6144, 2048), jnp.bfloat16)
+        for slots in (8, 64, 512):
+            for t, N in zip(expert_tilings(slots, gate, fp8, 2), (2048, 6144)):
+                assert t.block_m == 64
+                cn = t.cluster_n
+                grid_m, grid_n = padded_rows(slots, 256, 64) // 64, N // t.block_n // (2 if t.column_pairs else 1) // cn
+                walk = jax.vmap(lambda i: plgpu.planar_snake(i, (grid_m, grid_n), 1, max(1, t.grid_block_n // cn)))
+                rows, cols = (np.asarray(a) for a in walk(jnp.arange(grid_m * grid_n, dtype=jnp.int32)))
+                assert (np.diff(rows) >= 0).all() and (np.bincount(rows) == grid_n).all()
+                assert len(set(zip(rows.tolist(), cols.tolist()))) == grid_m * grid_n
+        assert expert_tilings(65536, gate, fp8, 2) == (fp8_tilings if fp8 else blocked_tilings)(65536, 256)
 
 
 def lower_fp8_experts_for_cuda(tokens: int, experts: int, up_t, down_t, D: int = 6144, I: int = 2048, k: int = 8):

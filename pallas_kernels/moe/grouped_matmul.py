@@ -90,8 +90,9 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         _, N, K2 = w.shape
         if x.dtype != jnp.float8_e4m3fn or w.dtype != jnp.float8_e4m3fn:
             return f"fp8 operands must be float8_e4m3fn (got {x.dtype}, {w.dtype})"
-        if tiling.block_k != FP8_BLOCK or FP8_BLOCK % tiling.block_n:
-            return f"fp8 needs block_k {FP8_BLOCK} (one scale block per step) and block_n dividing it"
+        scaled_n = tiling.block_n // 2 if tiling.interleaved_gate_up else tiling.block_n   # a tile's output columns
+        if tiling.block_k != FP8_BLOCK or FP8_BLOCK % scaled_n:
+            return f"fp8 needs block_k {FP8_BLOCK} (one scale block per step) and a tile's output columns dividing it"
     else:
         _, K2, N = w.shape
     if not fp8 and (jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -121,10 +122,11 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     if tiling.k_splits < 1 or k_steps % tiling.k_splits or tiling.k_splits > 1 and tiling.rotate_k:
         return f"k_splits {tiling.k_splits}: a divisor of the {k_steps} K steps, without rotate_k"
     if tiling.interleaved_gate_up and not (
-            fp8 and tiling.compute_wgs == 2 and tiling.block_m == 128 and tiling.block_n == 128
+            fp8 and tiling.compute_wgs == 2 and (tiling.block_m, tiling.block_n) in ((128, 128), (64, 256))
             and not (tiling.column_pairs or tiling.joint_products or tiling.scale_ahead or tiling.k_splits > 1)):
-        return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 tiles, without column pairs, joint "
-                f"products, read-ahead or K splits ({tiling})")
+        return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
+                f"part one 64-row chunk of each), without column pairs, joint products, read-ahead or K splits "
+                f"({tiling})")
     if tiling.rotate_k and tiling.compute_wgs != 2:
         return f"rotate_k: the warp-specialized kernel (two compute warpgroups) ({tiling})"
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
@@ -326,8 +328,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def load_scale(j, i):
                 """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile
-                (interleaved: j 0 gate's, 1 up's, for the tile's 64 rows of each)."""
-                col = ni * out_n if interleaved else column(ni, j) + (0 if split_rows else wg * sn)
+                (interleaved: j 0 gate's, 1 up's, for the warpgroup's 64 rows of each)."""
+                col = (ni * out_n + (0 if split_rows else wg * (sn // 2)) if interleaved
+                       else column(ni, j) + (0 if split_rows else wg * sn))
                 return ws_refs[j][expert, col // FP8_BLOCK, _k_block(i, start, k_steps)]
 
             def step_fp8(idx, x_smem, xs_smem, *rest):
@@ -343,13 +346,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
-                if interleaved:           # one product: its gate half scaled by gate's block, its up half by up's
-                    half = jax.lax.broadcasted_iota(jnp.int32, (sn,), 0) < sn // 2
-                    col = plgpu.layout_cast(jnp.where(half, load_scale(0, idx[0]), load_scale(1, idx[0])),
-                                            plgpu.Layout.WGMMA.reduce(0))
-                    scale = (jax.lax.broadcast_in_dim(row_scale, (sm, sn), [0])
-                             * jax.lax.broadcast_in_dim(col, (sm, sn), [1]))
-                    return (sums[0] + products(w_smems)[0] * scale,), queue
+                if interleaved:           # one product: its gate half into gate's sums, its up half into up's
+                    part = products(w_smems)[0]
+                    halves = (part[:, :sn // 2], part[:, sn // 2:])
+                    return tuple(_add_scaled(total, half, row_scale * load_scale(j, idx[0]))
+                                 for j, (total, half) in enumerate(zip(sums, halves))), queue
                 scales, queue = _step_scales(row_scale, load_scale, steps, idx[0], queue)
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
@@ -373,19 +374,21 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 plgpu.commit_smem()
                 for j in range(len(outs)):
                     if interleaved:
-                        block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * out_n, out_n)].at[rows]
+                        out_cols = pl.ds(0, out_n) if split_rows else pl.ds(wg * (sn // 2), sn // 2)
+                        block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * out_n, out_n)].at[rows, out_cols]
                     else:
                         block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn)).at[rows, cols]
                     plgpu.copy_smem_to_gmem(o_smem.at[wg * n_out + j], block)
 
             def outputs(vals):
-                if interleaved:
-                    return [_silu_mul(vals[0][:, :sn // 2], vals[0][:, sn // 2:])]
-                return [_silu_mul(*vals)] if fused else list(vals)
+                return [_silu_mul(*vals)] if fused or interleaved else list(vals)
 
             def context_fp8(run):
-                zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-                sums, _ = run(((zeros,) * n_w, _scale_queue(load_scale, steps, tiling.scale_ahead, len(ws_refs))))
+                # interleaved: gate's and up's sums, each the [sm, sn / 2] half of the step's product
+                zeros = plgpu.layout_cast(jnp.zeros((sm, sn // 2 if interleaved else sn), jnp.float32),
+                                          plgpu.Layout.WGMMA)
+                sums, _ = run(((zeros,) * len(ws_refs),
+                               _scale_queue(load_scale, steps, tiling.scale_ahead, len(ws_refs))))
                 store(outputs(sums))
 
             def context_bf16(run):
