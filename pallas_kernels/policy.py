@@ -88,11 +88,6 @@ class KernelPolicy:
     """The Mosaic GPU sparse MLA kernel's row copies carry PTX's L2::256B prefetch hint (kernel_mgpu
     _gather_block, FlashMLA's sparse producer does). On the H200 (docs/perf.md, 2026-12-04 fourth
     session): decode 8 queries 42 -> 31 us, 64: 74 -> 73, 128: 113 -> 109, prefill 8192 4.75 -> 4.68 ms."""
-    mgpu_sparse_mla_blocks_in_flight: int = 1
-    """Blocks of selected rows whose copies the Mosaic GPU sparse MLA kernel keeps in flight (kernel_mgpu
-    blocks_in_flight): 1 awaits a block's copies before issuing the next block's; 2 issues the next
-    first (same shared memory). Aimed at decode's 64-query calls, which read their rows one 74 KB block
-    at a time per SM (50% of HBM, docs/perf.md 2026-12-04). 1 until the H200 times it."""
     fp8_scale_ahead: int = 0
     """The fp8 kernels (routed experts and dense linears) read each weight block scale this many K
     steps before its use (grouped_matmul.Tiling.scale_ahead); 0: at its use. Off: on the H200

@@ -162,19 +162,15 @@ def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
     recorders and the policy reports a GPU): prefill-sized bf16 calls take the Mosaic GPU kernel with
     the scores mode the policy names, decode-sized ones the Mosaic GPU row splits over one wave or,
     with mgpu_sparse_mla_rows off, the Triton kernel's splits; the policy off takes the reference; both
-    Mosaic GPU calls are handed mgpu_sparse_mla_l2_prefetch and mgpu_sparse_mla_blocks_in_flight."""
+    Mosaic GPU calls are handed mgpu_sparse_mla_l2_prefetch."""
     import pallas_kernels.sparse_mla.dispatch as dispatch
     calls = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    prefetch, in_flight = [], []
-
-    def copies(l2_prefetch, blocks_in_flight):
-        prefetch.append(l2_prefetch)
-        in_flight.append(blocks_in_flight)
+    prefetch = []
     monkeypatch.setattr(dispatch, "sparse_mla_mgpu",
-                        lambda *a, scores, **kw: calls.append(("mgpu", scores)) or copies(**kw))
+                        lambda *a, scores, l2_prefetch: calls.append(("mgpu", scores)) or prefetch.append(l2_prefetch))
     monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows",
-                        lambda *a, row_splits, **kw: calls.append(("rows", row_splits)) or copies(**kw))
+                        lambda *a, row_splits, l2_prefetch: calls.append(("rows", row_splits)) or prefetch.append(l2_prefetch))
     monkeypatch.setattr(dispatch, "sparse_mla_pallas", lambda *a, tiling: calls.append(("triton", tiling.splits)))
     monkeypatch.setattr(dispatch, "sparse_mla_reference", lambda *a: calls.append(("reference",)))
     sds = jax.ShapeDtypeStruct
@@ -192,11 +188,9 @@ def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
     assert route(8, mgpu_sparse_mla_rows=False) == ("triton", tiling_for(8, 64, 2048).splits)
     assert route(8192, mgpu_sparse_mla=False)[0] == "triton"
     assert route(8192, enabled=False) == ("reference",)
-    assert all(prefetch) and set(in_flight) == {1}          # the defaults
+    assert all(prefetch)                 # on by default
     assert route(8192, mgpu_sparse_mla_l2_prefetch=False)[0] == "mgpu" and prefetch[-1] is False
     assert route(8, mgpu_sparse_mla_l2_prefetch=False)[0] == "rows" and prefetch[-1] is False
-    assert route(8192, mgpu_sparse_mla_blocks_in_flight=2)[0] == "mgpu" and in_flight[-1] == 2
-    assert route(8, mgpu_sparse_mla_blocks_in_flight=2)[0] == "rows" and in_flight[-1] == 2
 
 
 @pytest.mark.gpu
@@ -247,14 +241,13 @@ def test_mgpu_kernel_compiled_equals_reference(N, H, K, P, scores):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_threads,l2_prefetch,in_flight", [(t, False, 1) for t in ROW_THREADS] + [(4, True, 1),
-                                                                                                   (4, True, 2)])
+@pytest.mark.parametrize("row_threads,l2_prefetch", [(t, False) for t in ROW_THREADS] + [(4, True)])
 @pytest.mark.parametrize("N,K,P,row_splits", [(300, 2048, 4096, 1), (5, 64, 64, 1), (8, 2048, 8192, 16)])
-def test_mgpu_row_copies_compiled_equal_reference(N, K, P, row_splits, row_threads, l2_prefetch, in_flight):
+def test_mgpu_row_copies_compiled_equal_reference(N, K, P, row_splits, row_threads, l2_prefetch):
     """Each way of laying the memory warpgroup's threads over a block's rows (row_threads a row, in
-    64 * row_threads / 128 passes; the copies with or without the L2::256B prefetch hint; one block's
-    copies in flight or two) copies every selected row to where the compute reads it: full / short /
-    empty rows with -1 anywhere, one program per query (32 blocks; one) and row shares (two blocks)."""
+    64 * row_threads / 128 passes; the copies with or without the L2::256B prefetch hint) copies every
+    selected row to where the compute reads it: full / short / empty rows with -1 anywhere, one program
+    per query and row shares."""
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu_rows
 
     q_lat, q_rope, latent, k_rope, slots = make_case(N, 64, 512, 64, K, P=P, L=2, seed=N + row_threads)
@@ -262,26 +255,9 @@ def test_mgpu_row_copies_compiled_equal_reference(N, K, P, row_splits, row_threa
     args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
     want = np.asarray(sparse_mla_reference(*args), np.float32)
     got = np.asarray(sparse_mla_mgpu_rows(*args, row_splits=row_splits, row_threads=row_threads,
-                                          l2_prefetch=l2_prefetch, blocks_in_flight=in_flight), np.float32)
+                                          l2_prefetch=l2_prefetch), np.float32)
     assert got.shape == want.shape and np.all(np.isfinite(got))
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 2e-2
-    assert np.all(got[np.all(slots < 0, axis=1)] == 0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scores", SCORES)
-def test_mgpu_two_blocks_in_flight_compiled_equal_reference(scores):
-    """blocks_in_flight 2 (a block's copies issued before the previous block's are awaited) under each
-    way of sharing the scores, prefill-sized (one program per query; the alternate split takes blocks
-    in pairs): full / short / empty rows with -1 anywhere, against the reference."""
-    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
-
-    q_lat, q_rope, latent, k_rope, slots = make_case(300, 64, 512, 64, 2048, P=4096, L=2, seed=17)
-    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
-    args = (bf(q_lat) * 0.05, bf(q_rope) * 0.05, bf(latent), bf(k_rope), 1, jnp.asarray(slots), 0.1)
-    want = np.asarray(sparse_mla_reference(*args), np.float32)
-    got = np.asarray(sparse_mla_mgpu(*args, scores=scores, blocks_in_flight=2), np.float32)
-    assert np.all(np.isfinite(got)) and np.max(np.abs(got - want)) / np.max(np.abs(want)) < 2e-2
     assert np.all(got[np.all(slots < 0, axis=1)] == 0)
 
 
@@ -334,15 +310,12 @@ def test_row_splits_merged_equal_the_whole_rows(row_splits):
     assert not np.asarray(got)[2].any()                              # the empty row: zeros
 
 
-@pytest.mark.parametrize("scores,row_threads,l2_prefetch,in_flight",
-                         [(s, 2, False, 1) for s in SCORES] + [("both", 4, False, 1), ("both", 8, False, 1),
-                                                               ("both", 4, True, 1), ("both", 4, True, 2),
-                                                               ("alternate", 4, True, 2)])
-def test_mgpu_kernel_lowers_for_cuda(scores, row_threads, l2_prefetch, in_flight):
+@pytest.mark.parametrize("scores,row_threads,l2_prefetch",
+                         [(s, 2, False) for s in SCORES] + [("both", 4, False), ("both", 8, False), ("both", 4, True)])
+def test_mgpu_kernel_lowers_for_cuda(scores, row_threads, l2_prefetch):
     """Each way of sharing the scores in the Mosaic GPU kernel traces and lowers for CUDA on any machine
     (layout inference, shared memory within the H100/H200 limit); the gpu test above runs them. With
-    l2_prefetch the row copies are the inline PTX with the L2::256B hint; two blocks in flight wait
-    for all but the newest cp.async group."""
+    l2_prefetch the row copies are the inline PTX with the L2::256B hint."""
     import functools
 
     from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
@@ -351,11 +324,12 @@ def test_mgpu_kernel_lowers_for_cuda(scores, row_threads, l2_prefetch, in_flight
     sds = jax.ShapeDtypeStruct
     args = (sds((N, H, C), jnp.bfloat16), sds((N, H, R), jnp.bfloat16), sds((L, P, C), jnp.bfloat16),
             sds((L, P, R), jnp.bfloat16), 1, sds((N, K), jnp.int32), 0.1)
-    copies = dict(row_threads=row_threads, l2_prefetch=l2_prefetch, blocks_in_flight=in_flight)
-    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, **copies), static_argnums=(4, 6))
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, row_threads=row_threads, l2_prefetch=l2_prefetch),
+                 static_argnums=(4, 6))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, with_stats=True, **copies), static_argnums=(4, 6))
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, scores=scores, with_stats=True, row_threads=row_threads,
+                                   l2_prefetch=l2_prefetch), static_argnums=(4, 6))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -406,6 +380,5 @@ def test_mgpu_row_splits_compiled_equal_reference(N, monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows", lambda *a, **kw: calls.append(kw) or sparse_mla_mgpu_rows(*a, **kw))
     routed = np.asarray(sparse_mla(*args, policy=KernelPolicy(mgpu_sparse_mla_rows=True)), np.float32)
-    assert calls == [{"row_splits": S, "l2_prefetch": KernelPolicy().mgpu_sparse_mla_l2_prefetch,
-                      "blocks_in_flight": KernelPolicy().mgpu_sparse_mla_blocks_in_flight}]
+    assert calls == [{"row_splits": S, "l2_prefetch": KernelPolicy().mgpu_sparse_mla_l2_prefetch}]
     assert np.max(np.abs(routed - want)) / np.max(np.abs(want)) < 2e-2

@@ -67,14 +67,14 @@ def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, pol
     if kernel_applies(q_lat, q_rope, policy):
         N, H, _ = q_lat.shape
         if mgpu_applies(q_lat, q_rope, policy):
-            copies = dict(l2_prefetch=policy.mgpu_sparse_mla_l2_prefetch,
-                          blocks_in_flight=policy.mgpu_sparse_mla_blocks_in_flight)
             if N >= 2 * _SM_COUNT:
                 return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale,
-                                       scores="alternate" if policy.mgpu_sparse_mla_alternate else "both", **copies)
+                                       scores="alternate" if policy.mgpu_sparse_mla_alternate else "both",
+                                       l2_prefetch=policy.mgpu_sparse_mla_l2_prefetch)
             if policy.mgpu_sparse_mla_rows:
                 return sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale,
-                                            row_splits=row_splits_for(N, slots.shape[1]), **copies)
+                                            row_splits=row_splits_for(N, slots.shape[1]),
+                                            l2_prefetch=policy.mgpu_sparse_mla_l2_prefetch)
         return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                  tiling=tiling_for(N, H, slots.shape[1], q_lat.dtype))
     return sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale)

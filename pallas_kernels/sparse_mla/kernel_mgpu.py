@@ -8,8 +8,7 @@ over its selected rows. One program per query token, three warpgroups:
   128 threads issue 16-byte cp.async copies, row_threads (4) threads a row, each to the swizzled
   position a TMA copy would have written (the layout wgmma reads), waits for its copies, fences them for the async proxy
   and arrives on the stage's barrier. The wrapper moves each row's selected slots to its front
-  (selected_first), so a row's tail is masked by its count alone. Two stages: a block is copied while the one before it is computed
-  (blocks_in_flight 2: the next block's copies also go out before the previous block's have landed).
+  (selected_first), so a row's tail is masked by its count alone. Two stages: a block is copied while the one before it is computed.
 - two compute warpgroups, each holding its own half of the output columns, O[:, half] += P lat[:, half]
   (acc [64, C/2] fp32 in registers: the whole [64, C] does not fit one warpgroup's registers). The
   scores S = q_lat lat^T + q_rope rope^T ([64 heads, 64 rows], 576 wide: more than half of a block's
@@ -138,13 +137,11 @@ def _gather_block(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_sm
     gather(layer_gmem, lat_gmem, rope_gmem, slots_gmem, lat_smem, rope_smem)
 
 
-def _await_copies(pending: int):
-    """This thread's cp.async groups complete but its `pending` newest (a group: one block's copies)."""
-    @plgpu.inline_mgpu()
-    def wait(ctx):
-        from jax._src.lib.mlir.dialects import nvvm
-        nvvm.cp_async_wait_group(pending)
-    wait()
+@plgpu.inline_mgpu()
+def _await_copies(ctx):
+    """Every cp.async group of this thread complete (the block's copies)."""
+    from jax._src.lib.mlir.dialects import nvvm
+    nvvm.cp_async_wait_group(0)
 
 
 def _online_softmax_step(s, m_new, m, l, acc):
@@ -340,8 +337,7 @@ DEFAULT_ROW_THREADS = 4   # best or within 2% of it from 8 decode to 8192 prefil
 
 
 def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope_ref, *out_refs, scale: float,
-            n_queries: int, scores: str, row_splits: int, row_threads: int, l2_prefetch: bool,
-            blocks_in_flight: int, **smem):
+            n_queries: int, scores: str, row_splits: int, row_threads: int, l2_prefetch: bool, **smem):
     q_lat_smem = smem["q_lat"]
     k_bar, k_free, q_bar, done = smem["k_bar"], smem["k_free"], smem["q_bar"], smem["done"]
     v = n_queries * row_splits - 1 - lax.axis_index("n")   # the latest queries first: they select the most rows
@@ -382,15 +378,10 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
             _gather_block(layer_ref, lat_ref, rope_ref, slots_ref.at[n, pl.ds(first + i * BLOCK, BLOCK)], lat_smem.at[slot],
                           rope_smem.at[slot], row_threads, l2_prefetch)
 
-        def ready(i, pending: int = 0):
-            _await_copies(pending)
+        def ready(i):
+            _await_copies()
             plgpu.commit_smem()           # fence the copies for wgmma's async proxy, the warpgroup synced
             plgpu.barrier_arrive(k_bar.at[lax.rem(i, STAGES)])
-
-        def slot_free(i):
-            @pl.when(i >= STAGES)
-            def _():
-                plgpu.barrier_wait(k_free.at[lax.rem(i, STAGES)])
 
         @pl.when(blocks > 0)
         def _():
@@ -398,14 +389,12 @@ def _kernel(layer_ref, ends_ref, q_lat_ref, q_rope_ref, slots_ref, lat_ref, rope
 
             @pl.loop(1, blocks)
             def _next(i):
-                if blocks_in_flight == 2:     # block i's copies go out before block i - 1's are awaited
-                    slot_free(i)
-                    issue(i)
-                    ready(i - 1, pending=1)
-                else:
-                    ready(i - 1)
-                    slot_free(i)
-                    issue(i)
+                ready(i - 1)
+
+                @pl.when(i >= STAGES)
+                def _():
+                    plgpu.barrier_wait(k_free.at[lax.rem(i, STAGES)])
+                issue(i)
 
             ready(blocks - 1)
 
@@ -427,7 +416,7 @@ def selected_first(slots):
 
 def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
                     scores: str = "both", with_stats: bool = False, row_splits: int = 1,
-                    row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False, blocks_in_flight: int = 1):
+                    row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
     query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
     scores: how the two compute warpgroups share out the score product ("both", "split_keys",
@@ -437,10 +426,7 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     row_splits S > 1 (decode, verify; with_stats): S programs per query, program n * S + s over share s
     of its selected rows (split_rows); outputs and statistics [N * S, ...], for merge_row_splits.
     row_threads (ROW_THREADS): the memory warpgroup's threads per row in one copy pass (_gather_block).
-    l2_prefetch: the row copies carry the L2::256B prefetch hint (_gather_block).
-    blocks_in_flight: 1, the memory warpgroup awaits block i - 1's copies before it issues block i's;
-    2, it issues block i's (once its stage is free: block i - 2 computed) before awaiting block
-    i - 1's, so two blocks' rows are in flight with the same two stages of shared memory."""
+    l2_prefetch: the row copies carry the L2::256B prefetch hint (_gather_block)."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
@@ -449,8 +435,6 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
         raise ValueError(f"sparse_mla_mgpu: scores must be one of {SCORES}, got {scores!r}")
     if row_threads not in ROW_THREADS:
         raise ValueError(f"sparse_mla_mgpu: row_threads must be one of {ROW_THREADS}, got {row_threads}")
-    if blocks_in_flight not in (1, 2):
-        raise ValueError(f"sparse_mla_mgpu: blocks_in_flight must be 1 or 2, got {blocks_in_flight}")
     if row_splits < 1 or (row_splits > 1 and not with_stats):
         raise ValueError(f"sparse_mla_mgpu: row_splits {row_splits} must be >= 1, and > 1 only with with_stats "
                          "(the splits are merged by their statistics)")
@@ -486,7 +470,7 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
         out_type = (out_type, jax.ShapeDtypeStruct((programs, 2, HEADS), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, n_queries=N, scores=scores, row_splits=row_splits,
-                          row_threads=row_threads, l2_prefetch=l2_prefetch, blocks_in_flight=blocks_in_flight),
+                          row_threads=row_threads, l2_prefetch=l2_prefetch),
         out_type=out_type, grid=(programs,), grid_names=("n",),
         num_threads=3, thread_name="wg", scratch_types=smem,
         compiler_params=plgpu.CompilerParams(
@@ -539,13 +523,13 @@ def merge_row_splits(out, stats, row_splits: int, dtype):
 
 
 def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int,
-                         row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False, blocks_in_flight: int = 1):
+                         row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False):
     """sparse_mla_mgpu for few queries (decode, verify): each query's selected rows cut in row_splits
     shares (split_rows), one program each returning its normalized output and softmax statistics,
     merged in fp32 (merge_row_splits); one share is the plain kernel."""
-    copies = dict(row_threads=row_threads, l2_prefetch=l2_prefetch, blocks_in_flight=blocks_in_flight)
     if row_splits == 1:
-        return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, **copies)
+        return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, row_threads=row_threads,
+                               l2_prefetch=l2_prefetch)
     out, stats = sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, with_stats=True,
-                                 row_splits=row_splits, **copies)
+                                 row_splits=row_splits, row_threads=row_threads, l2_prefetch=l2_prefetch)
     return merge_row_splits(out, stats, row_splits, q_lat.dtype)
