@@ -88,21 +88,12 @@ class KernelPolicy:
     """The Mosaic GPU sparse MLA kernel's row copies carry PTX's L2::256B prefetch hint (kernel_mgpu
     _gather_block, FlashMLA's sparse producer does). On the H200 (docs/perf.md, 2026-12-04 fourth
     session): decode 8 queries 42 -> 31 us, 64: 74 -> 73, 128: 113 -> 109, prefill 8192 4.75 -> 4.68 ms."""
-    fp8_scale_ahead: int = 0
-    """The fp8 kernels (routed experts and dense linears) read each weight block scale this many K
-    steps before its use (grouped_matmul.Tiling.scale_ahead); 0: at its use. Off: on the H200
-    (docs/perf.md, 2026-12-04 fourth session) 4 or 8 steps ahead changed no expert call by more than
-    1.5% (1-token down 0.052 -> 0.057 ms), so a step does not wait on its scale read."""
     fp8_linear_split_k: bool = False
     """Decode-sized fp8 dense linears (at most 64 rows: one row tile) split K over programs up to one
     wave of the SMs (fp8_linear.linear_tiling), instead of one program per 128 output columns: q_a_proj
-    (2048 outputs) otherwise reads its 12.6 MB through 16 of 132 SMs, o_proj through 48. Off until the
-    H200 times it."""
-    moe_rotate_k: bool = False
-    """The routed experts' warp-specialized kernel walks each tile's K steps from its own start
-    (grouped_matmul.Tiling.rotate_k), so the programs of a wave do not all read the same K columns of
-    their weights at once. Off until the H200 times it (aimed at the 1-token decode call: one wave of
-    128 programs in lock step, DRAM at 54% of peak; docs/perf.md, 2026-12-04 fourth session)."""
+    (2048 outputs) otherwise reads its 12.6 MB through 16 of 132 SMs, o_proj through 48. Off: on the
+    H200 (docs/perf.md, 2026-12-04 fifth session) o_proj at 1 row 74.8 -> 64.4 us but indexer.wq_b at
+    8 rows 46.8 -> 73.7, the decode step (1 x 8k, fp8, 256 experts) 2.909 -> 2.820 ms."""
     unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
     groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose

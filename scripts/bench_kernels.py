@@ -835,8 +835,6 @@ def bench_moe_fp8(args, ceil):
             "fp8_kernel": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=2), scales=scales),
             "fp8_kernel_pairwise_plan": lambda: run(x, fe, *q8, k, scales=scales,
                                                     policy=KernelPolicy(moe_pairwise_plan_slots=slots)),
-            "fp8_kernel_rotate_k": lambda: run(x, fe, *q8, k, policy=KernelPolicy(moe_rotate_k=True), scales=scales),
-            "bf16_weights_rotate_k": lambda: run(x, fe, *bf16, k, policy=KernelPolicy(moe_rotate_k=True)),
         }
         chosen = args.moe_fp8_variants.split(",") if args.moe_fp8_variants else list(variants)
         unknown = set(chosen) - set(variants)

@@ -26,49 +26,37 @@ def tilings(bm: int, fp8: bool):
     clusters of two programs sharing their x tiles by multicast; `_pairs`: two column blocks per tile
     (fp8 down: the gate_up call's two-accumulator shape); `_joint`: a step's two products issued together
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
-    bytes in flight per SM); `_aN`: fp8 weight block scales read N K steps ahead of their use (else at their use);
-    `_r`: each tile's K steps from its own start (Tiling.rotate_k); `_il`: gate and up interleaved in 64-row
-    chunks, one m64n128 product a step (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row
-    (grid_block_n over all column blocks: the padded buffer's unused row tiles last) instead of column by
-    column."""
-    T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, ahead=0, rot=False, il=False, rm=False: Tiling(  # noqa: E731
+    bytes in flight per SM); `_il`: gate and up interleaved in 64-row chunks, one m64n128 product a step
+    (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
+    blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column."""
+    T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
-        scale_ahead=ahead, rotate_k=rot, interleaved_gate_up=il)
+        interleaved_gate_up=il)
     if fp8 and bm == 128:
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n64_g16_joint": T(64, 4, 2, 16, joint=True),
-                 "2wg_n64_g16_joint_a4": T(64, 4, 2, 16, joint=True, ahead=4),
-                 "2wg_n64_g16_joint_r": T(64, 4, 2, 16, joint=True, rot=True),
                  "2wg_n128_g16_il": T(128, 4, 2, 16, il=True), "2wg_n128_g16_c2_il": T(128, 4, 2, 16, 2, il=True),
                  "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
-                 "2wg_n128_g16_c2_a4": T(128, 4, 2, 16, 2, ahead=4), "2wg_n128_g16_c2_r": T(128, 4, 2, 16, 2, rot=True),
                  "2wg_n128_g16_pairs_s3": T(128, 3, 2, 16, 1, True),
                  "2wg_n128_g16_c2_pairs_s3": T(128, 3, 2, 16, 2, True),
                  "2wg_n64_g16_pairs_joint": T(64, 4, 2, 16, 1, True, True)})
     if fp8:
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2),
-                 "2wg_n128_c2_a4": T(128, 4, 2, 1, 2, ahead=4), "2wg_n128_c2_a8": T(128, 4, 2, 1, 2, ahead=8),
-                 "2wg_n128_c2_r": T(128, 4, 2, 1, 2, rot=True),
                  "2wg_n128_c2_s5": T(128, 5, 2, 1, 2), "2wg_n128_c2_joint": T(128, 4, 2, 1, 2, joint=True),
                  "2wg_n256_il": T(256, 4, 2, il=True), "2wg_n256_c2_il": T(256, 4, 2, 1, 2, il=True),
                  "2wg_n128_c2_rm": T(128, 4, 2, 1, 2, rm=True), "2wg_n256_c2_il_rm": T(256, 4, 2, 1, 2, il=True, rm=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2),
                  "2wg_n128_c2_s5": T(128, 5, 2, 1, 2), "2wg_n128_c2_s6": T(128, 6, 2, 1, 2),
                  "2wg_n256_c2_pairs_joint": T(128, 4, 2, 1, 2, True, True),
-                 "2wg_n256_c2_pairs_joint_a4": T(128, 4, 2, 1, 2, True, True, ahead=4),
-                 "2wg_n256_c2_pairs_joint_r": T(128, 4, 2, 1, 2, True, True, rot=True),
                  "2wg_n256_c2_pairs_joint_rm": T(128, 4, 2, 1, 2, True, True, rm=True)})
     if bm == 128:
-        return ({"1wg_n64": T(64, 4, 1), "2wg_n128_s3": T(128, 3, 2), "2wg_n128_s3_c2": T(128, 3, 2, 8, 2),
-                 "2wg_n128_s3_r": T(128, 3, 2, rot=True)},
-                {"1wg_n128": T(128, 4, 1), "2wg_n256_s3": T(256, 3, 2), "2wg_n256_s3_c2": T(256, 3, 2, 8, 2),
-                 "2wg_n256_s3_r": T(256, 3, 2, rot=True)})
-    return ({"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_r": T(128, 4, 2, rot=True),
-             "1wg_n128_rm": T(128, 4, 1, rm=True)},
+        return ({"1wg_n64": T(64, 4, 1), "2wg_n128_s3": T(128, 3, 2), "2wg_n128_s3_c2": T(128, 3, 2, 8, 2)},
+                {"1wg_n128": T(128, 4, 1), "2wg_n256_s3": T(256, 3, 2), "2wg_n256_s3_c2": T(256, 3, 2, 8, 2)})
+    return ({"1wg_n128": T(128, 4, 1), "2wg_n128": T(128, 4, 2), "1wg_n128_rm": T(128, 4, 1, rm=True)},
             {"1wg_n128": T(128, 4, 1), "2wg_n256": T(256, 4, 2), "2wg_n256_c2": T(256, 4, 2, 1, 2),
-             "2wg_n256_c2_r": T(256, 4, 2, 1, 2, rot=True), "2wg_n256_c2_rm": T(256, 4, 2, 1, 2, rm=True)})
+             "2wg_n256_c2_rm": T(256, 4, 2, 1, 2, rm=True)})
 
 
 def main():

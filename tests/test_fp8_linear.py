@@ -104,8 +104,8 @@ def test_fp8_linear_refuses_what_it_cannot_take():
 
 def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     """A kept-fp8 Dense stores HF's [out, in] (fp8_weight) and, where the kernel applies, passes it and
-    its scales to fp8_linear as they are, with the policy's fp8_scale_ahead and fp8_linear_split_k
-    (which fp8_linear sets in its tiling); with the policy's fp8_linear_kernel off (and on CPU) it
+    its scales to fp8_linear as they are, with the policy's fp8_linear_split_k (which fp8_linear
+    passes to its tiling); with the policy's fp8_linear_kernel off (and on CPU) it
     multiplies by the dequantized [in, out] weight."""
     from flax import nnx
 
@@ -114,13 +114,13 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, scale_ahead, split_k: seen.append(
-        (w, s, scale_ahead, split_k)) or jnp.zeros((*x.shape[:-1], 192)))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k: seen.append(
+        (w, s, split_k)) or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
-    dense(x, KernelPolicy(fp8_scale_ahead=3, fp8_linear_split_k=True))
-    assert [a[2:] for a in seen] == [(0, False), (3, True)]
+    dense(x, KernelPolicy(fp8_linear_split_k=True))
+    assert [a[2:] for a in seen] == [(False,), (True,)]
     del seen[1:]
     tilings = []
 
@@ -129,9 +129,11 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
         return jnp.zeros((xq.shape[0], w.shape[1]), out_dtype)
 
     monkeypatch.setattr(fp8_linear_module, "grouped_matmul", kernel)
-    fp8_linear(x, dense.fp8_weight[...], dense.scale_inv[...], scale_ahead=3)
-    fp8_linear(x, dense.fp8_weight[...], dense.scale_inv[...])
-    assert [t.scale_ahead for t in tilings] == [3, linear_tiling(21, 192).scale_ahead]
+    w, sc = jnp.zeros((256, 768), jnp.float8_e4m3fn), jnp.ones((2, 6), jnp.float32)   # 6 K steps
+    fp8_linear(x[..., :1].repeat(768, -1), w, sc, split_k=True)
+    fp8_linear(x[..., :1].repeat(768, -1), w, sc)
+    assert tilings == [linear_tiling(21, 256, 768, split_k=True), linear_tiling(21, 256, 768)]
+    assert tilings[0].k_splits > 1 == tilings[1].k_splits
     off = dense(x, KernelPolicy(fp8_linear_kernel=False))
     want = np.asarray(x, np.float32) @ np.asarray(fp8.dequantize(dense.fp8_weight[...], dense.scale_inv[...],
                                                                  jnp.float32)).T

@@ -104,10 +104,9 @@ def test_expert_mlp_blocked_interpret_equals_reference():
                # two compute warpgroups: split 128 rows (gate_up), split 128 columns of 64 rows (down)
                (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2),
                 Tiling(block_m=128, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
-               # (gate_up walked row by row: grid_block_n past its column blocks, as the dispatch's decode
-               # tilings; the down call's tiles each from their own K step: two here, odd tiles start at the second)
+               # (gate_up walked row by row: grid_block_n past its column blocks, as the dispatch's decode tilings)
                (Tiling(block_m=64, block_n=128, stages=2, grid_block_n=64, programs=3, compute_wgs=2),
-                Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2, rotate_k=True)),
+                Tiling(block_m=64, block_n=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)),
                # clusters of two programs sharing x by multicast (the down call: its two column blocks)
                (Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=4, compute_wgs=2, cluster_n=2),
                 Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2)))
@@ -199,15 +198,11 @@ def test_fp8_grouped_matmul_interpret_equals_block_scaled_reference(bm, bn, comp
         grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs[:1], w_scale=gs)
 
 
-@pytest.mark.parametrize("compute_wgs,ahead,rotate,cluster_n", [
-    (1, 2, False, 1), (2, 0, False, 1), (2, 1, False, 1), (2, 3, False, 1), (2, 0, True, 1), (2, 3, True, 1),
-    (2, 0, True, 2)])
-def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead, rotate, cluster_n):
-    """The weight block scales queued `scale_ahead` K steps ahead of their use (or read at use: 0), over
-    more K steps (5) than the queue holds, each step's block scale distinct: the fused gate/up call in
-    the interpreter (races detected) against float64 products of the dequantized operands. rotate_k:
-    each tile starts at its own K step (the four row tiles' loop indices 0..3), alone, with the queue,
-    and in clusters of two sharing their x tiles."""
+@pytest.mark.parametrize("compute_wgs,cluster_n", [(1, 1), (2, 1), (2, 2)])
+def test_fp8_block_scales_per_step_equal_reference(compute_wgs, cluster_n):
+    """Each K step's weight block scale distinct (5 steps): the fused gate/up call in the interpreter
+    (races detected) against float64 products of the dequantized operands, one warpgroup, two, and
+    clusters of two sharing their x tiles."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
@@ -223,7 +218,7 @@ def test_fp8_block_scales_read_ahead_equal_reference(compute_wgs, ahead, rotate,
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
     gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
     t = Tiling(block_m=bm, block_n=128 if compute_wgs == 2 else 64, block_k=128, stages=2, grid_block_n=cluster_n,
-               programs=2, compute_wgs=compute_wgs, scale_ahead=ahead, rotate_k=rotate, cluster_n=cluster_n)
+               programs=2, compute_wgs=compute_wgs, cluster_n=cluster_n)
     out = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, x_scale=xs, w_scale=gs, up_scale=us,
                                     interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
     for rows, e in used_tiles(tile_expert, bm, out):
@@ -298,15 +293,13 @@ def test_interleaved_gate_up_lowers_for_cuda_at_glm5_widths(bm, cluster_n, stage
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("fp8,compute_wgs,cluster_n,ahead", [(True, 2, 1, 0), (True, 2, 2, 0), (True, 1, 1, 0),
-                                                           (False, 2, 1, 0), (False, 1, 1, 0), (True, 2, 1, 1),
-                                                           (True, 1, 1, 1)])
-def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n, ahead):
+@pytest.mark.parametrize("fp8,compute_wgs,cluster_n", [(True, 2, 1), (True, 2, 2), (True, 1, 1), (False, 2, 1),
+                                                   (False, 1, 1)])
+def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
     """K split over programs (Tiling.k_splits: each sums its consecutive K steps into an fp32 partial,
     the call adds them): plain calls over several experts' row tiles, an unused tile left unwritten,
     in the interpreter (races detected) against float64 products; fp8 with a distinct scale per K
-    block, also read a step ahead (the queue within each split's steps); refused with `up` and where
-    the splits do not divide the K steps."""
+    block; refused with `up` and where the splits do not divide the K steps."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
@@ -319,7 +312,7 @@ def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n, ahead):
     x = jnp.asarray(rng.standard_normal((4 * bm, K)), jnp.float32)
     bn = 128 if compute_wgs == 2 else 64
     t = Tiling(block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=2, grid_block_n=cluster_n, programs=4,
-               compute_wgs=compute_wgs, cluster_n=cluster_n, k_splits=splits, scale_ahead=ahead)
+               compute_wgs=compute_wgs, cluster_n=cluster_n, k_splits=splits)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     if fp8:
         xq, xs = quantize_rows(x)
@@ -437,8 +430,7 @@ def test_fp8_experts_transposed_change_the_result():
 def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     """With the fp8 kernel chosen (the GPU and policy.fp8_moe_kernel, faked here), the dispatch passes
     the stored K-major arrays to expert_mlp_blocked_fp8 untouched (the same arrays: no transpose, no
-    copy), with the policy's fp8_scale_ahead and moe_rotate_k in both tilings; bf16 experts reach
-    expert_mlp_blocked with moe_rotate_k and no read-ahead."""
+    copy), with the dispatch's tilings (expert_tilings)."""
     import pallas_kernels.moe.dispatch as dispatch
     rng = np.random.default_rng(9)
     N, k, D, I, E = 8, 2, 256, 128, 4
@@ -449,22 +441,11 @@ def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
     monkeypatch.setattr(dispatch, "expert_mlp_blocked_fp8",
                         lambda x, fe, g, u, d, sc, *a, up_tiling, down_tiling, **kw:
-                        seen.append((g, u, d, sc, (up_tiling.scale_ahead, down_tiling.scale_ahead),
-                                     (up_tiling.rotate_k, down_tiling.rotate_k))))
+                        seen.append((g, u, d, sc, (up_tiling, down_tiling))))
     dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_moe_kernel=True), scales=(gs, us, ds))
-    (g, u, d, sc, ahead, rotate), = seen
+    (g, u, d, sc, tilings), = seen
     assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds)))
-    assert ahead == (0, 0) and rotate == (False, False)
-    dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_scale_ahead=3, moe_rotate_k=True),
-                        scales=(gs, us, ds))
-    assert seen[-1][-2:] == ((3, 3), (True, True))
-    plain = []
-    monkeypatch.setattr(dispatch, "expert_mlp_blocked", lambda *a, up_tiling, down_tiling, **kw: plain.append(
-        (up_tiling.scale_ahead, down_tiling.scale_ahead, up_tiling.rotate_k, down_tiling.rotate_k)))
-    x, gate, up, down = mlp_inputs(rng, N, D, I, E)
-    for rotate in (False, True):
-        dispatch.expert_mlp(x, fe, gate, up, down, k, policy=KernelPolicy(fp8_scale_ahead=3, moe_rotate_k=rotate))
-        assert plain[-1] == (0, 0, rotate, rotate)
+    assert tilings == dispatch.expert_tilings(N * k, gq, True, KernelPolicy().fp8_moe_compute_wgs)
 
 
 @pytest.mark.parametrize("compute_wgs", [1, 2])
@@ -552,23 +533,6 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs)
         assert np.isfinite(got).all()
         assert np.abs(got - want).mean() <= 1e-2 * np.abs(want).max(), (N, k, D, I, E)
         assert np.abs(got - want).max() <= 0.1 * np.abs(want).max(), (N, k, D, I, E)
-
-
-@pytest.mark.gpu
-def test_rotated_k_compiled_equals_the_unrotated_kernel():
-    """policy.moe_rotate_k compiled on the GPU through the dispatch: bf16 and fp8 experts at prefill
-    and decode row counts, 16 and 256 experts; each tile's sums only change order, so the outputs
-    match the unrotated kernel's to bf16 rounding."""
-    rng = np.random.default_rng(12)
-    for N, k, D, I, E in ((512, 8, 1024, 512, 16), (1, 8, 1024, 512, 256), (64, 8, 1024, 512, 256)):
-        x, gate, up, down = mlp_inputs(rng, N, D, I, E)
-        (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
-        fe = jnp.asarray(rng.integers(0, E, N * k), jnp.int32)
-        for weights, scales in (((gate, up, down), None), ((gq, uq, dq), (gs, us, ds))):
-            got, want = (np.asarray(slots_compiled(x, fe, *weights, k, policy=KernelPolicy(moe_rotate_k=on),
-                                                   scales=scales), np.float64) for on in (True, False))
-            assert np.isfinite(got).all()
-            assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max(), (N, E, scales is None)
 
 
 @pytest.mark.gpu
@@ -677,26 +641,24 @@ def lower_fp8_experts_for_cuda(tokens: int, experts: int, up_t, down_t, D: int =
         sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), *q8, *sc).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("compute_wgs,rotate", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("compute_wgs", [1, 2])
 @pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
-def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_wgs, rotate):
-    """The dispatch's tilings (blocked_tilings, fp8_tilings) at GLM-5's widths (hidden 6144, expert
-    width 2048, top-8), prefill and decode row counts, bf16 and fp8, with and without
-    policy.moe_rotate_k, traced and lowered for CUDA on this machine from shapes alone: a tiling over
-    the shared memory (Mosaic GPU checks it while lowering) fails here instead of on the GPU."""
+def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_wgs):
+    """The dispatch's tilings (expert_tilings: decode ones walked row by row) at GLM-5's widths (hidden
+    6144, expert width 2048, top-8), prefill and decode row counts, bf16 and fp8, traced and lowered
+    for CUDA on this machine from shapes alone: a tiling over the shared memory (Mosaic GPU checks it
+    while lowering) fails here instead of on the GPU."""
     from pallas_kernels.moe import expert_mlp_blocked
-    from pallas_kernels.moe.dispatch import blocked_tilings, fp8_tilings, with_policy
+    from pallas_kernels.moe.dispatch import expert_tilings
     D, I, k = 6144, 2048, 8
     sds = jax.ShapeDtypeStruct
-    policy = KernelPolicy(moe_rotate_k=rotate)
     x, fe = sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32)
-    up_t, down_t = (with_policy(t, policy, False) for t in blocked_tilings(tokens * k, experts, compute_wgs))
-    assert all(t.rotate_k == (rotate and t.compute_wgs == 2) for t in (up_t, down_t))
     plain = [sds((experts, D, I), jnp.bfloat16)] * 2 + [sds((experts, I, D), jnp.bfloat16)]
+    up_t, down_t = expert_tilings(tokens * k, plain[0], False, compute_wgs)
     f = functools.partial(expert_mlp_blocked, topk=k, up_tiling=up_t, down_tiling=down_t)
     jax.jit(f).trace(x, fe, *plain).lower(lowering_platforms=("cuda",))
-    lower_fp8_experts_for_cuda(tokens, experts, *(with_policy(t, policy, True)
-                                                  for t in fp8_tilings(tokens * k, experts, compute_wgs)), D, I, k)
+    fp8_gate = sds((experts, I, D), jnp.float8_e4m3fn)
+    lower_fp8_experts_for_cuda(tokens, experts, *expert_tilings(tokens * k, fp8_gate, True, compute_wgs), D, I, k)
 
 
 def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_where_they_would_spill():

@@ -123,13 +123,6 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int) -> tuple[Tilin
     return by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
 
 
-def with_policy(t: Tiling, policy: KernelPolicy, fp8: bool) -> Tiling:
-    """A call's tiling with the policy's kernel options: fp8_scale_ahead (fp8), moe_rotate_k (the
-    warp-specialized kernel)."""
-    return dataclasses.replace(t, scale_ahead=policy.fp8_scale_ahead if fp8 else 0,
-                               rotate_k=policy.moe_rotate_k and t.compute_wgs == 2)
-
-
 def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling) -> str | None:
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     h = jax.ShapeDtypeStruct((P, gate.shape[2]), x.dtype)
@@ -218,12 +211,11 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     check_experts(x.shape[1], gate, up, down, scales)
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
-            up_t, down_t = (with_policy(t, policy, True)
-                            for t in expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs))
+            up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
-    up_t, down_t = (with_policy(t, policy, False) for t in expert_tilings(slots, gate, False, policy.moe_compute_wgs))
+    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs)
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)

@@ -58,18 +58,6 @@ class Tiling:
     other with a wait between. Half the per-step chain of issue, wait and rescale, which bounds a call
     with few rows per expert (decode); twice the fresh accumulators in registers, so only where a
     warpgroup's part of the tile is at most 64 x 64."""
-    scale_ahead: int = 0
-    """fp8: K steps ahead of its use that each weight block scale is read from global memory (a queue
-    of scalars in the K loop's carry), so the read's latency overlaps that many steps instead of
-    following every step's start; 0 reads each at its use. Aimed at decode, where a step is ~1.7 us
-    for 32 KB of weights per SM; on the H200 4 or 8 steps ahead moved no call by more than the spread
-    between rounds (docs/perf.md, 2026-12-04 fourth session), so the dispatch keeps 0."""
-    rotate_k: bool = False
-    """Warp-specialized kernel: each tile walks its K steps from its own start (its index in the
-    programs' tile loop, modulo the K steps) and wraps around, instead of every tile from step 0. The
-    programs of one wave otherwise read the same K columns of their weights at the same time (all
-    addresses of a moment equal modulo the row pitch); a single-wave decode call runs them in lock
-    step. The sums differ from the unrotated order by fp32 summation order only."""
     interleaved_gate_up: bool = False
     """fp8, warp-specialized, 128-row tiles of 128 columns: w is gate and up interleaved in 64-row
     chunks ([E, 2I, K], interleave_gate_up), so a step's one m64n128 product holds 64 gate and 64 up
@@ -119,16 +107,14 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
             return (f"joint_products: fp8, two compute warpgroups and each one's part of the tile at most 64 x 64 "
                     f"({tiling})")
     k_steps = K // tiling.block_k
-    if tiling.k_splits < 1 or k_steps % tiling.k_splits or tiling.k_splits > 1 and tiling.rotate_k:
-        return f"k_splits {tiling.k_splits}: a divisor of the {k_steps} K steps, without rotate_k"
+    if tiling.k_splits < 1 or k_steps % tiling.k_splits:
+        return f"k_splits {tiling.k_splits}: a divisor of the {k_steps} K steps"
     if tiling.interleaved_gate_up and not (
             fp8 and tiling.compute_wgs == 2 and (tiling.block_m, tiling.block_n) in ((128, 128), (64, 256))
-            and not (tiling.column_pairs or tiling.joint_products or tiling.scale_ahead or tiling.k_splits > 1)):
+            and not (tiling.column_pairs or tiling.joint_products or tiling.k_splits > 1)):
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
-                f"part one 64-row chunk of each), without column pairs, joint products, read-ahead or K splits "
+                f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
-    if tiling.rotate_k and tiling.compute_wgs != 2:
-        return f"rotate_k: the warp-specialized kernel (two compute warpgroups) ({tiling})"
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
             tiling.compute_wgs != 2 or (N // tiling.block_n // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
@@ -142,21 +128,10 @@ def _add_scaled(total, part, scale):
     return total + part * jax.lax.broadcast_in_dim(scale, part.shape, [0])
 
 
-def _scale_queue(load, k_steps: int, ahead: int, n: int):
-    """The weight block scales of the first `ahead` K steps, for each of n weights: the K loop's
-    initial queue. load(j, k) reads weight j's scale at step k (a global-memory scalar)."""
-    return tuple(tuple(load(j, min(k, k_steps - 1)) for k in range(ahead)) for j in range(n))
-
-
-def _step_scales(row_scale, load, k_steps: int, step, queue):
-    """(each weight's scale for this step: row_scale [rows] x its block scale, the queue for the next
-    step): with a queue of `ahead` scalars per weight the step takes their heads and reads
-    step + ahead's; with empty ones it reads its own."""
-    if not queue[0]:
-        return [row_scale * load(j, step) for j in range(len(queue))], queue
-    ahead = len(queue[0])
-    return ([row_scale * q[0] for q in queue],
-            tuple(q[1:] + (load(j, jnp.minimum(step + ahead, k_steps - 1)),) for j, q in enumerate(queue)))
+def _step_scales(row_scale, load, step, n: int):
+    """Each of n weights' scale for this step: row_scale [rows] x its block scale (load(j, step): a
+    global-memory scalar)."""
+    return [row_scale * load(j, step) for j in range(n)]
 
 
 def _silu_mul(gate, up):
@@ -182,11 +157,6 @@ def _split_tile(index, k_splits: int, k_steps: int):
         return index, 0, k_steps, 0
     steps = k_steps // k_splits
     return index // k_splits, index % k_splits, steps, index % k_splits * steps
-
-
-def _k_block(i, start, k_steps: int):
-    """The K block that a tile's pipeline step i reads: i + start, wrapped (Tiling.rotate_k)."""
-    return i if isinstance(start, int) and start == 0 else (i + start) % k_steps
 
 
 def _out_block(o_ref, split, rows, cols):
@@ -224,10 +194,10 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                     return ws_refs[j][expert, (ni * bn) // FP8_BLOCK, k + start]
 
                 def step(idx, x_smem, xs_smem, *rest):
-                    *w_smems, (sums, queue) = rest
+                    *w_smems, sums = rest
                     row_scale = plgpu.load(xs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))   # [bm]
                     plgpu.commit_smem()   # the read above ordered before the pipeline's next TMA write there
-                    scales, queue = _step_scales(row_scale, load, steps, idx[0], queue)
+                    scales = _step_scales(row_scale, load, idx[0], len(w_smems))
                     new = []
                     for total, w_smem, scale in zip(sums, w_smems, scales):
                         def product(acc_ref, w_smem=w_smem):
@@ -235,17 +205,16 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                             return acc_ref[...]
                         part = pl.run_scoped(product, plgpu.ACC((bm, bn), jnp.float32))
                         new.append(_add_scaled(total, part, scale))
-                    return tuple(new), queue
+                    return tuple(new)
 
                 zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-                sums, _ = plgpu.emit_pipeline(
+                sums = plgpu.emit_pipeline(
                     step, grid=(steps,),
                     in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k + start)),
                               plgpu.BlockSpec((1, bm), lambda k: (k + start, mi))]
                     + [plgpu.BlockSpec((bn, bk), lambda k: (ni, k + start))] * len(w_refs),
                     max_concurrent_steps=tiling.stages,
-                    init_carry=((zeros,) * len(w_refs),
-                                _scale_queue(load, steps, tiling.scale_ahead, len(w_refs))),
+                    init_carry=(zeros,) * len(w_refs),
                 )(x_ref, xs_ref, *[w.at[expert] for w in w_refs])
                 return sums
 
@@ -286,9 +255,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     shared = dict(collective_axes=("cluster",)) if cn == 2 else {}
 
     def pipeline(body, context, start=0, steps=k_steps):
-        """The tile's K pipeline of `steps` steps; step i reads K block (i + start) mod k_steps
-        (Tiling.rotate_k: a rotation; k_splits: the split's consecutive steps)."""
-        kb = functools.partial(_k_block, start=start, k_steps=k_steps)
+        """The tile's K pipeline of `steps` steps from K block `start` (k_splits: the split's
+        consecutive steps)."""
+        kb = lambda k: k + start   # noqa: E731
         w_block, w_index = ((bn, bk), lambda k: (0, kb(k))) if fp8 else ((bk, bn), lambda k: (kb(k), 0))
         specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, kb(k)), **shared)]
                  + ([plgpu.BlockSpec((1, bm), lambda k: (kb(k), 0), **shared)] if fp8 else [])
@@ -321,8 +290,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             mi, nc = plgpu.planar_snake(tile, (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
             ni = nc * cn + jax.lax.axis_index("cluster") if cn == 2 else nc
             expert = tile_expert_ref[mi]
-            if tiling.rotate_k:
-                start = tile % k_steps            # one per cluster: x is shared
             rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
 
@@ -331,10 +298,10 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 (interleaved: j 0 gate's, 1 up's, for the warpgroup's 64 rows of each)."""
                 col = (ni * out_n + (0 if split_rows else wg * (sn // 2)) if interleaved
                        else column(ni, j) + (0 if split_rows else wg * sn))
-                return ws_refs[j][expert, col // FP8_BLOCK, _k_block(i, start, k_steps)]
+                return ws_refs[j][expert, col // FP8_BLOCK, i + start]
 
             def step_fp8(idx, x_smem, xs_smem, *rest):
-                *w_smems, (sums, queue) = rest
+                *w_smems, sums = rest
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
                 plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
 
@@ -350,14 +317,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     part = products(w_smems)[0]
                     halves = (part[:, :sn // 2], part[:, sn // 2:])
                     return tuple(_add_scaled(total, half, row_scale * load_scale(j, idx[0]))
-                                 for j, (total, half) in enumerate(zip(sums, halves))), queue
-                scales, queue = _step_scales(row_scale, load_scale, steps, idx[0], queue)
+                                 for j, (total, half) in enumerate(zip(sums, halves)))
+                scales = _step_scales(row_scale, load_scale, idx[0], n_w)
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
-                                 for total, part, scale in zip(sums, products(w_smems), scales)), queue
+                                 for total, part, scale in zip(sums, products(w_smems), scales))
                 # one product at a time, each rescaled before the next is issued
                 return tuple(_add_scaled(total, products([w_smem])[0], scale)
-                             for total, w_smem, scale in zip(sums, w_smems, scales)), queue
+                             for total, w_smem, scale in zip(sums, w_smems, scales))
 
             def step_bf16(_, x_smem, *rest):
                 *w_smems, accs = rest
@@ -387,8 +354,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 # interleaved: gate's and up's sums, each the [sm, sn / 2] half of the step's product
                 zeros = plgpu.layout_cast(jnp.zeros((sm, sn // 2 if interleaved else sn), jnp.float32),
                                           plgpu.Layout.WGMMA)
-                sums, _ = run(((zeros,) * len(ws_refs),
-                               _scale_queue(load_scale, steps, tiling.scale_ahead, len(ws_refs))))
+                sums = run((zeros,) * len(ws_refs))
                 store(outputs(sums))
 
             def context_bf16(run):
