@@ -59,11 +59,11 @@ class Tiling:
     with few rows per expert (decode); twice the fresh accumulators in registers, so only where a
     warpgroup's part of the tile is at most 64 x 64."""
     interleaved_gate_up: bool = False
-    """fp8, warp-specialized, 128-row tiles of 128 columns: w is gate and up interleaved in 64-row
-    chunks ([E, 2I, K], interleave_gate_up), so a step's one m64n128 product holds 64 gate and 64 up
-    columns (the x tile read from shared memory once, not once per weight) and the epilogue pairs
-    column j with j + 64; w_scale / up_scale stay gate's and up's own [E, I/128, K/128] block scales.
-    Output [P, I]."""
+    """fp8, warp-specialized, 128 x 128 tiles (each warpgroup 64 rows) or 64 x 256 (each warpgroup 128
+    columns): w is gate and up interleaved in 64-row chunks ([E, 2I, K], interleave_gate_up), so a
+    warpgroup's one m64n128 product a step holds 64 gate and 64 up columns (the x tile read from shared
+    memory once, not once per weight), its halves summed apart and paired by the epilogue; w_scale /
+    up_scale stay gate's and up's own [E, I/128, K/128] block scales. Output [P, I]."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -243,11 +243,12 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8, interleaved)
     n_w = len(w_refs)
     n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
-    fused = n_w == 2 and not tiling.column_pairs   # gate and up: silu(gate) * up
+    fused = n_w == 2 and not tiling.column_pairs or interleaved   # gate and up: silu(gate) * up
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
     out_n = bn // 2 if interleaved else bn         # output columns of a tile's block (interleaved: its gate half)
+    out_sn = sn // 2 if interleaved else sn        # a warpgroup's output columns (and fp32 sums' width)
     wg = jax.lax.axis_index("wg")
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
@@ -282,7 +283,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
-                       o_smem=plgpu.SMEM((2 * n_out, sm, sn * out_n // bn), o_ref.dtype), collective_axes="wg")
+                       o_smem=plgpu.SMEM((2 * n_out, sm, out_sn), o_ref.dtype), collective_axes="wg")
     def _scope(allocs, o_smem):
         @plgpu.nd_loop((grid_m * grid_n // cn * tiling.k_splits,), collective_axes="sm")
         def _tile(info):
@@ -296,7 +297,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             def load_scale(j, i):
                 """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile
                 (interleaved: j 0 gate's, 1 up's, for the warpgroup's 64 rows of each)."""
-                col = (ni * out_n + (0 if split_rows else wg * (sn // 2)) if interleaved
+                col = (ni * out_n + (0 if split_rows else wg * out_sn) if interleaved
                        else column(ni, j) + (0 if split_rows else wg * sn))
                 return ws_refs[j][expert, col // FP8_BLOCK, i + start]
 
@@ -313,12 +314,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
+                scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
                 if interleaved:           # one product: its gate half into gate's sums, its up half into up's
                     part = products(w_smems)[0]
-                    halves = (part[:, :sn // 2], part[:, sn // 2:])
-                    return tuple(_add_scaled(total, half, row_scale * load_scale(j, idx[0]))
-                                 for j, (total, half) in enumerate(zip(sums, halves)))
-                scales = _step_scales(row_scale, load_scale, idx[0], n_w)
+                    halves = (part[:, :out_sn], part[:, out_sn:])
+                    return tuple(_add_scaled(total, half, scale) for total, half, scale in zip(sums, halves, scales))
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
                                  for total, part, scale in zip(sums, products(w_smems), scales))
@@ -341,19 +341,18 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 plgpu.commit_smem()
                 for j in range(len(outs)):
                     if interleaved:
-                        out_cols = pl.ds(0, out_n) if split_rows else pl.ds(wg * (sn // 2), sn // 2)
+                        out_cols = pl.ds(0, out_n) if split_rows else pl.ds(wg * out_sn, out_sn)
                         block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * out_n, out_n)].at[rows, out_cols]
                     else:
                         block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn)).at[rows, cols]
                     plgpu.copy_smem_to_gmem(o_smem.at[wg * n_out + j], block)
 
             def outputs(vals):
-                return [_silu_mul(*vals)] if fused or interleaved else list(vals)
+                return [_silu_mul(*vals)] if fused else list(vals)
 
             def context_fp8(run):
-                # interleaved: gate's and up's sums, each the [sm, sn / 2] half of the step's product
-                zeros = plgpu.layout_cast(jnp.zeros((sm, sn // 2 if interleaved else sn), jnp.float32),
-                                          plgpu.Layout.WGMMA)
+                # interleaved: gate's and up's sums, each the [sm, out_sn] half of the step's product
+                zeros = plgpu.layout_cast(jnp.zeros((sm, out_sn), jnp.float32), plgpu.Layout.WGMMA)
                 sums = run((zeros,) * len(ws_refs))
                 store(outputs(sums))
 
