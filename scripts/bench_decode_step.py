@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the whole engine step (with and without the overlapped loop) vs
 the jitted model step alone vs the sampler, on the same shapes, in one run (table + JSON); with
---profile N, the model step's N costliest device ops (run with XLA_FLAGS=--xla_gpu_enable_command_buffer=
-to see ops rather than command buffers). --kernels takes several policies separated by ';': each is
+--profile N, the model step's N costliest device ops and its time by JAX scope (command buffers
+off for the whole run, so that the trace shows ops rather than buffers). --kernels takes several policies separated by ';': each is
 measured on the same weights (built once) and the JSON holds {"runs": [one result per policy]}.
 
     python scripts/bench_decode_step.py --model tiny --batch 8 --context 512
@@ -112,6 +112,9 @@ def main() -> int:
     p.add_argument("--json", default="bench_decode_step.json")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.profile:
+        from profile_prefill import set_profile_flags
+        args.dump_dir = set_profile_flags()      # ops named by scope; command buffers off
     from cpkv_jax.cli import bench_model
     from pallas_kernels.policy import KernelPolicy
 
@@ -198,20 +201,21 @@ def measure(model, args, kernels: str) -> dict:
         print(f"{k:>27}  {res[k]:8.3f}")
     if args.profile:
         import tempfile
-        from profile_prefill import device_op_times
+        from profile_prefill import device_op_times, hlo_scopes, print_profile
         trace_dir = tempfile.mkdtemp(prefix="cpkv-decode-profile-")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(n):
                 logits = runner.forward(batch, lane, attn_path="absorbed", last_rank=rank)
             jax.block_until_ready(logits)
-        ops, span, _ = device_op_times(trace_dir)
+        ops, span, _ = device_op_times(trace_dir, hlo_scopes(args.dump_dir))
         total = sum(t for t, _ in ops.values())
-        top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.profile]
         print(f"model step device ops: {total / n / 1e3:.3f} ms per step over a {span / n / 1e3:.3f} ms span")
-        for name, (t_us, count) in top:
-            print(f"{name[:100]:<100}  {t_us / n:9.1f} us  {100 * t_us / max(total, 1e-9):5.1f}%  x{count / n:g}")
+        top, by_scope = print_profile(ops, n, args.profile)
         res["profile"] = {"device_ms_per_step": total / n / 1e3, "span_ms_per_step": span / n / 1e3,
-                          "top": [{"op": k, "us_per_step": t_us / n, "count_per_step": c / n} for k, (t_us, c) in top]}
+                          "top": [{"op": op, "scope": scope, "us_per_step": t / n, "count_per_step": c / n}
+                                  for (_, op, scope), (t, c) in top],
+                          "by_scope": [{"scope": k, "us_per_step": t / n, "count_per_step": c / n}
+                                       for k, (t, c) in by_scope]}
     if engine_profile is not None:
         res["engine_profile"] = engine_profile
     return res

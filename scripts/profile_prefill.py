@@ -83,6 +83,33 @@ def device_op_times(trace_dir: str, scopes: dict | None = None) -> tuple[dict, f
     return dict(ops), (last - first if ops else 0.0), sorted(set(lanes.values()))
 
 
+def set_profile_flags(dump_dir: str | None = None, command_buffers: bool = False) -> str:
+    """XLA_FLAGS for a profile named by scope (before jax starts its backend): the optimized HLO dumped
+    to dump_dir (default: a temporary directory, returned) for hlo_scopes, command buffers off unless
+    asked for (with them on the trace shows the buffers, not the ops inside)."""
+    dump_dir = dump_dir or tempfile.mkdtemp(prefix="cpkv-hlo-")
+    flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_as_text"]
+    if not command_buffers:
+        flags.append("--xla_gpu_enable_command_buffer=")
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
+    return dump_dir
+
+
+def print_profile(ops: dict, n: int = 1, top: int = 25) -> tuple[list, list]:
+    """Prints the `top` costliest ops (named by scope) and the time by scope, per repetition of n; returns
+    both as lists of ((module, op, scope) or scope, [us, count])."""
+    total = sum(t for t, _ in ops.values())
+    top_ops = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
+    by_scope = sorted(scope_times(ops).items(), key=lambda kv: -kv[1][0])
+    for title, rows in (("op", [(f"{op}  {scope}", v) for (_, op, scope), v in top_ops]), ("scope", by_scope)):
+        w = max(len(name[:100]) for name, _ in rows) if rows else 10
+        print(f"\n{title:<{w}}  {'us' if n > 1 else 'ms':>9}     share  calls")
+        for name, (t, c) in rows:
+            value = t / n if n > 1 else t / 1e3
+            print(f"{name[:100]:<{w}}  {value:9.2f} {'us' if n > 1 else 'ms'}  {100 * t / max(total, 1e-9):5.1f}%  x{c / n:g}")
+    return top_ops, by_scope
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
@@ -104,11 +131,7 @@ def main() -> int:
     p.add_argument("--json", default="profile_prefill.json")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    dump_dir = args.dump_dir or tempfile.mkdtemp(prefix="cpkv-hlo-")
-    flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_as_text"]
-    if not args.command_buffers:
-        flags.append("--xla_gpu_enable_command_buffer=")
-    os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)     # read when jax starts its backend
+    dump_dir = set_profile_flags(args.dump_dir, args.command_buffers)
     import jax
     import numpy as np
 
@@ -133,16 +156,10 @@ def main() -> int:
         wall = time.perf_counter() - t0
     ops, span, lanes = device_op_times(trace_dir, hlo_scopes(dump_dir))
     total = sum(t for t, _ in ops.values())
-    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]
-    by_scope = sorted(scope_times(ops).items(), key=lambda kv: -kv[1][0])
     print(f"wall {wall * 1e3:.1f} ms; device ops {total / 1e3:.1f} ms over a {span / 1e3:.1f} ms span "
           f"({len(ops)} distinct ops on {len(lanes)} lanes: {', '.join(lanes[:4])}); trace in {trace_dir}, "
           f"HLO in {dump_dir}")
-    for title, rows in (("op", [(f"{op}  {scope}", v) for (_, op, scope), v in top]), ("scope", by_scope)):
-        w = max(len(n[:100]) for n, _ in rows) if rows else 10
-        print(f"\n{title:<{w}}  {'ms':>9}     share  calls")
-        for name, (t, n) in rows:
-            print(f"{name[:100]:<{w}}  {t / 1e3:9.2f} ms  {100 * t / max(total, 1e-9):5.1f}%  x{n}")
+    top, by_scope = print_profile(ops, top=args.top)
     Path(args.json).write_text(json.dumps({
         "argv": sys.argv[1:], "wall_s": wall, "device_total_us": total, "span_us": span,
         "device": str(jax.devices()[0].device_kind),
