@@ -26,6 +26,11 @@ class KernelPolicy:
     """Calls that read their keys through the page table (decode, short chunks) over a table of whole
     64-slot blocks compute their scores with the paged Mosaic GPU kernel, which reads the pool by TMA:
     faster than the Triton kernel's row gathers on the H200 (docs/perf.md)."""
+    mgpu_paged_one_wave: bool = False
+    """The paged scores kernel takes as few key blocks per program as keep a call within about one wave
+    of the SMs (tuning.paged_blocks_per_program), instead of the 64 of its default tiling, which was
+    measured at 8 x 131072 keys and leaves a batch-1 decode at 8k context on 2 programs (30 us a
+    layer in the H200 profile of docs/perf.md, 2026-12-04 sixth session). Off until measured."""
     mgpu_min_programs: int = 132
     """The fewest programs (16 query tokens of a request each) for which the gathered Mosaic GPU kernel
     is used: below one program per SM of the H200 it loses to the Triton kernel (docs/perf.md)."""
@@ -88,12 +93,13 @@ class KernelPolicy:
     """The Mosaic GPU sparse MLA kernel's row copies carry PTX's L2::256B prefetch hint (kernel_mgpu
     _gather_block, FlashMLA's sparse producer does). On the H200 (docs/perf.md, 2026-12-04 fourth
     session): decode 8 queries 42 -> 31 us, 64: 74 -> 73, 128: 113 -> 109, prefill 8192 4.75 -> 4.68 ms."""
-    fp8_linear_split_k: bool = False
+    fp8_linear_split_k: bool = True
     """Decode-sized fp8 dense linears (at most 64 rows: one row tile) split K over programs up to one
     wave of the SMs (fp8_linear.linear_tiling), instead of one program per 128 output columns: q_a_proj
-    (2048 outputs) otherwise reads its 12.6 MB through 16 of 132 SMs, o_proj through 48. Off: on the
-    H200 (docs/perf.md, 2026-12-04 fifth session) o_proj at 1 row 74.8 -> 64.4 us but indexer.wq_b at
-    8 rows 46.8 -> 73.7, the decode step (1 x 8k, fp8, 256 experts) 2.909 -> 2.820 ms."""
+    (2048 outputs) otherwise reads its 12.6 MB through 16 of 132 SMs, o_proj through 48. On the H200
+    (docs/perf.md, 2026-12-04 sixth session; GLM-5 slice, 4 layers, fp8, 256 experts): the model step
+    at 1 x 8k 3.313 -> 2.912 ms (profiled: the dense linears' kernels 730 -> 422 us a step, o_proj
+    51 -> 35 us), at 8 x 2k 3.986 -> 3.697 ms."""
     unroll_layers_max_tokens: int = 16
     """Forwards of at most this many tokens per request (decode, verify, short extends) run their layer
     groups unrolled instead of as a lax.scan (0: always the scan). A deep scan stays a while loop, whose

@@ -119,8 +119,8 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
-    dense(x, KernelPolicy(fp8_linear_split_k=True))
-    assert [a[2:] for a in seen] == [(False,), (True,)]
+    dense(x, KernelPolicy(fp8_linear_split_k=False))
+    assert [a[2:] for a in seen] == [(True,), (False,)]   # split K by default
     del seen[1:]
     tilings = []
 

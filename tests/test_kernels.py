@@ -512,6 +512,35 @@ def test_mgpu_dispatch_rules():
     assert not use_mgpu_scores(8, 1, 16, 128, bf16, True, fp8)                # 16 heads
 
 
+def test_paged_scores_one_wave_rule(monkeypatch):
+    """KernelPolicy.mgpu_paged_one_wave: the paged scores kernel's key blocks per program keep a call
+    within about one wave of 132 programs (at least 2 blocks, at most the default tiling's 64, which
+    the rule also gives at 8 x 131072, where that tiling was measured), and the dispatch passes them to
+    the kernel only with the option on."""
+    from pallas_kernels.indexer import dispatch, paged_blocks_per_program
+    from pallas_kernels.policy import KernelPolicy
+    cases = {(8, 1, 131072): 64, (1, 1, 8192): 2, (8, 1, 2048): 2, (1, 1, 131072): 16, (4, 4, 8192): 4,
+             (8, 1, 32768): 32, (32, 1, 8192): 32}
+    for (B, T, S), per in cases.items():
+        assert paged_blocks_per_program(B, T, 32, S) == per, (B, T, S)
+        programs = B * -(-S // (64 * per))
+        assert programs <= 132 or per == 64, (B, T, S, programs)
+    calls = []
+
+    def scores(q, w, index_k, index_scale, layer, table, pos, **kw):
+        calls.append(kw["mgpu"])
+        return jnp.zeros((q.shape[0], q.shape[1], table.shape[1]), jnp.float32)
+    monkeypatch.setattr(dispatch, "index_scores_pallas", scores)
+    monkeypatch.setattr(dispatch, "select_topk", lambda s, k, lengths, policy: jnp.zeros((*s.shape[:2], k), jnp.int32))
+    monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: True)
+    rng = np.random.default_rng(2)
+    q, w, ik, sc, table, pos = scores_inputs(rng, 1, 1, 32, 128, 8192, True, False, q_dtype=jnp.bfloat16,
+                                             page_size=64)
+    for on, want in ((False, True), (True, {"blocks_per_program": 2})):
+        indexer_topk(q, w, ik, sc, 1, table, pos, 64, contiguous_blocks=True, policy=KernelPolicy(mgpu_paged_one_wave=on))
+        assert calls.pop() == want
+
+
 @pytest.mark.gpu
 def test_index_scores_mgpu_paged_compiled_on_gpu():
     """The paged Mosaic GPU scores kernel compiled for the H200: GLM-5's 32 heads and DeepSeek's 64,
@@ -528,7 +557,7 @@ def test_index_scores_mgpu_paged_compiled_on_gpu():
             ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
             fin = np.isfinite(ref)
             triton = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a))(q, w, ik, sc, 1, table, pos))
-            for tiling in ({}, {"blocks_per_program": 8, "stages": 4}):
+            for tiling in ({}, {"blocks_per_program": 8, "stages": 4}, {"blocks_per_program": 2, "stages": 4}):
                 got = np.asarray(jax.jit(lambda *a, t=tiling: index_scores_pallas(
                     *a, mgpu=t or True, contiguous_blocks=True))(q, w, ik, sc, 1, table, pos))
                 np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref), err_msg=str(tiling))
@@ -668,6 +697,35 @@ def test_indexer_topk_fused_compiled_on_gpu():
         else:
             assert_same_topk_up_to_near_ties(got, ref, k, 1e-5 * np.abs(ref[np.isfinite(ref)]).max())
             assert (path[np.asarray(pos) >= 0] == 1).mean() > 0.9   # padding lanes take path 0
+
+
+def test_selection_dispatch_takes_the_resident_kernel_from_one_row(monkeypatch):
+    """On the GPU, rows narrow enough for the resident-row kernel take it at any row count (a batch-1
+    decode's single row included); wider rows take the two-call kernel from MIN_KERNEL_ROWS rows and
+    lax.top_k's composition below. The kernel is recorded, and run in Triton's interpreter on one
+    decode-sized row: equal to the oracle."""
+    import pallas_kernels.indexer.select as select_module
+    from pallas_kernels.indexer import MIN_KERNEL_ROWS
+    from pallas_kernels.policy import KernelPolicy
+
+    real, taken = select_module.select_topk_pallas, []
+
+    def recorded(scores, k, lengths=None, **kw):
+        taken.append((scores.shape, kw))
+        return real(scores, k, lengths, interpret=True, **kw) if scores.shape == (1, 2048) else \
+            select_topk_reference(scores, k)
+    monkeypatch.setattr(select_module, "select_topk_pallas", recorded)
+    monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: True)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2048)), jnp.float32)
+    lengths = jnp.asarray([1500], jnp.int32)
+    got = select_topk(x, 256, lengths)
+    np.testing.assert_array_equal(np.asarray(got), topk_oracle(np.asarray(x), 256, np.asarray(lengths)))
+    assert taken == [((1, 2048), select_tiling(1, 2048))] and taken[0][1]["resident"]
+    for rows, width, kernel in ((1, 8192, True), (MIN_KERNEL_ROWS - 1, RESIDENT_MAX_WIDTH, True),
+                                (1, 2 * RESIDENT_MAX_WIDTH, False), (MIN_KERNEL_ROWS, 2 * RESIDENT_MAX_WIDTH, True)):
+        taken.clear()
+        select_topk(jnp.zeros((rows, width), jnp.float32), 16)
+        assert bool(taken) == kernel, (rows, width)
 
 
 def test_topk_entry_points_reject_bad_input():

@@ -18,7 +18,7 @@ from pallas_kernels.indexer.fused import indexer_topk_fused
 from pallas_kernels.indexer.reference import index_keys_fp32, index_scores_reference, select_topk_reference
 from pallas_kernels.indexer.scores import index_scores_pallas
 from pallas_kernels.indexer.select import select_topk
-from pallas_kernels.indexer.tuning import gathers_keys, paged_block_t
+from pallas_kernels.indexer.tuning import gathers_keys, paged_block_t, paged_blocks_per_program
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 
@@ -69,6 +69,8 @@ def indexer_topk(q, w, index_k, index_scale, layer, slot_table, positions, k: in
         q_, w_, pos_ = q[:, t0:t0 + chunk], w[:, t0:t0 + chunk], positions[:, t0:t0 + chunk]
         if kernels:
             mgpu = use_mgpu_scores(B, q_.shape[1], H, D, q.dtype, contiguous_blocks, index_k.dtype, policy=policy)
+            if mgpu and policy.mgpu_paged_one_wave:      # (the gathered kernel's tiling ignores the key)
+                mgpu = {"blocks_per_program": paged_blocks_per_program(B, q_.shape[1], H, slot_table.shape[1])}
             scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, slot_table, pos_, write_invisible=False,
                                          mgpu=mgpu, contiguous_blocks=contiguous_blocks)
             return select_topk(sum_heads(scores), k, pos_ + 1, policy=policy)

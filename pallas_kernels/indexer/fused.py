@@ -20,7 +20,7 @@ from pallas_kernels.indexer.common import (INT_MIN, NEG_INF, _call, _pad_to, che
 from pallas_kernels.indexer.reference import select_topk_reference
 from pallas_kernels.indexer.scores import _scores_call, index_scores_pallas
 from pallas_kernels.indexer.select import TAKE_ALL, _Row, _sampled_bracket, _threshold_emit_kernel, select_topk
-from pallas_kernels.indexer.tuning import MIN_KERNEL_ROWS, query_block
+from pallas_kernels.indexer.tuning import query_block, selects_by_kernel
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 
@@ -115,7 +115,7 @@ def indexer_topk_fused(q, w, index_k, index_scale, layer, slot_table, positions,
     def unfused(q_, w_, table_, pos_):
         scores = index_scores_pallas(q_, w_, index_k, index_scale, layer, table_, pos_, write_invisible=False,
                                      **common)
-        if interpret or not policy.on_gpu() or scores.size // S < MIN_KERNEL_ROWS:
+        if interpret or not policy.on_gpu() or not selects_by_kernel(scores.size // S, S):
             return select_topk_reference(jnp.where(jnp.arange(S) <= pos_[..., None], scores, NEG_INF), k)
         return select_topk(scores, k, pos_ + 1, policy=policy)
 

@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.indexer.common import (_CAND, _HI_KEY, _LO_KEY, _PAST, _VIS, INT_MIN, NEG_INF, NEG_INF_KEY,
                                            _call, _pad_to, check_selection_args, order_keys)
 from pallas_kernels.indexer.reference import select_topk_reference
-from pallas_kernels.indexer.tuning import MIN_KERNEL_ROWS, RESIDENT_MAX_WIDTH, select_tiling
+from pallas_kernels.indexer.tuning import RESIDENT_MAX_WIDTH, select_tiling, selects_by_kernel
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 
@@ -541,12 +541,12 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
 
 
 def select_topk(scores, k: int, lengths=None, *, policy: KernelPolicy = DEFAULT_POLICY):
-    """The dispatch for selection over a given score matrix: the kernels on GPU from MIN_KERNEL_ROWS
-    rows, lax.top_k's composition otherwise. (Here, beside its kernels, and not in dispatch.py: the
+    """The dispatch for selection over a given score matrix: the kernels on GPU where they win
+    (tuning.selects_by_kernel), lax.top_k's composition otherwise. (Here, beside its kernels, and not in dispatch.py: the
     fused indexer's redo path uses it, and the indexer's dispatch uses the fused indexer.)"""
     check_selection_args(scores, k, lengths)
     rows, width = scores.size // scores.shape[-1], scores.shape[-1]
-    if policy.on_gpu() and rows >= MIN_KERNEL_ROWS:
+    if policy.on_gpu() and selects_by_kernel(rows, width):
         return select_topk_pallas(scores, k, lengths, **select_tiling(rows, width, k))
     if lengths is not None:
         cols = jnp.arange(width, dtype=jnp.int32)

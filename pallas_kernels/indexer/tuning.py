@@ -32,6 +32,16 @@ def gathers_keys(T: int, H: int, block_m: int = 128) -> bool:
     return pl.cdiv(T, query_block(T, H, block_m)) >= GATHER_KEYS_MIN_QUERY_BLOCKS
 
 
+def paged_blocks_per_program(B: int, T: int, H: int, S: int, programs: int = 132) -> int:
+    """Key blocks per program of the paged scores kernel that spread a call of B requests x T query
+    tokens x S keys over about one wave of `programs`: the fewest, a power of two and at least 2 (one
+    per compute warpgroup), at most the default tiling's 64 (measured at 8 x 131072, where this rule
+    gives 64 too). KernelPolicy.mgpu_paged_one_wave."""
+    blocks = B * pl.cdiv(T, paged_block_t(T, H)) * pl.cdiv(S, scores_mgpu.BLOCK_KV)
+    most = scores_mgpu.PAGED_TILING["blocks_per_program"]
+    return min(most, max(2, pl.next_power_of_2(pl.cdiv(blocks, programs))))
+
+
 def mgpu_tiling(mgpu: bool | dict, T: int, H: int, paged: bool) -> dict:
     """The Mosaic GPU scores kernel's tiling for an mgpu request (ValueError for unknown keys; the
     kernels' entry points reject operands they cannot take). paged: the paged kernel, whose
@@ -51,7 +61,8 @@ def mgpu_tiling(mgpu: bool | dict, T: int, H: int, paged: bool) -> dict:
 # The widest row _resident_row_kernel keeps in registers (32 keys per thread at 16 warps).
 RESIDENT_MAX_WIDTH = 16384
 
-# Below this many rows lax.top_k's composition is used (the kernel wins from 8 rows; docs/perf.md).
+# Below this many rows a row too wide for the resident kernel takes lax.top_k's composition (the
+# two-call kernel wins from 8 rows; docs/perf.md).
 MIN_KERNEL_ROWS = 8
 
 
@@ -63,6 +74,14 @@ def select_tiling(rows: int, width: int, k: int = 2048) -> dict:
     if width <= 8192 or (width <= RESIDENT_MAX_WIDTH and rows <= 512):
         return {"resident": True, "bits": 1, "num_warps": 16 if rows <= 512 else 8}
     return bracket_tiling(rows, width, k)
+
+
+def selects_by_kernel(rows: int, width: int) -> bool:
+    """Whether the selection of rows x width takes a kernel on the GPU (else lax.top_k's composition):
+    the resident-row kernel at any row count (on the H200, docs/perf.md 2026-12-04 sixth session: 1 x
+    8192 13 us against the composition's 65, which a batch-1 decode step paid in every layer), the
+    two-call kernel from MIN_KERNEL_ROWS rows."""
+    return rows >= MIN_KERNEL_ROWS or bool(select_tiling(rows, width).get("resident"))
 
 
 # The most programs the two-call selection splits a row's columns over: 8 for decode's 8 x 131072
