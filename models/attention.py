@@ -177,8 +177,9 @@ class MLA(nnx.Module):
                     rows, slots = access.rows_for(kv_rows, batch.slot_table, topk, n_local)
                     lat, rope, layer = rows[None, :, :C], rows[None, :, C:], 0
                 slots = jnp.where(topk >= 0, slots, -1).reshape(B * T, K)
+                # packed: the indexer lists a row's selected positions first, -1 after them
                 o_lat = sparse_mla(q_lat.reshape(B * T, H, C), q_rope.reshape(B * T, H, dr), lat, rope, layer,
-                                   slots, scale, policy=kernels).reshape(B, T, H, C)
+                                   slots, scale, policy=kernels, packed=True).reshape(B, T, H, C)
             else:
                 kv_sel = access.pick(kv_rows, batch.slot_table, topk, n_local)   # [B, T, K, C + dr]
                 lat_sel, rope_sel = kv_sel[..., :C], kv_sel[..., C:]

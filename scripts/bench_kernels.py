@@ -657,6 +657,8 @@ def bench_sparse_mla(args, ceil):
             copy_threads = {"row_threads": int(o[1:]) for o in opts if o.startswith("r")}   # ":rT"
             if "p" in opts:                                                                   # ":p"
                 copy_threads["l2_prefetch"] = True
+            if "k" in opts:                         # ":k" the slots as packed (decode's random slots are)
+                copy_threads["packed"] = True
             if name in MGPU_SCORES:                 # the Mosaic GPU prefill kernel (one program per query)
                 variants[spec] = jax.jit(functools.partial(sparse_mla_mgpu, scores=MGPU_SCORES[name], **copy_threads),
                                          static_argnums=(4, 6))
@@ -989,12 +991,13 @@ def main() -> int:
                    help="sparse MLA prefill variants: Triton tilings block_h:block_k:warps:stages[:splits], 'dispatch' "
                         "(the Triton tiling the dispatch picks), 'mgpu', 'mgpu_alt' or 'mgpu_split' (the Mosaic GPU "
                         "kernel, its scores computed by both warpgroups, by each in turn, or split by rows; "
-                        "':rT' after one: T threads a row in the row copies; ':p': the copies' L2::256B prefetch hint)")
+                        "':rT' after one: T threads a row in the row copies; ':p': the copies' L2::256B prefetch hint; "
+                        "':k': the slots taken as packed, selected first, as the model passes them)")
     p.add_argument("--mla-decode-tilings", default="mgpu_rows,dispatch,mgpu_rows:1,mgpu_rows:4,64:64:8:2:2",
                    help="sparse MLA decode variants: as --mla-tilings ('dispatch': the Triton kernel with the "
                         "dispatch's tiling, taken with mgpu_sparse_mla_rows off), 'mgpu_rows' (the Mosaic GPU "
                         "kernel with each query's rows cut in dispatch.row_splits_for shares, the default path) "
-                        "and 'mgpu_rows:S' (S shares), either with ':rT' and ':p' as there)")
+                        "and 'mgpu_rows:S' (S shares), either with ':rT', ':p' and ':k' as there)")
     p.add_argument("--linear-rows", default="1,8,64", help="fp8_linear: rows of each call")
     p.add_argument("--linear-names", default="", help="fp8_linear: GLM-5 linears to time (default: all)")
     p.add_argument("--json", default="bench_kernels.json")

@@ -79,6 +79,13 @@ def test_kernel_interpret_bf16_is_close():
     assert got.dtype == np.float32 and np.max(np.abs(got - want)) < 3e-2 * np.max(np.abs(want))
 
 
+def packed_or_nan(slots, out):
+    """out where every row of slots is packed (its selected slots first, -1 after: what the model
+    promises the kernel with packed=True), else NaN, so that a comparison after a jitted step fails."""
+    from pallas_kernels.sparse_mla.kernel_mgpu import selected_first
+    return jnp.where(jnp.all(selected_first(slots.astype(jnp.int32))[0] == slots), out, jnp.nan)
+
+
 @pytest.mark.parametrize("name", ["glm_tiny"])
 def test_model_through_the_kernel_matches_hf(name, monkeypatch):
     """The absorbed path with the kernel (in interpret mode, standing in for the GPU: the dispatch only
@@ -91,10 +98,10 @@ def test_model_through_the_kernel_matches_hf(name, monkeypatch):
 
     calls = []
 
-    def kernel(q_lat, q_rope, latent, k_rope, layer, slots, scale, *, policy):
-        calls.append(q_lat.shape)
-        return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
-                                 tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype))
+    def kernel(q_lat, q_rope, latent, k_rope, layer, slots, scale, *, policy, packed):
+        calls.append((q_lat.shape, packed))
+        return packed_or_nan(slots, sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
+                                                      tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype)))
     monkeypatch.setattr(attention, "kernel_applies", lambda *a: True)
     monkeypatch.setattr(attention, "sparse_mla", kernel)
     ref = reference(name)
@@ -106,7 +113,7 @@ def test_model_through_the_kernel_matches_hf(name, monkeypatch):
     B, T = tokens.shape
     logits, _ = jit_forward(model, attn_path="absorbed", kernels=policy)(
         contiguous_batch(tokens), empty_kv_cache(model.cfg, 1 + B * T, model.dtype))
-    assert calls, "the kernel was not called"
+    assert calls and all(packed for _, packed in calls), calls
     assert rel_err(np.asarray(logits), ref["prefill_logits"]) <= TOL
     dec = decode_logits(model, ref["decode_tokens"], int(ref["decode_prefill_len"]), "absorbed", kernels=policy)
     assert rel_err(dec, ref["decode_logits"]) <= TOL
@@ -124,10 +131,11 @@ def test_cp_engine_through_the_kernel_equals_single_device(tiny, monkeypatch):
 
     calls = []
 
-    def kernel(q_lat, q_rope, latent, k_rope, layer, slots, scale, *, policy):
+    def kernel(q_lat, q_rope, latent, k_rope, layer, slots, scale, *, policy, packed):
+        assert packed
         calls.append(latent.shape)
-        return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
-                                 tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype))
+        return packed_or_nan(slots, sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
+                                                      tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype)))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(2, tiny.cfg.vocab_size, n).tolist() for n in (20, 45)]   # 45 > top-k 32
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
@@ -167,19 +175,20 @@ def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
     calls = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
     prefetch = []
-    monkeypatch.setattr(dispatch, "sparse_mla_mgpu",
-                        lambda *a, scores, l2_prefetch: calls.append(("mgpu", scores)) or prefetch.append(l2_prefetch))
-    monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows",
-                        lambda *a, row_splits, l2_prefetch: calls.append(("rows", row_splits)) or prefetch.append(l2_prefetch))
+    packs = []
+    monkeypatch.setattr(dispatch, "sparse_mla_mgpu", lambda *a, scores, l2_prefetch, packed: calls.append(
+        ("mgpu", scores)) or prefetch.append(l2_prefetch) or packs.append(packed))
+    monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows", lambda *a, row_splits, l2_prefetch, packed: calls.append(
+        ("rows", row_splits)) or prefetch.append(l2_prefetch) or packs.append(packed))
     monkeypatch.setattr(dispatch, "sparse_mla_pallas", lambda *a, tiling: calls.append(("triton", tiling.splits)))
     monkeypatch.setattr(dispatch, "sparse_mla_reference", lambda *a: calls.append(("reference",)))
     sds = jax.ShapeDtypeStruct
     pool = (sds((1, 4096, 512), jnp.bfloat16), sds((1, 4096, 64), jnp.bfloat16))
 
-    def route(N, **policy):
+    def route(N, packed=False, **policy):
         calls.clear()
         sparse_mla(sds((N, 64, 512), jnp.bfloat16), sds((N, 64, 64), jnp.bfloat16), *pool, 0,
-                   sds((N, 2048), jnp.int32), 0.1, policy=KernelPolicy(**policy))
+                   sds((N, 2048), jnp.int32), 0.1, policy=KernelPolicy(**policy), packed=packed)
         return calls[0]
     assert route(8192) == ("mgpu", "both")
     assert route(8192, mgpu_sparse_mla_alternate=True) == ("mgpu", "alternate")
@@ -191,6 +200,39 @@ def test_dispatch_maps_the_policy_to_the_kernel_and_its_mode(monkeypatch):
     assert all(prefetch)                 # on by default
     assert route(8192, mgpu_sparse_mla_l2_prefetch=False)[0] == "mgpu" and prefetch[-1] is False
     assert route(8, mgpu_sparse_mla_l2_prefetch=False)[0] == "rows" and prefetch[-1] is False
+    assert not any(packs)                # the caller's promise, passed on as given
+    assert route(8192, packed=True)[0] == "mgpu" and packs[-1] is True
+    assert route(8, packed=True)[0] == "rows" and packs[-1] is True
+
+
+def test_packed_slots_equal_the_compaction_on_packed_rows_and_lower():
+    """kernel_mgpu.packed_slots (the kernel's operands for rows the caller promises packed) equals
+    selected_first's on the rows the indexer's selection produces (its positions ascending, -1 after;
+    full, short and empty rows), and differs on an unpacked row (the promise matters); the kernel
+    lowers for the GPU with packed=True."""
+    import functools
+
+    from pallas_kernels.indexer import select_topk_reference
+    from pallas_kernels.sparse_mla.kernel_mgpu import packed_slots, selected_first, sparse_mla_mgpu
+    rng = np.random.default_rng(5)
+    scores = jnp.asarray(rng.standard_normal((6, 300)), jnp.float32)
+    lengths = jnp.asarray([300, 40, 1, 0, 64, 65])
+    scores = jnp.where(jnp.arange(300) < lengths[:, None], scores, -jnp.inf)
+    topk = select_topk_reference(scores, 64)
+    table = jnp.asarray(rng.permutation(1000)[:300], jnp.int32)
+    slots = jnp.where(topk >= 0, table[jnp.maximum(topk, 0)], -1)
+    got, want = packed_slots(slots), selected_first(slots)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert list(np.asarray(got[1])) == [64, 40, 1, 0, 64, 64]
+    unpacked = slots.at[0, 3].set(-1)
+    assert not np.array_equal(np.asarray(packed_slots(unpacked)[0]), np.asarray(selected_first(unpacked)[0]))
+    sds = jax.ShapeDtypeStruct
+    args = (sds((8, 64, 512), jnp.bfloat16), sds((8, 64, 64), jnp.bfloat16), sds((2, 4096, 512), jnp.bfloat16),
+            sds((2, 4096, 64), jnp.bfloat16), 1, sds((8, 2048), jnp.int32), 0.1)
+    fn = jax.jit(functools.partial(sparse_mla_mgpu, packed=True, with_stats=True, row_splits=4),
+                 static_argnums=(4, 6))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
@@ -380,5 +422,10 @@ def test_mgpu_row_splits_compiled_equal_reference(N, monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "sparse_mla_mgpu_rows", lambda *a, **kw: calls.append(kw) or sparse_mla_mgpu_rows(*a, **kw))
     routed = np.asarray(sparse_mla(*args, policy=KernelPolicy(mgpu_sparse_mla_rows=True)), np.float32)
-    assert calls == [{"row_splits": S, "l2_prefetch": KernelPolicy().mgpu_sparse_mla_l2_prefetch}]
+    assert calls == [{"row_splits": S, "l2_prefetch": KernelPolicy().mgpu_sparse_mla_l2_prefetch, "packed": False}]
     assert np.max(np.abs(routed - want)) / np.max(np.abs(want)) < 2e-2
+    from pallas_kernels.sparse_mla.kernel_mgpu import selected_first    # packed rows read as they are:
+    front = selected_first(args[5])[0]                                 # the same rows in the same order
+    packed = jax.jit(sparse_mla_mgpu_rows, static_argnums=(4, 6), static_argnames=("row_splits", "packed"))(
+        *args[:5], front, args[6], row_splits=S, packed=True)
+    np.testing.assert_array_equal(np.asarray(packed, np.float32), got)

@@ -62,19 +62,22 @@ def row_splits_for(N: int, K: int) -> int:
 
 
 @jax.named_call     # profiles name the ops inside by this scope
-def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, policy: KernelPolicy = DEFAULT_POLICY):
-    """The dispatch (see sparse_mla_reference for the arguments)."""
+def sparse_mla(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, policy: KernelPolicy = DEFAULT_POLICY,
+               packed: bool = False):
+    """The dispatch (see sparse_mla_reference for the arguments). packed: the caller promises each row
+    of slots lists its selected slots first, -1 after them (the indexer's selection does); the Mosaic
+    GPU kernel then skips compacting them (kernel_mgpu.packed_slots)."""
     if kernel_applies(q_lat, q_rope, policy):
         N, H, _ = q_lat.shape
         if mgpu_applies(q_lat, q_rope, policy):
             if N >= 2 * _SM_COUNT:
                 return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                        scores="alternate" if policy.mgpu_sparse_mla_alternate else "both",
-                                       l2_prefetch=policy.mgpu_sparse_mla_l2_prefetch)
+                                       l2_prefetch=policy.mgpu_sparse_mla_l2_prefetch, packed=packed)
             if policy.mgpu_sparse_mla_rows:
                 return sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                             row_splits=row_splits_for(N, slots.shape[1]),
-                                            l2_prefetch=policy.mgpu_sparse_mla_l2_prefetch)
+                                            l2_prefetch=policy.mgpu_sparse_mla_l2_prefetch, packed=packed)
         return sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale,
                                  tiling=tiling_for(N, H, slots.shape[1], q_lat.dtype))
     return sparse_mla_reference(q_lat, q_rope, latent, k_rope, layer, slots, scale)

@@ -414,9 +414,18 @@ def selected_first(slots):
     return front, jnp.sum(sel, axis=1, dtype=jnp.int32)
 
 
+def packed_slots(slots):
+    """selected_first's result for rows that are already packed (selected slots first, -1 after): the
+    slots as they are and their count. A sum, where the compaction takes a per-row cumulative sum and a
+    scatter (on the H200 a batch-1 decode step spent 31-34 us a layer in one fusion of that cumsum
+    and sum, against the kernel's 7.7: docs/perf.md, 2026-12-04 sixth session)."""
+    slots = slots.astype(jnp.int32)
+    return slots, jnp.sum(slots >= 0, axis=1, dtype=jnp.int32)
+
+
 def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, lane_semantics: bool = False,
                     scores: str = "both", with_stats: bool = False, row_splits: int = 1,
-                    row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False):
+                    row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False, packed: bool = False):
     """sparse_mla_reference as one Mosaic GPU kernel call (bf16, prefill-sized N: one program per
     query). q_lat [N, H, C], q_rope [N, H, R], latent [L, P, C], k_rope [L, P, R], slots [N, K].
     scores: how the two compute warpgroups share out the score product ("both", "split_keys",
@@ -426,7 +435,10 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     row_splits S > 1 (decode, verify; with_stats): S programs per query, program n * S + s over share s
     of its selected rows (split_rows); outputs and statistics [N * S, ...], for merge_row_splits.
     row_threads (ROW_THREADS): the memory warpgroup's threads per row in one copy pass (_gather_block).
-    l2_prefetch: the row copies carry the L2::256B prefetch hint (_gather_block)."""
+    l2_prefetch: the row copies carry the L2::256B prefetch hint (_gather_block).
+    packed: the caller promises each row of slots lists its selected slots first, -1 after them (the
+    indexer's selection does): the kernel reads them as they are, without selected_first's
+    per-row compaction."""
     check_sparse_mla_args(q_lat, q_rope, latent, k_rope, slots)
     err = mgpu_shape_error(q_lat, q_rope)
     if err is not None:
@@ -443,7 +455,7 @@ def sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *
     if H != HEADS:
         pad = ((0, 0), (0, HEADS - H), (0, 0))
         q_lat, q_rope = jnp.pad(q_lat, pad), jnp.pad(q_rope, pad)
-    slots, ends = selected_first(slots.astype(jnp.int32))
+    slots, ends = packed_slots(slots) if packed else selected_first(slots.astype(jnp.int32))
     slots = jnp.pad(slots, ((0, 0), (0, -slots.shape[1] % (2 * BLOCK))), constant_values=-1)
     tiled = _TILED
     smem = dict(q_lat=plgpu.SMEM((2, HEADS, C // 2), jnp.bfloat16, transforms=tiled),
@@ -523,13 +535,14 @@ def merge_row_splits(out, stats, row_splits: int, dtype):
 
 
 def sparse_mla_mgpu_rows(q_lat, q_rope, latent, k_rope, layer, slots, scale: float, *, row_splits: int,
-                         row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False):
+                         row_threads: int = DEFAULT_ROW_THREADS, l2_prefetch: bool = False, packed: bool = False):
     """sparse_mla_mgpu for few queries (decode, verify): each query's selected rows cut in row_splits
     shares (split_rows), one program each returning its normalized output and softmax statistics,
     merged in fp32 (merge_row_splits); one share is the plain kernel."""
     if row_splits == 1:
         return sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, row_threads=row_threads,
-                               l2_prefetch=l2_prefetch)
+                               l2_prefetch=l2_prefetch, packed=packed)
     out, stats = sparse_mla_mgpu(q_lat, q_rope, latent, k_rope, layer, slots, scale, with_stats=True,
-                                 row_splits=row_splits, row_threads=row_threads, l2_prefetch=l2_prefetch)
+                                 row_splits=row_splits, row_threads=row_threads, l2_prefetch=l2_prefetch,
+                                 packed=packed)
     return merge_row_splits(out, stats, row_splits, q_lat.dtype)
