@@ -537,7 +537,8 @@ def test_paged_scores_one_wave_rule(monkeypatch):
     q, w, ik, sc, table, pos = scores_inputs(rng, 1, 1, 32, 128, 8192, True, False, q_dtype=jnp.bfloat16,
                                              page_size=64)
     for on, want in ((False, True), (True, {"blocks_per_program": 2})):
-        indexer_topk(q, w, ik, sc, 1, table, pos, 64, contiguous_blocks=True, policy=KernelPolicy(mgpu_paged_one_wave=on))
+        indexer_topk(q, w, ik, sc, 1, table, pos, 64, contiguous_blocks=True,
+                     policy=KernelPolicy(mgpu_paged_one_wave=on))
         assert calls.pop() == want
 
 

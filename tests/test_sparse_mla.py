@@ -100,8 +100,9 @@ def test_model_through_the_kernel_matches_hf(name, monkeypatch):
 
     def kernel(q_lat, q_rope, latent, k_rope, layer, slots, scale, *, policy, packed):
         calls.append((q_lat.shape, packed))
-        return packed_or_nan(slots, sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
-                                                      tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype)))
+        out = sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
+                                tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype))
+        return packed_or_nan(slots, out)
     monkeypatch.setattr(attention, "kernel_applies", lambda *a: True)
     monkeypatch.setattr(attention, "sparse_mla", kernel)
     ref = reference(name)
@@ -134,8 +135,9 @@ def test_cp_engine_through_the_kernel_equals_single_device(tiny, monkeypatch):
     def kernel(q_lat, q_rope, latent, k_rope, layer, slots, scale, *, policy, packed):
         assert packed
         calls.append(latent.shape)
-        return packed_or_nan(slots, sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
-                                                      tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype)))
+        out = sparse_mla_pallas(q_lat, q_rope, latent, k_rope, layer, slots, scale, interpret=True,
+                                tiling=tiling_for(*q_lat.shape[:2], slots.shape[1], q_lat.dtype))
+        return packed_or_nan(slots, out)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(2, tiny.cfg.vocab_size, n).tolist() for n in (20, 45)]   # 45 > top-k 32
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)

@@ -12,11 +12,11 @@ from pallas_kernels.indexer.scores import index_scores_pallas
 from pallas_kernels.indexer.select import sample_block_start, sample_size, select_topk, select_topk_pallas
 from pallas_kernels.indexer.tuning import (MAX_SEGMENTS, MIN_KERNEL_ROWS, RESIDENT_MAX_WIDTH, bracket_tiling,
                                            gathers_keys, paged_block_t, paged_blocks_per_program, query_block,
-                                           select_tiling,                                            selects_by_kernel)
+                                           select_tiling, selects_by_kernel)
 
 __all__ = ["FP8", "FP8_MAX", "MAX_SEGMENTS", "MIN_KERNEL_ROWS", "PATHS", "RESIDENT_MAX_WIDTH", "bracket_tiling",
            "check_indexer_args", "check_selection_args", "dequantize_index_k", "fold_query_scale", "gathers_keys",
            "index_keys_fp32", "index_scores_pallas", "index_scores_reference", "indexer_topk", "indexer_topk_fused",
-           "paged_block_t", "paged_blocks_per_program", "query_block", "quantize_index_k", "sample_block_start", "sample_columns",
-           "sample_size", "select_tiling", "select_topk", "selects_by_kernel", "select_topk_pallas", "select_topk_reference",
-           "use_mgpu_scores"]
+           "paged_block_t", "paged_blocks_per_program", "query_block", "quantize_index_k", "sample_block_start",
+           "sample_columns", "sample_size", "select_tiling", "select_topk", "select_topk_pallas",
+           "select_topk_reference", "selects_by_kernel", "use_mgpu_scores"]

@@ -542,8 +542,9 @@ def select_topk_pallas(scores, k: int, lengths=None, *, chunk: int = 4096, bits:
 
 def select_topk(scores, k: int, lengths=None, *, policy: KernelPolicy = DEFAULT_POLICY):
     """The dispatch for selection over a given score matrix: the kernels on GPU where they win
-    (tuning.selects_by_kernel), lax.top_k's composition otherwise. (Here, beside its kernels, and not in dispatch.py: the
-    fused indexer's redo path uses it, and the indexer's dispatch uses the fused indexer.)"""
+    (tuning.selects_by_kernel), lax.top_k's composition otherwise. (Here, beside its kernels, and not
+    in dispatch.py: the fused indexer's redo path uses it, and the indexer's dispatch uses the fused
+    indexer.)"""
     check_selection_args(scores, k, lengths)
     rows, width = scores.size // scores.shape[-1], scores.shape[-1]
     if policy.on_gpu() and selects_by_kernel(rows, width):
