@@ -293,6 +293,95 @@ def test_interleaved_gate_up_lowers_for_cuda_at_glm5_widths(bm, cluster_n, stage
     assert "mosaic_gpu" in text
 
 
+PROMOTE_CASES = [(128, 64, 1, "joint"), (64, 128, 2, "joint"), (128, 64, 1, "pairs_joint"), (128, 128, 2, "interleaved"),
+                 (64, 256, 1, "interleaved")]
+
+
+def promote_behind_outputs(bm, bn, cluster_n, kind, interpret):
+    """(plain, promote_behind) outputs of one fp8 call (5 K steps with distinct scales, an unused tile)
+    and its tile_expert: joint gate/up, joint column pairs (down) or interleaved gate/up."""
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.grouped_matmul import interleave_gate_up
+    rng = np.random.default_rng(17)
+    E, K, N = 2, 640, 256
+    tile_expert = jnp.asarray([1, -1, 0], jnp.int32)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((3 * bm, K)), jnp.float32))
+    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
+    gs = gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)
+    us = us * jnp.asarray(rng.uniform(0.25, 4.0, us.shape), jnp.float32)
+    t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=2 if bm == 128 else 1, programs=4,
+               compute_wgs=2, cluster_n=cluster_n, joint_products=kind != "interleaved",
+               column_pairs=kind == "pairs_joint", interleaved_gate_up=kind == "interleaved")
+    w, up = (interleave_gate_up(gq, uq), None) if kind == "interleaved" else (gq, uq if kind == "joint" else None)
+    scaled = dict(w_scale=gs, up_scale=None if kind == "pairs_joint" else us)
+    call = jax.jit(lambda t: grouped_matmul(xq, w, tile_expert, up=up, tiling=t, interpret=interpret, x_scale=xs,
+                                            **scaled), static_argnums=0)
+    return [np.asarray(call(dataclasses.replace(t, promote_behind=pb)), np.float32) for pb in (False, True)], tile_expert
+
+
+@pytest.mark.parametrize("bm,bn,cluster_n,kind", PROMOTE_CASES)
+def test_promote_behind_interpret_is_bit_equal(bm, bn, cluster_n, kind):
+    """Tiling.promote_behind (each step adds the previous step's products while its own run, the last
+    after the loop) does the same additions in the same order: in the interpreter (races detected) the
+    outputs equal the plain tiling's bit for bit, for joint gate/up, joint column pairs (down) and
+    interleaved gate/up, 5 K steps with distinct scales, an unused tile unwritten; refused where a step
+    has one product at a time."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    (plain, behind), tile_expert = promote_behind_outputs(bm, bn, cluster_n, kind,
+                                                          plgpu.InterpretGPUParams(detect_races=True))
+    for rows, _ in used_tiles(tile_expert, bm, plain, behind):
+        assert np.isfinite(plain[rows]).all()
+        np.testing.assert_array_equal(behind[rows], plain[rows])
+    sds = jax.ShapeDtypeStruct
+    one_at_a_time = Tiling(block_m=128, block_n=64, block_k=128, compute_wgs=2, promote_behind=True)
+    assert "promote_behind" in shape_error(sds((384, 640), jnp.float8_e4m3fn), sds((2, 256, 640), jnp.float8_e4m3fn),
+                                           one_at_a_time, fp8=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm,bn,cluster_n,kind", PROMOTE_CASES)
+def test_promote_behind_compiled_is_bit_equal(bm, bn, cluster_n, kind):
+    """The same compiled on the H200: promote_behind's outputs equal the plain tiling's bit for bit."""
+    assert jax.default_backend() == "gpu"
+    (plain, behind), tile_expert = promote_behind_outputs(bm, bn, cluster_n, kind, False)
+    for i, e in enumerate(np.asarray(tile_expert)):
+        if e >= 0:
+            rows = slice(i * bm, (i + 1) * bm)
+            assert np.isfinite(plain[rows]).all()
+            np.testing.assert_array_equal(behind[rows], plain[rows])
+
+
+@pytest.mark.parametrize("bm,kind", [(128, "interleaved"), (128, "joint"), (64, "interleaved")])
+def test_promote_behind_lowers_for_cuda_at_glm5_widths(bm, kind):
+    """promote_behind at GLM-5's widths (8192 tokens x top-8 over 256 experts on 128-row tiles, 64
+    tokens on 64 x 256 tiles), traced and lowered for CUDA from shapes: the carried products and
+    scales (zero for step -1) lower with the wgmma and row-scale layouts."""
+    from pallas_kernels.moe import grouped_matmul
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 256, 6144, 2048
+    P = 8192 * 8 + 256 * 128 if bm == 128 else 64 * 8 * 64
+    il = kind == "interleaved"
+    t = Tiling(block_m=bm, block_n=(128 if il else 64) if bm == 128 else 256, block_k=128, stages=4, compute_wgs=2,
+               grid_block_n=16 if bm == 128 else 1, cluster_n=2 if bm == 64 else 1, interleaved_gate_up=il,
+               joint_products=not il, promote_behind=True)
+    scales = sds((E, I // 128, D // 128), jnp.float32)
+    if il:
+        f = jax.jit(lambda x, w, te, xs, gs, us: grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=gs,
+                                                                up_scale=us))
+        args = (sds((E, 2 * I, D), jnp.float8_e4m3fn),)
+    else:
+        f = jax.jit(lambda x, w, te, xs, gs, us, u: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                   up_scale=us))
+        args = (sds((E, I, D), jnp.float8_e4m3fn),)
+    rest = (sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32), scales, scales)
+    if not il:
+        rest = rest + (sds((E, I, D), jnp.float8_e4m3fn),)
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), *args, *rest).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("fp8,compute_wgs,cluster_n", [(True, 2, 1), (True, 2, 2), (True, 1, 1), (False, 2, 1),
                                                    (False, 1, 1)])
 def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
