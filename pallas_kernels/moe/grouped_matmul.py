@@ -65,11 +65,11 @@ class Tiling:
     memory once, not once per weight), its halves summed apart and paired by the epilogue; w_scale /
     up_scale stay gate's and up's own [E, I/128, K/128] block scales. Output [P, I]."""
     promote_behind: bool = False
-    """fp8, warp-specialized, with joint_products or interleaved_gate_up: each step adds the previous
-    step's products (carried with their scales) into the fp32 sums while its own wgmmas run, and the
-    last step's after the loop, instead of waiting for its own products before adding them: the
-    rescale comes off the tensor cores' critical path at the cost of one step's products in registers.
-    The same additions in the same order (outputs bit-equal)."""
+    """fp8, warp-specialized, with joint_products or interleaved_gate_up: each step issues its wgmmas
+    first, then reads its scales and adds the previous step's products (carried with their scales)
+    into the fp32 sums while they run, and the last step's after the loop, instead of waiting for its
+    own products before adding them: the rescale comes off the tensor cores' critical path at the cost
+    of one step's products in registers. The same additions in the same order (outputs bit-equal)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -313,8 +313,12 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def step_fp8(idx, x_smem, xs_smem, *rest):
                 *w_smems, sums = rest
-                row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
+
+                def step_scales():
+                    """Each weight's scale for this step's rows (the row scales read from shared memory)."""
+                    row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
+                    return tuple(_step_scales(row_scale, load_scale, idx[0], len(ws_refs)))
 
                 def products(smems, meanwhile=lambda: None):
                     """This step's products with the weight blocks `smems`, issued together, awaited once
@@ -326,11 +330,12 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return done, tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
-                scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
-                if promote_behind:        # the previous step's products added while this step's run
+                if promote_behind:        # while this step's products run: its scales, the previous step's sums
                     sums, parts, part_scales = sums
-                    sums, parts = products(w_smems, lambda: add_products(sums, parts, part_scales))
-                    return sums, parts, tuple(scales)
+                    (sums, scales), parts = products(
+                        w_smems, lambda: (add_products(sums, parts, part_scales), step_scales()))
+                    return sums, parts, scales
+                scales = step_scales()
                 if interleaved or tiling.joint_products:
                     return add_products(sums, products(w_smems)[1], scales)
                 # one product at a time, each rescaled before the next is issued
