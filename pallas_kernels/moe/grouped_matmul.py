@@ -383,7 +383,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 # a zero product at scale zero stands for "step -1": adding it leaves the zero sums as they are
                 no_part = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
                 no_scale = plgpu.layout_cast(jnp.zeros((sm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                sums, parts, scales = run((sums, (no_part,) * (1 if interleaved else n_w), (no_scale,) * len(ws_refs)))
+                sums, parts, scales = run((sums, (no_part,) * n_w, (no_scale,) * len(ws_refs)))
                 store(outputs(add_products(sums, parts, scales)))
 
             def context_bf16(run):
