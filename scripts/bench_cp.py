@@ -22,15 +22,18 @@ import sys
 import time
 from pathlib import Path
 
-COLLECTIVE = re.compile(r'"?stablehlo\.(all_reduce|all_gather|reduce_scatter)"?')
+COLLECTIVE = re.compile(r'"?stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)"?'
+                        r'|stablehlo\.custom_call @(ragged_all_to_all)')
 TENSOR = re.compile(r"tensor<([0-9x]*)x?([a-z][a-z0-9A-Z]*)>")
+ALONE = ("all_reduce", "all_gather", "reduce_scatter")     # the kinds time_collective reproduces
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4, "ui8": 1, "i8": 1, "f8E4M3FN": 1, "i1": 1}
 
 
 def collectives(mlir: str) -> list[dict]:
-    """Every all-reduce / all-gather / reduce-scatter of a lowered step: kind, operand shape and dtype,
-    result shape, gathered/scattered dimension. The operand type is the first `(tensor<...>)` after the
-    op (all-reduce carries its reduction region in between)."""
+    """Every all-reduce / all-gather / reduce-scatter / all-to-all / ragged all-to-all / collective
+    permute of a lowered step: kind, operand shape and dtype (a ragged all-to-all's: its send buffer, the
+    most it moves), result shape, gathered/scattered dimension. The operand type is the first
+    `(tensor<...>)` after the op (all-reduce carries its reduction region in between)."""
     found = []
     for m in COLLECTIVE.finditer(mlir):
         sig = mlir.index(": (tensor<", m.end())
@@ -38,7 +41,7 @@ def collectives(mlir: str) -> list[dict]:
         types = TENSOR.findall(mlir[sig:end])
         shape = tuple(int(d) for d in types[0][0].split("x") if d)
         dim = re.search(r"(?:all_gather_dim|scatter_dimension) = (\d+)", mlir[m.end():sig])
-        found.append({"kind": m.group(1), "shape": shape, "dtype": types[0][1],
+        found.append({"kind": m.group(1) or m.group(2), "shape": shape, "dtype": types[0][1],
                       "result": tuple(int(d) for d in types[-1][0].split("x") if d),
                       "dim": int(dim.group(1)) if dim else None})
     return found
@@ -103,7 +106,7 @@ def analyse_variants(engine, seen: dict, layers: int, bench_mesh: bool) -> list[
         ops = collectives(lowered.as_text())
         for c in ops:
             key = (c["kind"], c["shape"], c["dtype"], c["dim"])
-            if bench_mesh and key not in timed:
+            if bench_mesh and key not in timed and c["kind"] in ALONE:
                 timed[key] = time_collective(c, runner.mesh)
             c["bytes"] = tensor_bytes(c)
             c["seconds_alone"] = timed.get(key)
@@ -122,18 +125,19 @@ def max_rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
-def compare(tokens, logits, ref_tokens, ref_logits) -> dict:
-    """Greedy tokens and logits [steps, V] per request against the reference run. A token mismatch is
-    reported with the step it happens at and the reference's top-2 margin there (relative to its
-    largest |logit|): a margin below the logits' rounding spread is a near-tie, not a wrong result."""
+def compare(tokens, logits, ref_tokens, ref_logits, ref: str = "cp1") -> dict:
+    """Greedy tokens and logits [steps, V] per request against the reference run (named `ref` in the
+    keys). A token mismatch is reported with the step it happens at and the reference's top-2 margin
+    there (relative to its largest |logit|): a margin below the logits' rounding spread is a near-tie,
+    not a wrong result."""
     import numpy as np
-    out = {"tokens_equal_cp1": tokens == ref_tokens,
-           "first_logits_max_rel_vs_cp1": max(max_rel(a[0], b[0]) for a, b in zip(logits, ref_logits)),
-           "logits_max_rel_vs_cp1": 0.0, "nan": any(bool(np.isnan(a).any()) for a in logits), "mismatches": []}
+    out = {f"tokens_equal_{ref}": tokens == ref_tokens,
+           f"first_logits_max_rel_vs_{ref}": max(max_rel(a[0], b[0]) for a, b in zip(logits, ref_logits)),
+           f"logits_max_rel_vs_{ref}": 0.0, "nan": any(bool(np.isnan(a).any()) for a in logits), "mismatches": []}
     for i, (t, r) in enumerate(zip(tokens, ref_tokens)):
         step = next((j for j, (x, y) in enumerate(zip(t, r)) if x != y), None)
         same_context = len(t) if step is None else step + 1     # logits after a different token differ anyway
-        out["logits_max_rel_vs_cp1"] = max(out["logits_max_rel_vs_cp1"],
+        out[f"logits_max_rel_vs_{ref}"] = max(out[f"logits_max_rel_vs_{ref}"],
                                            max_rel(logits[i][:same_context], ref_logits[i][:same_context]))
         if step is not None:
             ref = ref_logits[i][step]
