@@ -54,12 +54,13 @@ CORPUS_MODULES = ("argparse.py", "dataclasses.py", "functools.py", "textwrap.py"
 TEXT_EVAL_FRACTION = 0.05
 
 
-def corpus_text() -> str:
-    """The concatenated corpus (modules missing from this Python are skipped)."""
+def corpus_text(modules=CORPUS_MODULES) -> str:
+    """The concatenated corpus, or these standard-library modules (those missing from this Python are
+    skipped)."""
     import sysconfig
     root = Path(sysconfig.get_paths()["stdlib"])
     parts = []
-    for name in CORPUS_MODULES:
+    for name in modules:
         f = root / name
         if f.exists():
             parts.append(f.read_text(encoding="utf-8"))

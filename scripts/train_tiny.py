@@ -74,6 +74,20 @@ import jax.numpy as jnp  # noqa: E402
 from cpkv_jax import eval as tasks  # noqa: E402
 
 BOS, EOS = 0, 1
+# --stage mtp --draft-text other / both: standard-library modules outside the corpus (cpkv_jax.eval's
+# CORPUS_MODULES, whose tail is the held-out text), whose prompts the main model has never read, as it
+# has never read the eval's held-out prompts
+DRAFT_PROMPT_MODULES = ("collections/__init__.py", "email/message.py", "http/client.py", "urllib/parse.py",
+                        "ipaddress.py", "pprint.py", "queue.py", "sched.py", "selectors.py", "socket.py",
+                        "threading.py", "traceback.py", "uuid.py", "weakref.py", "pickle.py", "gettext.py",
+                        "locale.py", "optparse.py", "pdb.py", "platform.py", "plistlib.py", "smtplib.py",
+                        "tarfile.py", "unittest/case.py", "mailbox.py", "ftplib.py", "codecs.py", "os.py",
+                        "posixpath.py", "glob.py", "fnmatch.py", "linecache.py", "base64.py", "bdb.py", "cmd.py",
+                        "dis.py", "doctest.py", "filecmp.py", "gzip.py", "mimetypes.py", "ntpath.py", "pkgutil.py",
+                        "pstats.py", "shlex.py", "socketserver.py", "timeit.py", "trace.py", "types.py", "wave.py",
+                        "webbrowser.py", "compileall.py", "graphlib.py", "asyncio/base_events.py",
+                        "asyncio/tasks.py", "concurrent/futures/_base.py", "multiprocessing/pool.py",
+                        "xml/dom/minidom.py", "logging/handlers.py", "unittest/mock.py", "importlib/_bootstrap.py")
 SPECIALS = ("<bos>", "<eos>", "<pad>")
 
 
@@ -579,6 +593,10 @@ def parse(argv=None):
                                             "of training-text prompts (mtp_stage)")
     d.add_argument("--draft-seqs", type=int, default=8192, help="training sequences (prompt + greedy continuation)")
     d.add_argument("--draft-val", type=int, default=64, help="validation sequences (probe: simulated acceptance)")
+    d.add_argument("--draft-text", choices=("train", "other", "both"), default="train",
+                   help="where the continuations' prompts come from: the main stage's training text, other "
+                        "standard-library modules (DRAFT_PROMPT_MODULES: text the model never read, as the "
+                        "held-out prompts), or half of each")
     d.add_argument("--draft-prompt", type=int, default=48, help="prompt tokens of each sequence (as the eval's)")
     d.add_argument("--draft-len", type=int, default=80, help="tokens of each sequence, prompt included")
     d.add_argument("--draft-steps", type=int, default=500)
@@ -816,7 +834,7 @@ def main(argv=None) -> int:
 
 # ---- the MTP stage: the draft layer alone, against the frozen main model ---------------------------
 
-DRAFT_ARGS = ("init", "out", "seed", "draft_seqs", "draft_val", "draft_prompt", "draft_len", "draft_steps",
+DRAFT_ARGS = ("init", "out", "seed", "draft_seqs", "draft_val", "draft_text", "draft_prompt", "draft_len", "draft_steps",
               "draft_batch", "draft_lr", "draft_warmup", "draft_depths", "draft_hard", "draft_prompt_weight",
               "draft_kl", "draft_balance", "draft_task_mix", "draft_task_seqs", "draft_eval_every",
               "draft_eval_windows", "draft_own_head", "draft_own_embed", "clip", "min_lr_ratio")
@@ -872,9 +890,9 @@ def mtp_stage(args) -> int:
     train_text, _ = tasks.corpus_split()
     text_ids = np.asarray(tt.encode(train_text), np.int32)
     rng = np.random.default_rng([args.seed, 41])
-    starts = rng.integers(0, len(text_ids) - P, args.draft_seqs + args.draft_val)
+    prompts = draft_prompts(tt, text_ids, args.draft_text, args.draft_seqs + args.draft_val, P, rng)
     t0 = time.time()
-    seqs = greedy_continuations(model, [text_ids[o:o + P].tolist() for o in starts], L - P)
+    seqs = greedy_continuations(model, prompts, L - P)
     t_gen = time.time() - t0
     # the other tasks' sequences (the main stage's generators, training seeds; the model answers them,
     # so its greedy outputs are their answers): the draft keeps following recall, copies and arithmetic
@@ -1037,6 +1055,23 @@ def mtp_stage(args) -> int:
         shutil.rmtree(old)
     print(f"saved {out}; total {time.time() - t_start:.0f}s", flush=True)
     return 0
+
+
+def draft_prompts(tt, train_ids: np.ndarray, source: str, n: int, length: int, rng) -> list[list[int]]:
+    """n prompts of `length` tokens at random offsets of the training text (source "train"), of
+    DRAFT_PROMPT_MODULES ("other"), or half of each in turn ("both"); never of the held-out text."""
+    if source == "train":
+        sources = [train_ids]
+    else:
+        overlap = set(DRAFT_PROMPT_MODULES) & set(tasks.CORPUS_MODULES)
+        if overlap:
+            raise ValueError(f"DRAFT_PROMPT_MODULES holds corpus modules {sorted(overlap)}")
+        other = np.asarray(tt.encode(tasks.corpus_text(DRAFT_PROMPT_MODULES)), np.int32)
+        sources = [other] if source == "other" else [train_ids, other]
+    which = np.arange(n) % len(sources)
+    highs = np.asarray([len(s) - length for s in sources])
+    starts = rng.integers(0, highs[0] if len(sources) == 1 else highs[which], n)
+    return [sources[w][o:o + length].tolist() for w, o in zip(which, starts)]
 
 
 def greedy_continuations(model, prompts, new_tokens: int) -> np.ndarray:

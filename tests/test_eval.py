@@ -20,6 +20,18 @@ def tt():
     return tasks.TaskTokenizer.from_dir(TINY_DIR)
 
 
+@pytest.fixture(scope="module")
+def train():
+    """scripts/train_tiny.py as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_tiny", Path(__file__).parent.parent / "scripts" / "train_tiny.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_sets_are_deterministic_held_out_and_far(tt):
     a = tasks.eval_set(tt, "recall", 20, index_topk=16)
     b = tasks.eval_set(tt, "recall", 20, index_topk=16)
@@ -93,7 +105,7 @@ def test_eval_verb_rejects_a_bad_task():
         main(["eval", "--task", "gsm8k"])
 
 
-def test_training_forward_chains_the_mtp_layer_as_the_engine_drafts(monkeypatch):
+def test_training_forward_chains_the_mtp_layer_as_the_engine_drafts(monkeypatch, train):
     """scripts/train_tiny.py trains the MTP layer chained on its own output; its training forward gives,
     for a request's tokens and drafts, the engine's three draft proposals (cpkv_jax/spec.py: the draft
     cache holds depth-1 keys up to where drafting started, one key per chain step after it)."""
@@ -109,10 +121,6 @@ def test_training_forward_chains_the_mtp_layer_as_the_engine_drafts(monkeypatch)
     from cpkv_jax.sampling import SamplingParams
     from models.weights import load_model
 
-    script = Path(__file__).parent.parent / "scripts" / "train_tiny.py"
-    mod_spec = importlib.util.spec_from_file_location("train_tiny", script)
-    train = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(train)
     seen = []
     propose = spec.SpecDecoder._propose
 
@@ -139,7 +147,7 @@ def test_training_forward_chains_the_mtp_layer_as_the_engine_drafts(monkeypatch)
 
 
 @pytest.mark.parametrize("own", [False, True])
-def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path, own):
+def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path, own, train):
     """scripts/train_tiny.py --stage mtp (a few sequences and steps): only the MTP layer changes; every
     other part of the checkpoint is the initial one's, file for file and array for array, and the
     stage's arguments are recorded beside the main stage's record in training.json (with the record of
@@ -150,10 +158,6 @@ def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path, own):
 
     from models.weights import MANIFEST
 
-    script = Path(__file__).parent.parent / "scripts" / "train_tiny.py"
-    mod_spec = importlib.util.spec_from_file_location("train_tiny", script)
-    train = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(train)
     out = tmp_path / "tiny-mtp"
     assert train.main(["--stage", "mtp", "--init", str(TINY_DIR), "--out", str(out), "--draft-seqs", "6",
                        "--draft-val", "2", "--draft-steps", "2", "--draft-warmup", "1", "--draft-batch", "6",
@@ -174,3 +178,27 @@ def test_mtp_stage_keeps_the_main_model_bit_for_bit(tmp_path, own):
         assert not np.array_equal(np.asarray(trained.mtp.head.kernel[...]), np.asarray(base.lm_head.kernel[...]))
         assert not np.array_equal(np.asarray(trained.mtp.embed_tokens[...]), np.asarray(base.embed_tokens[...]))
         assert np.array_equal(np.asarray(trained.lm_head.kernel[...]), np.asarray(base.lm_head.kernel[...]))
+
+
+def test_mtp_stage_prompts_come_from_the_text_asked_for(tt, train):
+    """--draft-text: "train" draws the prompts from the training text at the offsets it always drew
+    (the shipped stage's data), "other" from standard-library modules outside the corpus (so never the
+    held-out text), "both" from each in turn."""
+    train_text, held = tasks.corpus_split()
+    train_ids = np.asarray(tt.encode(train_text), np.int32)
+    other_ids = np.asarray(tt.encode(tasks.corpus_text(train.DRAFT_PROMPT_MODULES)), np.int32)
+    assert not set(train.DRAFT_PROMPT_MODULES) & set(tasks.CORPUS_MODULES)
+    assert len(other_ids) > 100_000
+
+    def inside(prompt, ids):
+        p = np.asarray(prompt, np.int32)
+        return any(np.array_equal(ids[o:o + len(p)], p) for o in np.flatnonzero(ids == p[0]))
+
+    starts = np.random.default_rng([0, 41]).integers(0, len(train_ids) - 48, 6)
+    got = train.draft_prompts(tt, train_ids, "train", 6, 48, np.random.default_rng([0, 41]))
+    assert got == [train_ids[o:o + 48].tolist() for o in starts]
+    other = train.draft_prompts(tt, train_ids, "other", 4, 48, np.random.default_rng(1))
+    assert all(len(p) == 48 and inside(p, other_ids) and not inside(p, train_ids) for p in other)
+    both = train.draft_prompts(tt, train_ids, "both", 4, 48, np.random.default_rng(2))
+    assert [inside(p, train_ids) for p in both] == [True, False, True, False]
+    assert all(inside(p, other_ids) for p in both[1::2])
