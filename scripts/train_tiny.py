@@ -554,7 +554,9 @@ def parse(argv=None):
                                                   "on which the MTP layer then also trains (self-distillation)")
     p.add_argument("--self-n", type=int, default=192, help="greedy continuations generated for the self sequences")
     p.add_argument("--self-prompt", type=int, default=48, help="prompt tokens of each self sequence")
-    p.add_argument("--self-mtp-weight", type=float, default=1.0, help="MTP loss weight of the self sequences")
+    p.add_argument("--self-mtp-weight", type=float, default=6.0,
+                   help="MTP loss weight of the self sequences (1.0 -> 6.0: held-out 1-draft acceptance 1.75 -> "
+                        "1.80, arithmetic 0.90 -> 0.97)")
     p.add_argument("--min-pairs", type=int, default=6)
     p.add_argument("--max-pairs", type=int, default=20)
     p.add_argument("--curriculum", type=int, default=300, help="recall pairs grow from 4 to --max-pairs over these steps")
