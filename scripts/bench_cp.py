@@ -148,6 +148,16 @@ def compare(tokens, logits, ref_tokens, ref_logits, ref: str = "cp1") -> dict:
     return out
 
 
+def print_differences(label: str, comparison: dict, ref_label: str) -> None:
+    """The token mismatches and NaN that compare() found, one line each."""
+    for m in comparison["mismatches"]:
+        print(f"{label}: request {m['request']} step {m['step']}: token {m['token']} vs {m['ref_token']}; "
+              f"{ref_label} top-2 margin {m['ref_top2_margin_rel']:.1e} of max |logit|, logits rel there "
+              f"{m['logits_rel_at_step']:.1e}")
+    if comparison["nan"]:
+        print(f"{label}: NaN in the logits")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -294,12 +304,7 @@ def report(result: dict) -> None:
                      f"{r['first_logits_max_rel_vs_cp1']:.1e}, {r['logits_max_rel_vs_cp1']:.1e}"))
     table(rows)
     for r in result["runs"]:
-        for m in r["mismatches"]:
-            print(f"cp {r['cp']} {r['workload']}: request {m['request']} step {m['step']}: token {m['token']} vs "
-                  f"{m['ref_token']}; cp=1 top-2 margin {m['ref_top2_margin_rel']:.1e} of max |logit|, logits rel "
-                  f"there {m['logits_rel_at_step']:.1e}")
-        if r["nan"]:
-            print(f"cp {r['cp']} {r['workload']}: NaN in the logits")
+        print_differences(f"cp {r['cp']} {r['workload']}", r, "cp=1")
     for n in result["noise"]:
         print(f"noise floor (cp 1, budget {n['budget']}, {n['workload']}): tokens equal {n['tokens_equal_cp1']}, "
               f"logits rel {n['first_logits_max_rel_vs_cp1']:.1e}")

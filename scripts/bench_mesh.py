@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cp import collectives, compare, tensor_bytes  # noqa: E402
+from bench_cp import collectives, compare, print_differences, tensor_bytes  # noqa: E402
 
 AXES = ("cp", "ep", "tp")
 # device op names of the collectives in a trace (XLA's HLO names: all-to-all.3, ragged-all-to-all.1, ...)
@@ -206,6 +206,12 @@ def main() -> int:
         return {"step": f"{rows}x{lanes}", "collectives": list(groups.values()),
                 "bytes": sum(g["count"] * g["bytes_each"] for g in groups.values())}
 
+    def pre_prompts():
+        return [rng.integers(2, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
+
+    def dec_prompts():
+        return [rng.integers(2, cfg.vocab_size, args.decode_context).tolist() for _ in range(args.decode_batch)]
+
     for sizes in meshes:
         n_dev = sizes["cp"] * sizes["ep"] * sizes["tp"]
         for tbo in (t == "on" for t in args.tbo):
@@ -232,26 +238,22 @@ def main() -> int:
                    "weight_bytes_per_device": bytes_per_device(engine.runner.leaves),
                    "pool_bytes_per_device": engine.pool.bytes_per_rank()}
             row["weight_bytes_max"] = max(row["weight_bytes_per_device"].values())
-            pre = timed(engine, lambda: [rng.integers(2, cfg.vocab_size, args.prompt_len).tolist()
-                                         for _ in range(args.batch)], 1, "prefill")
-            dec_prompts = lambda: [rng.integers(2, cfg.vocab_size, args.decode_context).tolist()  # noqa: E731
-                                   for _ in range(args.decode_batch)]
+            pre = timed(engine, pre_prompts, 1, "prefill")
             dec = timed(engine, dec_prompts, args.decode_tokens, "decode")
             row["prefill"] = {"tokens": pre["prefill_tokens"], "seconds": pre["prefill_s"], "steps": pre["prefill_steps"],
                               "tokens_per_s": pre["prefill_tokens"] / pre["prefill_s"]}
             row["decode"] = {"tokens": dec["decode_tokens"], "seconds": dec["decode_s"], "steps": dec["decode_steps"],
                              "tokens_per_s": dec["decode_tokens"] / dec["decode_s"] if dec["decode_s"] else 0.0}
+            base = next((r for r in result["runs"] if r["mesh"] == ref["sizes"] and r["tbo"] == ref["tbo"]), row)
             for phase in ("prefill", "decode"):
                 row[phase]["tokens_per_s_per_device"] = row[phase]["tokens_per_s"] / n_dev
-                base = next((r for r in result["runs"] if r["mesh"] == ref["sizes"] and r["tbo"] == ref["tbo"]), row)
                 row[phase]["scaling_efficiency"] = (row[phase]["tokens_per_s_per_device"]
                                                     / max(base[phase]["tokens_per_s_per_device"], 1e-30))
             if seen:
                 row["prefill_step_collectives"] = lowered_collectives(engine, seen)
             if args.profile:
                 row["profile"] = {
-                    "prefill": profiled(engine, lambda: [rng.integers(2, cfg.vocab_size, args.prompt_len).tolist()
-                                                         for _ in range(args.batch)], 1),
+                    "prefill": profiled(engine, pre_prompts, 1),
                     "decode": profiled(engine, dec_prompts, args.decode_tokens)}
             row["wall_s"] = time.perf_counter() - t0
             result["runs"].append(row)
@@ -312,12 +314,7 @@ def report(result: dict) -> None:
         print_table(rows)
         print()
     for r in result["runs"]:
-        for m in r["mismatches"]:
-            print(f"{r['mesh_name']} tbo {r['tbo']}: request {m['request']} step {m['step']}: token {m['token']} vs "
-                  f"{m['ref_token']}; reference top-2 margin {m['ref_top2_margin_rel']:.1e} of max |logit|, logits "
-                  f"rel there {m['logits_rel_at_step']:.1e}")
-        if r["nan"]:
-            print(f"{r['mesh_name']} tbo {r['tbo']}: NaN in the logits")
+        print_differences(f"{r['mesh_name']} tbo {r['tbo']}", r, "reference")
     for n in result["noise"]:
         print(f"noise floor ({mesh_name(n['mesh'])}, budget {n['budget']}): tokens equal {n['tokens_equal_ref']}, "
               f"logits rel {n['logits_max_rel_vs_ref']:.1e}")
