@@ -28,37 +28,29 @@ def tilings(bm: int, fp8: bool):
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
     bytes in flight per SM); `_il`: gate and up interleaved in 64-row chunks, one m64n128 product a step
     (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
-    blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column;
-    `_pb`: each step adds the previous step's products while its own run (Tiling.promote_behind)."""
-    T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False, pb=False: Tiling(  # noqa: E731
+    blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column."""
+    T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
-        interleaved_gate_up=il, promote_behind=pb)
+        interleaved_gate_up=il)
     if fp8 and bm == 128:
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n64_g16_joint": T(64, 4, 2, 16, joint=True),
                  "2wg_n128_g16_il": T(128, 4, 2, 16, il=True), "2wg_n128_g16_c2_il": T(128, 4, 2, 16, 2, il=True),
-                 "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True),
-                 "2wg_n64_g16_joint_pb": T(64, 4, 2, 16, joint=True, pb=True),
-                 "2wg_n128_g16_il_pb": T(128, 4, 2, 16, il=True, pb=True),
-                 "2wg_n128_g16_c2_il_pb": T(128, 4, 2, 16, 2, il=True, pb=True)},
+                 "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n128_g16_pairs_s3": T(128, 3, 2, 16, 1, True),
                  "2wg_n128_g16_c2_pairs_s3": T(128, 3, 2, 16, 2, True),
-                 "2wg_n64_g16_pairs_joint": T(64, 4, 2, 16, 1, True, True),
-                 "2wg_n64_g16_pairs_joint_pb": T(64, 4, 2, 16, 1, True, True, pb=True)})
+                 "2wg_n64_g16_pairs_joint": T(64, 4, 2, 16, 1, True, True)})
     if fp8:
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2),
                  "2wg_n128_c2_s5": T(128, 5, 2, 1, 2), "2wg_n128_c2_joint": T(128, 4, 2, 1, 2, joint=True),
                  "2wg_n256_il": T(256, 4, 2, il=True), "2wg_n256_c2_il": T(256, 4, 2, 1, 2, il=True),
-                 "2wg_n128_c2_rm": T(128, 4, 2, 1, 2, rm=True), "2wg_n256_c2_il_rm": T(256, 4, 2, 1, 2, il=True, rm=True),
-                 "2wg_n128_c2_joint_rm_pb": T(128, 4, 2, 1, 2, joint=True, rm=True, pb=True),
-                 "2wg_n256_c2_il_rm_pb": T(256, 4, 2, 1, 2, il=True, rm=True, pb=True)},
+                 "2wg_n128_c2_rm": T(128, 4, 2, 1, 2, rm=True), "2wg_n256_c2_il_rm": T(256, 4, 2, 1, 2, il=True, rm=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128": T(128, 4, 2), "2wg_n128_c2": T(128, 4, 2, 1, 2),
                  "2wg_n128_c2_s5": T(128, 5, 2, 1, 2), "2wg_n128_c2_s6": T(128, 6, 2, 1, 2),
                  "2wg_n256_c2_pairs_joint": T(128, 4, 2, 1, 2, True, True),
-                 "2wg_n256_c2_pairs_joint_rm": T(128, 4, 2, 1, 2, True, True, rm=True),
-                 "2wg_n256_c2_pairs_joint_rm_pb": T(128, 4, 2, 1, 2, True, True, rm=True, pb=True)})
+                 "2wg_n256_c2_pairs_joint_rm": T(128, 4, 2, 1, 2, True, True, rm=True)})
     if bm == 128:
         return ({"1wg_n64": T(64, 4, 1), "2wg_n128_s3": T(128, 3, 2), "2wg_n128_s3_c2": T(128, 3, 2, 8, 2)},
                 {"1wg_n128": T(128, 4, 1), "2wg_n256_s3": T(256, 3, 2), "2wg_n256_s3_c2": T(256, 3, 2, 8, 2)})

@@ -64,12 +64,6 @@ class Tiling:
     warpgroup's one m64n128 product a step holds 64 gate and 64 up columns (the x tile read from shared
     memory once, not once per weight), its halves summed apart and paired by the epilogue; w_scale /
     up_scale stay gate's and up's own [E, I/128, K/128] block scales. Output [P, I]."""
-    promote_behind: bool = False
-    """fp8, warp-specialized, with joint_products or interleaved_gate_up: each step issues its wgmmas
-    first, then reads its scales and adds the previous step's products (carried with their scales)
-    into the fp32 sums while they run, and the last step's after the loop, instead of waiting for its
-    own products before adding them: the rescale comes off the tensor cores' critical path at the cost
-    of one step's products in registers. The same additions in the same order (outputs bit-equal)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -112,9 +106,6 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         if not fp8 or tiling.compute_wgs != 2 or part > 64 * 64:
             return (f"joint_products: fp8, two compute warpgroups and each one's part of the tile at most 64 x 64 "
                     f"({tiling})")
-    if tiling.promote_behind and not (fp8 and tiling.compute_wgs == 2
-                                      and (tiling.joint_products or tiling.interleaved_gate_up)):
-        return f"promote_behind: fp8, two compute warpgroups, joint products or interleaved gate_up ({tiling})"
     k_steps = K // tiling.block_k
     if tiling.k_splits < 1 or k_steps % tiling.k_splits:
         return f"k_splits {tiling.k_splits}: a divisor of the {k_steps} K steps"
@@ -253,7 +244,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     n_w = len(w_refs)
     n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
     fused = n_w == 2 and not tiling.column_pairs or interleaved   # gate and up: silu(gate) * up
-    promote_behind = fp8 and tiling.promote_behind
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
@@ -313,33 +303,27 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def step_fp8(idx, x_smem, xs_smem, *rest):
                 *w_smems, sums = rest
+                row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
 
-                def step_scales():
-                    """Each weight's scale for this step's rows (the row scales read from shared memory)."""
-                    row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
-                    return tuple(_step_scales(row_scale, load_scale, idx[0], len(ws_refs)))
-
-                def products(smems, meanwhile=lambda: None):
-                    """This step's products with the weight blocks `smems`, issued together, awaited once
-                    (after `meanwhile()`, whose result comes first)."""
+                def products(smems):
+                    """This step's products with the weight blocks `smems`, issued together, awaited once."""
                     def issue(*acc_refs):
                         for acc_ref, w_smem in zip(acc_refs, smems):
                             plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
-                        done = meanwhile()
-                        return done, tuple(acc_ref[...] for acc_ref in acc_refs)
+                        return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
-                if promote_behind:        # while this step's products run: its scales, the previous step's sums
-                    sums, parts, part_scales = sums
-                    (sums, scales), parts = products(
-                        w_smems, lambda: (add_products(sums, parts, part_scales), step_scales()))
-                    return sums, parts, scales
-                scales = step_scales()
-                if interleaved or tiling.joint_products:
-                    return add_products(sums, products(w_smems)[1], scales)
+                scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
+                if interleaved:           # one product: its gate half into gate's sums, its up half into up's
+                    part = products(w_smems)[0]
+                    halves = (part[:, :out_sn], part[:, out_sn:])
+                    return tuple(_add_scaled(total, half, scale) for total, half, scale in zip(sums, halves, scales))
+                if tiling.joint_products:
+                    return tuple(_add_scaled(total, part, scale)
+                                 for total, part, scale in zip(sums, products(w_smems), scales))
                 # one product at a time, each rescaled before the next is issued
-                return tuple(_add_scaled(total, products([w_smem])[1][0], scale)
+                return tuple(_add_scaled(total, products([w_smem])[0], scale)
                              for total, w_smem, scale in zip(sums, w_smems, scales))
 
             def step_bf16(_, x_smem, *rest):
@@ -366,25 +350,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             def outputs(vals):
                 return [_silu_mul(*vals)] if fused else list(vals)
 
-            def add_products(sums, parts, scales):
-                """The sums plus a step's products scaled (interleaved: its one product's gate half into
-                gate's sums, its up half into up's; joint: each weight's product into its sums)."""
-                if interleaved:
-                    parts = (parts[0][:, :out_sn], parts[0][:, out_sn:])
-                return tuple(_add_scaled(total, part, scale) for total, part, scale in zip(sums, parts, scales))
-
             def context_fp8(run):
                 # interleaved: gate's and up's sums, each the [sm, out_sn] half of the step's product
                 zeros = plgpu.layout_cast(jnp.zeros((sm, out_sn), jnp.float32), plgpu.Layout.WGMMA)
-                sums = (zeros,) * len(ws_refs)
-                if not promote_behind:
-                    store(outputs(run(sums)))
-                    return
-                # a zero product at scale zero stands for "step -1": adding it leaves the zero sums as they are
-                no_part = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-                no_scale = plgpu.layout_cast(jnp.zeros((sm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                sums, parts, scales = run((sums, (no_part,) * n_w, (no_scale,) * len(ws_refs)))
-                store(outputs(add_products(sums, parts, scales)))
+                sums = run((zeros,) * len(ws_refs))
+                store(outputs(sums))
 
             def context_bf16(run):
                 def scoped(*accs):
