@@ -173,6 +173,25 @@ class _Request(argparse.Action):
         namespace.requests = items
 
 
+def add_random_model_args(p: argparse.ArgumentParser) -> None:
+    """The options that shape a `--model random:NAME` model (read by bench_model), declared once for
+    `cpkv-jax bench` and the scripts under scripts/."""
+    p.add_argument("--num-layers", type=int, default=None, help="with --model random:NAME: layers")
+    p.add_argument("--num-experts", type=int, default=None, help="with --model random:NAME: routed experts")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="with --model random:NAME: every linear DeepSeek stores in fp8 kept fp8 (block scales)")
+    p.add_argument("--max-positions", type=int, default=None,
+                   help="with --model random:NAME: max_position_embeddings")
+
+
+def add_model_args(p: argparse.ArgumentParser, default: str = "tiny") -> None:
+    """--model (a checkpoint dir, 'tiny', or random:NAME), --dtype and the random model's options: what
+    bench_model reads, for the scripts that build their model without engine_options()."""
+    p.add_argument("--model", default=default, help="'tiny', a checkpoint dir, or random:NAME (a shipped config)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: the model's)")
+    add_random_model_args(p)
+
+
 def bench_model(args):
     """'random:NAME' -> a shipped config with random weights (few layers/experts allowed)."""
     from flax import nnx
@@ -189,10 +208,10 @@ def bench_model(args):
         over.update(num_hidden_layers=args.num_layers, first_k_dense_replace=min(args.num_layers - 1, 1))
     if args.num_experts:
         over["n_routed_experts"] = args.num_experts
-    if getattr(args, "fp8_weights", False):
+    if args.fp8_weights:
         from models.config import FP8_LINEARS_ALL
         over["fp8_linears"] = list(FP8_LINEARS_ALL)
-    if getattr(args, "max_positions", None):
+    if args.max_positions:
         over["max_position_embeddings"] = args.max_positions
     cfg = ModelConfig.named(args.model.split(":", 1)[1], **over)
     return DsaModel(cfg, dtype=jnp.dtype(args.dtype or cfg.dtype), rngs=nnx.Rngs(0))
@@ -465,10 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(a pool for the batch, B, min(B*L, 8192)); the prompts are random, so "
                                    "no prefix cache unless --prefix-cache.")
     b.set_defaults(kv_pages=None, max_running=None, max_prefill_tokens=None, prefix_cache=False)
-    b.add_argument("--num-layers", type=int, default=None, help="with --model random:NAME: layers")
-    b.add_argument("--num-experts", type=int, default=None, help="with --model random:NAME: routed experts")
-    b.add_argument("--fp8-weights", action="store_true",
-                   help="with --model random:NAME: every linear DeepSeek stores in fp8 kept fp8 (block scales)")
+    add_random_model_args(b)
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--prompt-len", type=int, default=256)
     b.add_argument("--decode-tokens", type=int, default=32)

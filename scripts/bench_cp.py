@@ -22,6 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cpkv_jax.cli import add_model_args  # noqa: E402
+
 COLLECTIVE = re.compile(r'"?stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)"?'
                         r'|stablehlo\.custom_call @(ragged_all_to_all)')
 TENSOR = re.compile(r"tensor<([0-9x]*)x?([a-z][a-z0-9A-Z]*)>")
@@ -162,11 +165,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--max-positions", type=int, default=None, help="with random:NAME: max_position_embeddings")
+    add_model_args(p)
     p.add_argument("--prompt-lens", type=int, nargs="*", default=[8192, 32768, 131072])
     p.add_argument("--attn-path", choices=("expanded", "absorbed"), default=None, help="force one attention path")
     p.add_argument("--mixed", type=int, nargs="*", default=[2048, 1536, 1024, 1024, 700, 333, 64, 9],
@@ -183,7 +182,6 @@ def main() -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jax
     import numpy as np
 

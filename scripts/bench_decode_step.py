@@ -15,6 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cpkv_jax.cli import add_model_args  # noqa: E402
+
 
 def host_event_times(trace_dir: str) -> dict:
     """{event name: [total us, count]} of the trace's complete events on the host (not the device lanes)."""
@@ -92,12 +95,7 @@ def profile_engine(eng, n: int, top: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--fp8-weights", action="store_true",
-                   help="with --model random:NAME: every linear DeepSeek stores in fp8 kept fp8 (block scales)")
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--page-size", type=int, default=64)
@@ -111,7 +109,6 @@ def main() -> int:
                         "several separated by ';' are measured one after the other on the same weights")
     p.add_argument("--json", default="bench_decode_step.json")
     args = p.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.profile:
         from profile_prefill import set_profile_flags
         args.dump_dir = set_profile_flags()      # ops named by scope; command buffers off
@@ -121,9 +118,7 @@ def main() -> int:
     policies = [k.strip() for k in args.kernels.split(";")]
     for k in policies:
         KernelPolicy.parse(k)            # a typo fails before the weights are built
-    model = bench_model(argparse.Namespace(model=args.model, num_layers=args.num_layers,
-                                           num_experts=args.num_experts, dtype=args.dtype,
-                                           fp8_weights=args.fp8_weights))
+    model = bench_model(args)
     runs = [measure(model, args, k) for k in policies]
     if len(runs) > 1:
         keys = ("engine_step_no_overlap_ms", "engine_step_ms", "model_step_ms", "sampler_ms")

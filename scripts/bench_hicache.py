@@ -17,6 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cpkv_jax.cli import add_model_args  # noqa: E402
+
 
 def with_empty_copy(hicache):
     """The next forward's copies plus a zero-byte one at layer 0 on every device."""
@@ -29,17 +32,14 @@ def with_empty_copy(hicache):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="random:glm-5")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--num-experts", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16")
+    add_model_args(p, "random:glm-5")
+    p.set_defaults(num_layers=4, num_experts=16, dtype="bfloat16")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--pages", type=int, default=512, help="pages per backup / load")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default="bench_hicache.json")
     args = p.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jax
     import numpy as np
 

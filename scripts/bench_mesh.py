@@ -29,8 +29,10 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_cp import collectives, compare, print_differences, tensor_bytes  # noqa: E402
+from cpkv_jax.cli import add_model_args  # noqa: E402
 
 AXES = ("cp", "ep", "tp")
 # device op names of the collectives in a trace (XLA's HLO names: all-to-all.3, ragged-all-to-all.1, ...)
@@ -82,12 +84,7 @@ def main() -> int:
     p.add_argument("--tbo", nargs="+", choices=("off", "on"), default=["off", "on"], help="two-batch overlap")
     p.add_argument("--ep-dispatch", default="auto", help="as the engine's --ep-dispatch")
     p.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
-    p.add_argument("--model", default="random:tiny")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--fp8-weights", action="store_true",
-                   help="with --model random:NAME: every linear DeepSeek stores in fp8 kept fp8 (block scales)")
+    add_model_args(p, "random:tiny")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--budget", type=int, default=8192, help="prefill tokens per step")
     p.add_argument("--prompt-len", type=int, default=8192, help="prefill workload: --batch prompts of this length")
@@ -107,7 +104,6 @@ def main() -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jax
     import numpy as np
 

@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cpkv_jax.cli import engine_config, engine_options  # noqa: E402
+from cpkv_jax.cli import add_random_model_args, engine_config, engine_options  # noqa: E402
 
 
 def lengths(args, rng) -> list[tuple[int, int]]:
@@ -171,8 +171,7 @@ def main(argv=None) -> int:
                                                               "vocabulary, or 256 with --url: valid for any model)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip each level's untimed warm-up pass")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-layers", type=int, default=None, help="with --model random:NAME: layers")
-    p.add_argument("--num-experts", type=int, default=None, help="with --model random:NAME: routed experts")
+    add_random_model_args(p)
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
     args = p.parse_args(argv)
     if min(args.concurrency) < 1 or args.num_prompts < 1:

@@ -18,13 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cpkv_jax.cli import add_model_args  # noqa: E402
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny', a checkpoint dir, or random:NAME")
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--dtype", default=None)
+    add_model_args(p)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--batch", type=int, default=4, help="prompts per pass (two shared prefixes)")
     p.add_argument("--prompt-len", type=int, default=96)
@@ -33,7 +33,6 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default="bench_trace.json")
     args = p.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jax
     import numpy as np
 

@@ -19,6 +19,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cpkv_jax.cli import add_model_args  # noqa: E402
+
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]*)"')
 _WRAPPERS = re.compile(r"^(?:[pj]?jit\(.*\)|while|body|cond|checkpoint|remat|closed_call|shard_map|core_call|eval_jaxpr)$")
 
@@ -112,12 +115,7 @@ def print_profile(ops: dict, n: int = 1, top: int = 25) -> tuple[list, list]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--fp8-weights", action="store_true",
-                   help="with --model random:NAME: every linear DeepSeek stores in fp8 kept fp8 (block scales)")
+    add_model_args(p)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 1536, 1024, 1024, 700, 333, 64, 9])
     p.add_argument("--budget", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=64)
@@ -130,7 +128,6 @@ def main() -> int:
     p.add_argument("--dump-dir", default=None, help="XLA's HLO dumps go here (default: a temporary directory)")
     p.add_argument("--json", default="profile_prefill.json")
     args = p.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     dump_dir = set_profile_flags(args.dump_dir, args.command_buffers)
     import jax
     import numpy as np
