@@ -463,8 +463,9 @@ def test_index_scores_mgpu_paged_interpret_equals_reference():
     rng = np.random.default_rng(40)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     saw_unwritten = False
-    for (B, T, D, S), tiling in (((2, 1, 64, 300), {"blocks_per_program": 2, "stages": 2}),
-                                 ((1, 9, 128, 700), {"blocks_per_program": 3, "stages": 4})):
+    for (B, T, D, S), tiling in (((2, 1, 64, 300), {"blocks_per_program": 4, "stages": 2}),
+                                 ((1, 9, 128, 700), {"blocks_per_program": 4, "stages": 4}),
+                                 ((1, 1, 64, 150), {"blocks_per_program": 3, "stages": 4})):
         for fp8 in (True, False):
             integer = D == 64
             q, w, ik, sc, table, pos = scores_inputs(rng, B, T, 32, D, S, fp8, integer, q_dtype=jnp.bfloat16,
@@ -486,6 +487,11 @@ def test_index_scores_mgpu_paged_interpret_equals_reference():
         index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu=True, contiguous_blocks=True, interpret=interp)
     with pytest.raises(ValueError, match="unknown tiling keys"):
         index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu={"block_m": 4}, interpret=interp)
+    q, w, ik, sc, table, pos = scores_inputs(rng, 1, 1, 32, 64, 300, True, True, q_dtype=jnp.bfloat16, page_size=64)
+    for per in (2, 3):      # over several programs: refused (2 a program stopped the H200), not run
+        with pytest.raises(ValueError, match="multiple of 4 blocks or all of them"):
+            index_scores_pallas(q, w, ik, sc, 1, table, pos, mgpu={"blocks_per_program": per}, contiguous_blocks=True,
+                                interpret=interp)
     from pallas_kernels.indexer import scores_mgpu        # the kernels' own entry points check too
     rows, bf16_q = ik.reshape(-1, 64), jnp.zeros((1, 2 * 8, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="paged_scores_mgpu: .*heads a multiple of 32"):
@@ -514,13 +520,13 @@ def test_mgpu_dispatch_rules():
 
 def test_paged_scores_one_wave_rule(monkeypatch):
     """KernelPolicy.mgpu_paged_one_wave: the paged scores kernel's key blocks per program keep a call
-    within about one wave of 132 programs (at least 2 blocks, at most the default tiling's 64, which
+    within about one wave of 132 programs (at least 4 blocks, at most the default tiling's 64, which
     the rule also gives at 8 x 131072, where that tiling was measured), and the dispatch passes them to
     the kernel only with the option on."""
     from pallas_kernels.indexer import dispatch, paged_blocks_per_program
     from pallas_kernels.policy import KernelPolicy
-    cases = {(8, 1, 131072): 64, (1, 1, 8192): 2, (8, 1, 2048): 2, (1, 1, 131072): 16, (4, 4, 8192): 4,
-             (8, 1, 32768): 32, (32, 1, 8192): 32}
+    cases = {(8, 1, 131072): 64, (1, 1, 8192): 4, (8, 1, 2048): 4, (1, 1, 131072): 16, (4, 4, 8192): 4,
+             (8, 1, 32768): 32, (32, 1, 8192): 32, (1, 1, 256): 4}
     for (B, T, S), per in cases.items():
         assert paged_blocks_per_program(B, T, 32, S) == per, (B, T, S)
         programs = B * -(-S // (64 * per))
@@ -536,7 +542,7 @@ def test_paged_scores_one_wave_rule(monkeypatch):
     rng = np.random.default_rng(2)
     q, w, ik, sc, table, pos = scores_inputs(rng, 1, 1, 32, 128, 8192, True, False, q_dtype=jnp.bfloat16,
                                              page_size=64)
-    for on, want in ((False, True), (True, {"blocks_per_program": 2})):
+    for on, want in ((False, True), (True, {"blocks_per_program": 4})):
         indexer_topk(q, w, ik, sc, 1, table, pos, 64, contiguous_blocks=True,
                      policy=KernelPolicy(mgpu_paged_one_wave=on))
         assert calls.pop() == want
@@ -558,7 +564,7 @@ def test_index_scores_mgpu_paged_compiled_on_gpu():
             ref = np.asarray(reference_scores(q, w, ik, sc, 1, table, pos))
             fin = np.isfinite(ref)
             triton = np.asarray(jax.jit(lambda *a: index_scores_pallas(*a))(q, w, ik, sc, 1, table, pos))
-            for tiling in ({}, {"blocks_per_program": 8, "stages": 4}, {"blocks_per_program": 2, "stages": 4}):
+            for tiling in ({}, {"blocks_per_program": 8, "stages": 4}, {"blocks_per_program": 4, "stages": 4}):
                 got = np.asarray(jax.jit(lambda *a, t=tiling: index_scores_pallas(
                     *a, mgpu=t or True, contiguous_blocks=True))(q, w, ik, sc, 1, table, pos))
                 np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref), err_msg=str(tiling))

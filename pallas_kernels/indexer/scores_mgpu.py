@@ -51,6 +51,10 @@ BLOCK_KV = 64                    # keys per block: one warpgroup MMA's M
 DEFAULT_TILING = {"block_t": 8, "block_kv": BLOCK_KV, "stages": 4}
 # Paged (decode) calls: key blocks per program and pipeline slots.
 PAGED_TILING = {"blocks_per_program": 64, "stages": 4}
+# A paged program copies its block rows (int32) from `split * blocks_per_program` on: a multiple of 4
+# keeps that copy's start 16-byte aligned. On the H200, 2 blocks a program over several programs stopped
+# the GPU (illegal instruction) where 4, 8 and 64 ran (docs/perf.md, 2026-12-05).
+PAGED_BLOCKS_ALIGN = 4
 
 
 def mgpu_shape_error(H: int, D: int, q_dtype, *, block_t: int, block_kv: int = 64, key_dtype=None,
@@ -306,7 +310,8 @@ def paged_scores_mgpu(q, w, positions, rows, scale, bases, *, heads: int, block_
     key block's first key, whose block_kv keys must be consecutive rows (a page table of pages of a
     multiple of block_kv slots; TMA reads rows past the pool's end as zeros). q, w, positions as for
     gathered_scores_mgpu with Tp a multiple of block_t. Each program takes block_t tokens and
-    blocks_per_program key blocks; fp8 keys are upcast to bf16 in registers."""
+    blocks_per_program key blocks (a multiple of PAGED_BLOCKS_ALIGN, or every block); fp8 keys are
+    upcast to bf16 in registers."""
     B, TH, D = q.shape
     Tp, n_blocks = positions.shape[1], bases.shape[1]
     _check_shapes("paged_scores_mgpu", heads, D, q.dtype, block_t=block_t, block_kv=block_kv, key_dtype=rows.dtype)
@@ -314,6 +319,10 @@ def paged_scores_mgpu(q, w, positions, rows, scale, bases, *, heads: int, block_
         raise ValueError(f"paged_scores_mgpu: q {q.shape} / positions {positions.shape} / rows {rows.shape} "
                          f"not padded to {block_t} tokens x {heads} heads")
     per = min(blocks_per_program, n_blocks)
+    if per < n_blocks and per % PAGED_BLOCKS_ALIGN:
+        raise ValueError(f"paged_scores_mgpu: blocks_per_program {blocks_per_program} over {n_blocks} key blocks: "
+                         f"a program takes a multiple of {PAGED_BLOCKS_ALIGN} blocks or all of them (its block "
+                         f"rows' copy must start 16-byte aligned)")
     width = (pl.cdiv(n_blocks, per) - 1) * per + _bases_per_copy(per)    # the last program's copy ends here,
     width += -width % 4                                  # and TMA needs rows of a multiple of 16 bytes
     bases = jnp.pad(bases.astype(jnp.int32), ((0, 0), (0, width - n_blocks)))

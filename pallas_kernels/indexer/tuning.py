@@ -34,12 +34,12 @@ def gathers_keys(T: int, H: int, block_m: int = 128) -> bool:
 
 def paged_blocks_per_program(B: int, T: int, H: int, S: int, programs: int = 132) -> int:
     """Key blocks per program of the paged scores kernel that spread a call of B requests x T query
-    tokens x S keys over about one wave of `programs`: the fewest, a power of two and at least 2 (one
-    per compute warpgroup), at most the default tiling's 64 (measured at 8 x 131072, where this rule
-    gives 64 too). KernelPolicy.mgpu_paged_one_wave."""
+    tokens x S keys over about one wave of `programs`: the fewest, a power of two and at least
+    scores_mgpu.PAGED_BLOCKS_ALIGN (4: what the kernel takes over several programs), at most the default
+    tiling's 64 (measured at 8 x 131072, where this rule gives 64 too). KernelPolicy.mgpu_paged_one_wave."""
     blocks = B * pl.cdiv(T, paged_block_t(T, H)) * pl.cdiv(S, scores_mgpu.BLOCK_KV)
     most = scores_mgpu.PAGED_TILING["blocks_per_program"]
-    return min(most, max(2, pl.next_power_of_2(pl.cdiv(blocks, programs))))
+    return min(most, max(scores_mgpu.PAGED_BLOCKS_ALIGN, pl.next_power_of_2(pl.cdiv(blocks, programs))))
 
 
 def mgpu_tiling(mgpu: bool | dict, T: int, H: int, paged: bool) -> dict:
