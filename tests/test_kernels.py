@@ -556,7 +556,10 @@ def test_index_scores_mgpu_paged_compiled_on_gpu():
     Triton kernel otherwise."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(6)
-    for B, T, H, D, S in ((2, 1, 32, 64, 3000), (3, 3, 64, 64, 5000), (2, 64, 32, 128, 3000), (2, 1, 32, 128, 9000)):
+    # (2, 1, 32, 64, 100): a short context, 2 key blocks in one program (what a decode of under 128
+    # tokens with 64-slot pages gets)
+    for B, T, H, D, S in ((2, 1, 32, 64, 3000), (3, 3, 64, 64, 5000), (2, 64, 32, 128, 3000), (2, 1, 32, 128, 9000),
+                          (2, 1, 32, 64, 100)):
         for fp8 in (True, False):
             integer = D == 64
             q, w, ik, sc, table, pos = scores_inputs(rng, B, T, H, D, S, fp8, integer, q_dtype=jnp.bfloat16,
