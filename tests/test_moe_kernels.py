@@ -293,6 +293,103 @@ def test_interleaved_gate_up_lowers_for_cuda_at_glm5_widths(bm, cluster_n, stage
     assert "mosaic_gpu" in text
 
 
+PING_PONG_CASES = [(128, 64, 1, "joint"), (64, 128, 2, "joint"), (128, 64, 1, "pairs_joint"), (128, 128, 2, "interleaved"),
+                   (64, 256, 1, "interleaved"), (128, 128, 2, "single"), (64, 128, 2, "single")]
+
+
+def ping_pong_outputs(bm, bn, cluster_n, kind, interpret):
+    """(plain, ping_pong) outputs of one fp8 call (5 K steps with distinct scales, an unused tile, two
+    row tiles of one expert) and its tile_expert: joint gate/up, joint column pairs (down), interleaved
+    gate/up, or one weight (down as the dispatch runs it)."""
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.grouped_matmul import interleave_gate_up
+    rng = np.random.default_rng(17)
+    E, K, N = 2, 640, 256
+    tile_expert = jnp.asarray([1, -1, 0, 0], jnp.int32)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((4 * bm, K)), jnp.float32))
+    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
+    gs = gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)
+    us = us * jnp.asarray(rng.uniform(0.25, 4.0, us.shape), jnp.float32)
+    t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=2 if bm == 128 else 1, programs=4,
+               compute_wgs=2, cluster_n=cluster_n, joint_products=kind in ("joint", "pairs_joint"),
+               column_pairs=kind == "pairs_joint", interleaved_gate_up=kind == "interleaved")
+    w, up = (interleave_gate_up(gq, uq), None) if kind == "interleaved" else (gq, uq if kind == "joint" else None)
+    scaled = dict(w_scale=gs, up_scale=us if kind in ("joint", "interleaved") else None)
+    call = jax.jit(lambda t: grouped_matmul(xq, w, tile_expert, up=up, tiling=t, interpret=interpret, x_scale=xs,
+                                            **scaled), static_argnums=0)
+    return [np.asarray(call(dataclasses.replace(t, ping_pong=pp)), np.float32) for pp in (False, True)], tile_expert
+
+
+@pytest.mark.parametrize("bm,bn,cluster_n,kind", PING_PONG_CASES)
+def test_ping_pong_interpret_is_bit_equal(bm, bn, cluster_n, kind):
+    """Tiling.ping_pong (the compute warpgroups take turns to issue a step's products) does the same
+    additions in the same order: in the interpreter (races detected; a turn never passed would hang)
+    the outputs equal the plain tiling's bit for bit over several tiles a program, for joint gate/up,
+    joint column pairs, interleaved gate/up and one weight; refused where a step issues two weights'
+    products one at a time, and without fp8 or two compute warpgroups."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    (plain, turns), tile_expert = ping_pong_outputs(bm, bn, cluster_n, kind, plgpu.InterpretGPUParams(detect_races=True))
+    for rows, _ in used_tiles(tile_expert, bm, plain, turns):
+        assert np.isfinite(plain[rows]).all() and np.abs(plain[rows]).max() > 0
+        np.testing.assert_array_equal(turns[rows], plain[rows])
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((256, 640), jnp.float8_e4m3fn), sds((2, 256, 640), jnp.float8_e4m3fn)
+    one_at_a_time = Tiling(block_m=128, block_n=64, block_k=128, compute_wgs=2, ping_pong=True)
+    with pytest.raises(ValueError, match="ping_pong takes turns"):
+        grouped_matmul(jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, w.dtype), jnp.zeros((2,), jnp.int32),
+                       up=jnp.zeros(w.shape, w.dtype), tiling=one_at_a_time, x_scale=jnp.ones((5, 256), jnp.float32),
+                       w_scale=jnp.ones((2, 2, 5), jnp.float32), up_scale=jnp.ones((2, 2, 5), jnp.float32),
+                       interpret=True)
+    assert "ping_pong" in shape_error(x, w, dataclasses.replace(one_at_a_time, compute_wgs=1), fp8=True)
+    assert "ping_pong" in shape_error(sds((256, 640), jnp.bfloat16), sds((2, 640, 256), jnp.bfloat16),
+                                      dataclasses.replace(one_at_a_time, block_k=64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm,bn,cluster_n,kind", PING_PONG_CASES)
+def test_ping_pong_compiled_is_bit_equal(bm, bn, cluster_n, kind):
+    """The same compiled on the H200: ping_pong's outputs equal the plain tiling's bit for bit."""
+    assert jax.default_backend() == "gpu"
+    (plain, turns), tile_expert = ping_pong_outputs(bm, bn, cluster_n, kind, False)
+    for rows, _ in used_tiles(tile_expert, bm, plain, turns):
+        assert np.isfinite(plain[rows]).all()
+        np.testing.assert_array_equal(turns[rows], plain[rows])
+
+
+@pytest.mark.parametrize("bm,kind", [(128, "joint"), (128, "interleaved"), (128, "single"), (64, "interleaved")])
+def test_ping_pong_lowers_for_cuda_at_glm5_widths(bm, kind):
+    """ping_pong at GLM-5's widths (prefill 8192 tokens x top-8 over 256 experts on 128-row tiles: the
+    default gate_up (joint, 64 columns) and down (one weight, 128 columns, clusters of 2) and interleaved
+    gate_up; decode 64 tokens on 64 x 256 tiles), traced and lowered for CUDA from shapes: the turn
+    barriers lower beside the pipeline's."""
+    from pallas_kernels.moe import grouped_matmul
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 256, 6144, 2048
+    P = 8192 * 8 + 256 * 128 if bm == 128 else 64 * 8 * 64
+    il, single = kind == "interleaved", kind == "single"
+    t = Tiling(block_m=bm, block_n=(64 if kind == "joint" else 128) if bm == 128 else 256, block_k=128, stages=4,
+               compute_wgs=2, grid_block_n=16 if bm == 128 else 1, cluster_n=2 if bm == 64 or single else 1,
+               interleaved_gate_up=il, joint_products=kind == "joint", ping_pong=True)
+    K, N = (I, D) if single else (D, I)
+    scales = sds((E, N // 128, K // 128), jnp.float32)
+    x, rest = sds((P, K), jnp.float8_e4m3fn), (sds((P // bm,), jnp.int32), sds((K // 128, P), jnp.float32), scales)
+    if single:
+        f = jax.jit(lambda x, w, te, xs, ws: grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=ws))
+        args = (x, sds((E, N, K), jnp.float8_e4m3fn)) + rest
+    elif il:
+        f = jax.jit(lambda x, w, te, xs, gs, us: grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=gs,
+                                                                up_scale=us))
+        args = (x, sds((E, 2 * I, D), jnp.float8_e4m3fn)) + rest + (scales,)
+    else:
+        f = jax.jit(lambda x, w, te, xs, gs, us, u: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                   up_scale=us))
+        args = (x, sds((E, I, D), jnp.float8_e4m3fn)) + rest + (scales, sds((E, I, D), jnp.float8_e4m3fn))
+    assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("fp8,compute_wgs,cluster_n", [(True, 2, 1), (True, 2, 2), (True, 1, 1), (False, 2, 1),
                                                    (False, 1, 1)])
 def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
@@ -378,6 +475,37 @@ def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
     np.testing.assert_array_equal(bf16, np.asarray(expert_mlp_ragged(
         x, fe, *(fp8_experts_as_plain(w, sc, x.dtype) for w, sc in ((gq, gs), (uq, us), (dq, ds))), k).slots(), np.float64))
     assert np.abs(got - bf16).max() <= 0.1 * scale      # fp8 activations: a few % of the largest output
+
+
+def test_fp8_ping_pong_policy_takes_turns_where_a_step_issues_its_products_together():
+    """KernelPolicy.fp8_moe_ping_pong: the dispatch's tilings at GLM-5's widths get Tiling.ping_pong on
+    prefill gate_up (joint products) and down (one weight) and decode down (joint column pairs), not on
+    decode gate_up (two weights one at a time), and still fit; and the fp8 expert path with turns
+    (interpreter, races detected) equals it without, bit for bit."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import expert_mlp_blocked_fp8
+    from pallas_kernels.moe.dispatch import expert_tilings, fp8_shape_error
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 256, 6144, 2048
+    gate, down = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn)
+    for slots, want in ((8192 * 8, (True, True)), (64 * 8, (False, True))):
+        assert [t.ping_pong for t in expert_tilings(slots, gate, True, 2, ping_pong=True)] == list(want)
+        assert not any(t.ping_pong for t in expert_tilings(slots, gate, True, 2))
+        assert not any(t.ping_pong for t in expert_tilings(slots, gate, True, 1, ping_pong=True))
+        assert fp8_shape_error(sds((slots // 8, D), jnp.bfloat16), gate, down, slots) is None
+    rng = np.random.default_rng(8)
+    N, k, D, I, E = 40, 2, 256, 128, 4
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(routings(rng, N * k, E).__next__(), jnp.int32)
+    t = Tiling(block_m=64, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=3, compute_wgs=2)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    outs = [np.asarray(expert_mlp_blocked_fp8(
+        x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=dataclasses.replace(t, joint_products=True, ping_pong=pp),
+        down_tiling=dataclasses.replace(t, ping_pong=pp), interpret=interp).slots(), np.float32) for pp in (False, True)]
+    assert np.abs(outs[0]).max() > 0
+    np.testing.assert_array_equal(outs[1], outs[0])
 
 
 def test_fp8_experts_in_the_plain_layout_are_refused():
