@@ -17,7 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, interleave_gate_up
+from pallas_kernels.moe.grouped_matmul import Tiling, interleave_gate_up, products_together
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -34,10 +34,10 @@ def tilings(bm: int, fp8: bool):
     groups = _tilings(bm, fp8)
     if not fp8:
         return groups
-    together = [lambda t: t.joint_products or t.interleaved_gate_up,                      # gate_up: two weights
-                lambda t: t.joint_products or not t.column_pairs]                         # down: one, or a pair
+    two_weights = [lambda t: True, lambda t: t.column_pairs]          # gate_up: gate and up; down: a pair or one
     return tuple({**g, **{f"{name}_pp": dataclasses.replace(t, ping_pong=True) for name, t in g.items()
-                          if t.compute_wgs == 2 and ok(t)}} for g, ok in zip(groups, together))
+                          if t.compute_wgs == 2 and products_together(t, two(t))}}
+                 for g, two in zip(groups, two_weights))
 
 
 def _tilings(bm: int, fp8: bool):

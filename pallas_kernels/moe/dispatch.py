@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error
+from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, products_together, shape_error
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -124,8 +124,8 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, ping_pong: boo
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
     if fp8 and ping_pong and compute_wgs == 2:
-        up_t = dataclasses.replace(up_t, ping_pong=up_t.joint_products or up_t.interleaved_gate_up)
-        down_t = dataclasses.replace(down_t, ping_pong=down_t.joint_products or not down_t.column_pairs)
+        up_t = dataclasses.replace(up_t, ping_pong=products_together(up_t, two_weights=True))
+        down_t = dataclasses.replace(down_t, ping_pong=products_together(down_t, down_t.column_pairs))
     return up_t, down_t
 
 

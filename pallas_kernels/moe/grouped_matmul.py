@@ -130,6 +130,13 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     return None
 
 
+def products_together(tiling: Tiling, two_weights: bool) -> bool:
+    """Whether the fp8 warp-specialized kernel issues a step's products together, awaited once (what
+    Tiling.ping_pong takes turns at): one weight, joint products or interleaved gate/up. two_weights:
+    the call passes up or takes column pairs."""
+    return not two_weights or tiling.joint_products or tiling.interleaved_gate_up
+
+
 def _add_scaled(total, part, scale):
     """total + part x scale [rows]: the step's row scales times its weight block's scale (multiplied
     first, before the step's products are issued), so one multiply and one add per element."""
@@ -342,7 +349,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
-                if interleaved or tiling.joint_products or n_w == 1:
+                if products_together(tiling, n_w == 2):
                     if ping_pong:
                         take_turn()
                     parts = products(w_smems, pass_turn if ping_pong else lambda: None)
@@ -444,7 +451,7 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
     if tiling.k_splits > 1 and up is not None:
         raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
-    if tiling.ping_pong and (up is not None or tiling.column_pairs) and not (tiling.joint_products or interleaved):
+    if tiling.ping_pong and not products_together(tiling, up is not None or tiling.column_pairs):
         raise ValueError("grouped_matmul: ping_pong takes turns at a step's products issued together: with two "
                          "weights, joint_products or interleaved_gate_up")
     pair = 2 if tiling.column_pairs else 1
