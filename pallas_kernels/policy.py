@@ -55,10 +55,6 @@ class KernelPolicy:
     decode of 1 / 8 / 64 tokens 0.16 / 0.65 / 2.40 ms (bf16 weights 0.23 / 1.33 / 5.45); prefill of
     8192 tokens over 16 experts 6.3 ms (bf16 8.4, dequantizing per call 9.0), over 256 8.0 (bf16
     12.1, dequantizing 19.2)."""
-    fp8_moe_ping_pong: bool = False
-    """The fp8 expert kernel's two compute warpgroups take turns to issue a step's products
-    (Tiling.ping_pong; bit-equal outputs) where a step issues them together: prefill gate_up and down,
-    decode down. Off until measured on the GPU."""
     fp8_moe_compute_wgs: int = 2
     """Compute warpgroups of the fp8 expert kernel: 2, the warp-specialized kernel (a producer
     warpgroup's TMA loads feeding two compute warpgroups, each rescaling its half of the tile while

@@ -17,7 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, interleave_gate_up, products_together
+from pallas_kernels.moe.grouped_matmul import Tiling, interleave_gate_up
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -28,19 +28,7 @@ def tilings(bm: int, fp8: bool):
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
     bytes in flight per SM); `_il`: gate and up interleaved in 64-row chunks, one m64n128 product a step
     (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
-    blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column;
-    `_pp` (fp8, two compute warpgroups, a step's products issued together): the warpgroups take turns
-    to issue them (Tiling.ping_pong)."""
-    groups = _tilings(bm, fp8)
-    if not fp8:
-        return groups
-    two_weights = [lambda t: True, lambda t: t.column_pairs]          # gate_up: gate and up; down: a pair or one
-    return tuple({**g, **{f"{name}_pp": dataclasses.replace(t, ping_pong=True) for name, t in g.items()
-                          if t.compute_wgs == 2 and products_together(t, two(t))}}
-                 for g, two in zip(groups, two_weights))
-
-
-def _tilings(bm: int, fp8: bool):
+    blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,

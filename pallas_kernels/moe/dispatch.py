@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, products_together, shape_error
+from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -114,19 +114,13 @@ def by_rows(t: Tiling, N: int) -> Tiling:
     return dataclasses.replace(t, grid_block_n=N // t.block_n) if t.block_m == 64 else t
 
 
-def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, ping_pong: bool = False) -> tuple[Tiling, Tiling]:
+def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
-    [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
-    ping_pong (fp8, two compute warpgroups): Tiling.ping_pong on each call whose steps issue their
-    products together (one weight, joint products or interleaved gate/up)."""
+    [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
-    up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
-    if fp8 and ping_pong and compute_wgs == 2:
-        up_t = dataclasses.replace(up_t, ping_pong=products_together(up_t, two_weights=True))
-        down_t = dataclasses.replace(down_t, ping_pong=products_together(down_t, down_t.column_pairs))
-    return up_t, down_t
+    return by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
 
 
 def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling) -> str | None:
@@ -217,7 +211,7 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     check_experts(x.shape[1], gate, up, down, scales)
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
-            up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs, policy.fp8_moe_ping_pong)
+            up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

@@ -64,12 +64,6 @@ class Tiling:
     warpgroup's one m64n128 product a step holds 64 gate and 64 up columns (the x tile read from shared
     memory once, not once per weight), its halves summed apart and paired by the epilogue; w_scale /
     up_scale stay gate's and up's own [E, I/128, K/128] block scales. Output [P, I]."""
-    ping_pong: bool = False
-    """fp8, warp-specialized, a step's products issued together (one weight, joint products or
-    interleaved gate_up): the two compute warpgroups take turns to issue a step's products, each
-    after the other's, so the tensor cores finish one warpgroup's products first and it adds them into
-    its sums while the other's run (issued at once, both finish together and both add while the
-    tensor cores idle). The same additions in the same order: outputs bit-equal to the tiling without."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -121,20 +115,11 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
-    if tiling.ping_pong and not (fp8 and tiling.compute_wgs == 2):
-        return f"ping_pong: fp8 with two compute warpgroups ({tiling})"
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
             tiling.compute_wgs != 2 or (N // tiling.block_n // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
                 f"blocks ({N // tiling.block_n // pair}) and of programs")
     return None
-
-
-def products_together(tiling: Tiling, two_weights: bool) -> bool:
-    """Whether the fp8 warp-specialized kernel issues a step's products together, awaited once (what
-    Tiling.ping_pong takes turns at): one weight, joint products or interleaved gate/up. two_weights:
-    the call passes up or takes column pairs."""
-    return not two_weights or tiling.joint_products or tiling.interleaved_gate_up
 
 
 def _add_scaled(total, part, scale):
@@ -265,7 +250,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     out_n = bn // 2 if interleaved else bn         # output columns of a tile's block (interleaved: its gate half)
     out_sn = sn // 2 if interleaved else sn        # a warpgroup's output columns (and fp32 sums' width)
     wg = jax.lax.axis_index("wg")
-    ping_pong = fp8 and tiling.ping_pong
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
     # in a cluster the two programs share the row tile: its x (and row scales) arrive by multicast
@@ -298,25 +282,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
-    # ping_pong: turn[i] completes a phase when compute warpgroup i may issue its next step's products
-    turns = dict(turn=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if ping_pong else {}
-
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
-                       o_smem=plgpu.SMEM((2 * n_out, sm, out_sn), o_ref.dtype), collective_axes="wg", **turns)
-    def _scope(allocs, o_smem, turn=None):
-        def take_turn():
-            """Wait until the other compute warpgroup has issued its previous step's products."""
-            for i in range(2):
-                pl.when(wg == i)(lambda i=i: plgpu.barrier_wait(turn.at[i]))
-
-        def pass_turn():
-            """This step's products are issued: the other compute warpgroup may issue its own."""
-            for i in range(2):
-                pl.when(wg == i)(lambda i=i: plgpu.barrier_arrive(turn.at[1 - i]))
-
-        if ping_pong:             # warpgroup 0 issues first
-            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
-
+                       o_smem=plgpu.SMEM((2 * n_out, sm, out_sn), o_ref.dtype), collective_axes="wg")
+    def _scope(allocs, o_smem):
         @plgpu.nd_loop((grid_m * grid_n // cn * tiling.k_splits,), collective_axes="sm")
         def _tile(info):
             tile, split, steps, start = _split_tile(info.index[0], tiling.k_splits, k_steps)
@@ -338,24 +306,22 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
                 plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
 
-                def products(smems, after_issue=lambda: None):
-                    """This step's products with the weight blocks `smems`, issued together (then
-                    `after_issue()`), awaited once."""
+                def products(smems):
+                    """This step's products with the weight blocks `smems`, issued together, awaited once."""
                     def issue(*acc_refs):
                         for acc_ref, w_smem in zip(acc_refs, smems):
                             plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
-                        after_issue()
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
-                if products_together(tiling, n_w == 2):
-                    if ping_pong:
-                        take_turn()
-                    parts = products(w_smems, pass_turn if ping_pong else lambda: None)
-                    if interleaved:       # one product: its gate half into gate's sums, its up half into up's
-                        parts = (parts[0][:, :out_sn], parts[0][:, out_sn:])
-                    return tuple(_add_scaled(total, part, scale) for total, part, scale in zip(sums, parts, scales))
+                if interleaved:           # one product: its gate half into gate's sums, its up half into up's
+                    part = products(w_smems)[0]
+                    halves = (part[:, :out_sn], part[:, out_sn:])
+                    return tuple(_add_scaled(total, half, scale) for total, half, scale in zip(sums, halves, scales))
+                if tiling.joint_products:
+                    return tuple(_add_scaled(total, part, scale)
+                                 for total, part, scale in zip(sums, products(w_smems), scales))
                 # one product at a time, each rescaled before the next is issued
                 return tuple(_add_scaled(total, products([w_smem])[0], scale)
                              for total, w_smem, scale in zip(sums, w_smems, scales))
@@ -451,9 +417,6 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
     if tiling.k_splits > 1 and up is not None:
         raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
-    if tiling.ping_pong and not products_together(tiling, up is not None or tiling.column_pairs):
-        raise ValueError("grouped_matmul: ping_pong takes turns at a step's products issued together: with two "
-                         "weights, joint_products or interleaved_gate_up")
     pair = 2 if tiling.column_pairs else 1
     weights = (w,) * pair if up is None else (w, up)
     if fp8:
