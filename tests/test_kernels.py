@@ -210,15 +210,17 @@ def hide_from_sample(row, length, tiling, k):
     row[hidden] += 100.0
 
 
+SELECTION_SHAPES = [(3, 40, 8), (5, 100, 30), (4, 64, 70), (2, 33, 5), (7, 257, 64), (1, 1, 4), (6, 1000, 50),
+                    (6, 3000, 20), (64, 8192, 2048), (16, 131072, 2048), (96, 32768, 2048), (33, 5000, 777),
+                    (1, 8192, 2048)]   # big=True: all; else the first eight
+
+
 def selection_cases(rng, big=False, tiling_for=None):
     """(scores, k, lengths): ties, -inf, -0/+0, all-masked rows, fewer visible than k, widths that
     are not multiples of the chunk, rows wider than the kernel's candidate capacity (sampled
     bracket), and a row whose top-k the sample cannot see (full search; `tiling_for(width)`: the
     kernel's parameters)."""
-    shapes = [(3, 40, 8), (5, 100, 30), (4, 64, 70), (2, 33, 5), (7, 257, 64), (1, 1, 4), (6, 1000, 50),
-              (6, 3000, 20)]
-    if big:
-        shapes += [(64, 8192, 2048), (16, 131072, 2048), (96, 32768, 2048), (33, 5000, 777), (1, 8192, 2048)]
+    shapes = SELECTION_SHAPES if big else SELECTION_SHAPES[:8]
     for R, N, k in shapes:
         s = rng.standard_normal((R, N)).astype(np.float32)
         s[0, ::3] = 0.5                                   # ties inside the top-k
@@ -763,11 +765,19 @@ def test_topk_entry_points_reject_bad_input():
 
 
 @pytest.mark.gpu
-def test_select_topk_compiled_on_gpu_equals_reference():
+@pytest.mark.parametrize("shape", SELECTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_select_topk_compiled_on_gpu_equals_reference(shape):
+    """selection_cases(big=True) compiled, one (rows, width, k) a test (each compiles up to 18
+    variants: all of them in one test ran past 330 s on the H200). Rows wider than the resident kernel
+    take the two-call bracket kernel, whose three paths (all visible, sampled bracket, full search:
+    the row hidden from the sample) those cases must each show."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     paths = set()
-    for s, k, lengths in selection_cases(rng, big=True, tiling_for=lambda n: bracket_tiling(1, n)):
+    cases = [c for c in selection_cases(rng, big=True, tiling_for=lambda n: bracket_tiling(1, n))
+             if (*c[0].shape, c[1]) == shape]
+    assert len(cases) == 2, f"selection_cases has no {shape}"
+    for s, k, lengths in cases:
         want = topk_oracle(s, k, lengths)
         ln = None if lengths is None else jnp.asarray(lengths)
         small = s.size < 10 ** 5
@@ -784,7 +794,8 @@ def test_select_topk_compiled_on_gpu_equals_reference():
             if s.shape[1] >= 8192 and lengths is None and kw is variants[0] and not kw.get("resident"):
                 fast = np.asarray(path)[5:] == PATHS.index("sampled bracket")  # wide random rows
                 assert fast.mean() >= 0.9, np.asarray(path)
-    assert paths == set(range(len(PATHS))), paths
+    if shape[1] > RESIDENT_MAX_WIDTH:
+        assert paths == set(range(len(PATHS))), paths
 
 
 def assert_same_topk_up_to_near_ties(got, scores, k, tol):
