@@ -626,6 +626,29 @@ def _expanded_attention(q_nope, q_rope, lat, rope, w_uk, w_uv, scale):
 MGPU_SCORES = {"mgpu": "both", "mgpu_alt": "alternate", "mgpu_split": "split_keys"}   # kernel_mgpu's `scores`
 
 
+def traced_device_time(fn, arg_sets, reps: int = 5) -> dict:
+    """fn over arg_sets in one executable (as batched_time), `reps` runs under the JAX profiler: the
+    device's busy time per call (the sum of its ops, without the launch gaps batched_time's wall
+    keeps) and the mean time of its costliest op (the kernel, where one dominates)."""
+    import tempfile
+
+    import jax
+
+    from scripts.profile_prefill import device_op_times
+    many = jax.jit(lambda sets: [fn(*a) for a in sets])
+    jax.block_until_ready(many(arg_sets))
+    trace_dir = tempfile.mkdtemp(prefix="cpkv-kernel-profile-")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(reps):
+            out = many(arg_sets)
+        jax.block_until_ready(out)
+    ops, _, _ = device_op_times(trace_dir)
+    if not ops:
+        raise RuntimeError(f"the trace in {trace_dir} holds no device ops")
+    return {"device_s": sum(t for t, _ in ops.values()) / 1e6 / (reps * len(arg_sets)),
+            "top_op_s": max(t / n for t, n in ops.values()) / 1e6}
+
+
 def bench_sparse_mla(args, ceil):
     """Prefill (causal, one request of N tokens, k = 2048) and decode (N queries over a 131072-slot
     pool): each kernel tiling, the jnp composition (gather + einsums; prefill on a slice of the
@@ -681,11 +704,12 @@ def bench_sparse_mla(args, ceil):
             for k in jax.random.split(jax.random.key(7), 8)]
         for name, fn in variants.items():
             def one(fn=fn):
-                sec = (fitted_pipelined_time(fn, *ops) if prefill else
-                       batched_time(lambda ql, qr, lat, rope, sl, fn=fn: fn(ql, qr, lat, rope, ops[4], sl, ops[6]),
-                                    arg_sets))
+                call = lambda ql, qr, lat, rope, sl, fn=fn: fn(ql, qr, lat, rope, ops[4], sl, ops[6])  # noqa: E731
+                sec = fitted_pipelined_time(fn, *ops) if prefill else batched_time(call, arg_sets)
                 got = fn(ops[0][check], ops[1][check], *ops[2:5], ops[5][check], ops[6]).astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                if args.mla_device_time and not prefill:
+                    return {"s": sec, "err": err, **traced_device_time(call, arg_sets)}
                 return {"s": sec, "err": err}
             entry[name] = _try(one)
         # the jnp composition (the model's path off the GPU kernel), on a slice where its gather fits
@@ -710,6 +734,11 @@ def bench_sparse_mla(args, ceil):
                              else f"{gb * 1e9 / ceil['copy_bytes_per_s']:.0%}")
                     rows.append([f"{kind} {N}", name, f"{v['s'] * 1e3:.3f}", f"{tf:.0f}", f"{gb:.0f}", share,
                                  f"{v.get('err', float('nan')):.1e}"])
+                    if "device_s" in v:       # the same call by the device's busy time (no launch gaps)
+                        busy, top = v["device_s"], v["top_op_s"]
+                        rows.append([f"{kind} {N}", f"{name} (device busy; costliest op {top * 1e6:.1f} us)",
+                                     f"{busy * 1e3:.3f}", f"{flops / busy / 1e12:.0f}", f"{nbytes / busy / 1e9:.0f}",
+                                     f"{nbytes / busy / ceil['copy_bytes_per_s']:.0%}", ""])
                 else:
                     rows.append([f"{kind} {N}", name, v.get("error", "")[:80], "", "", "", ""])
     print_table(rows)
@@ -993,6 +1022,9 @@ def main() -> int:
                         "kernel, its scores computed by both warpgroups, by each in turn, or split by rows; "
                         "':rT' after one: T threads a row in the row copies; ':p': the copies' L2::256B prefetch hint; "
                         "':k': the slots taken as packed, selected first, as the model passes them)")
+    p.add_argument("--mla-device-time", action="store_true",
+                   help="sparse MLA decode: also each variant's device busy time per call from a profile (the ops' "
+                        "sum, without the launch gaps of the timed executable) and its costliest op")
     p.add_argument("--mla-decode-tilings", default="mgpu_rows,dispatch,mgpu_rows:1,mgpu_rows:4,64:64:8:2:2",
                    help="sparse MLA decode variants: as --mla-tilings ('dispatch': the Triton kernel with the "
                         "dispatch's tiling, taken with mgpu_sparse_mla_rows off), 'mgpu_rows' (the Mosaic GPU "

@@ -1038,3 +1038,23 @@ def test_batched_time_calls_each_argument_set_once_per_batch():
     sets = [(jnp.full((4,), float(i)), jnp.float32(2.0)) for i in range(3)]
     t = batched_time(fn, sets)
     assert len(traced) == 3 and 0 < t < 1.0
+
+
+def test_traced_device_time_is_per_call_busy_time():
+    """bench_kernels.traced_device_time (decode sparse MLA's device busy time): the profiled executable's
+    device ops summed and divided per call, of the order of batched_time's wall per call (on the CPU
+    the executor threads overlap ops and the trace adds its own cost, so only the order is checked;
+    a sum left undivided by the 8 calls is 8x off), and 64x the work takes clearly longer."""
+    from cpkv_jax.perf import batched_time
+    from scripts.bench_kernels import traced_device_time
+
+    fn = lambda x, y: jnp.tanh(x @ y)  # noqa: E731
+    times = {}
+    for n in (256, 1024):
+        sets = [(jax.random.normal(jax.random.key(i), (n, n)), jax.random.normal(jax.random.key(99), (n, n)))
+                for i in range(8)]
+        times[n] = traced_device_time(fn, sets)
+        assert times[n]["top_op_s"] > 0
+    wall = batched_time(fn, sets)
+    assert 0.1 < times[1024]["device_s"] / wall < 6, (times, wall)
+    assert times[1024]["device_s"] > 8 * times[256]["device_s"], times
