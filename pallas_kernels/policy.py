@@ -60,6 +60,12 @@ class KernelPolicy:
     warpgroup's TMA loads feeding two compute warpgroups, each rescaling its half of the tile while
     the other's wgmma runs), or 1 (one warpgroup pipelining its own loads; 9.8 ms where the two take
     6.3 in the prefill above)."""
+    fp8_moe_interleaved_gate_up: bool = False
+    """The fp8 gate_up call with each step's gate and up blocks side by side in shared memory, one
+    m64n128 product a step per warpgroup (grouped_matmul.Tiling.interleaved_gate_up; clusters of two,
+    128 x 128 tiles at prefill, 64 x 256 at decode). Measured with gate and up stored interleaved
+    (docs/perf.md, 2026-12-05): 8192 x 256 4.085 vs 4.382 ms, 8192 x 16 3.056 vs 3.209, 64 x 256 1.436
+    vs 1.561; off until this form, which keeps the stored layout, is timed."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

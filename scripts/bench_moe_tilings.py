@@ -17,7 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, interleave_gate_up
+from pallas_kernels.moe.grouped_matmul import Tiling
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -26,8 +26,8 @@ def tilings(bm: int, fp8: bool):
     clusters of two programs sharing their x tiles by multicast; `_pairs`: two column blocks per tile
     (fp8 down: the gate_up call's two-accumulator shape); `_joint`: a step's two products issued together
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
-    bytes in flight per SM); `_il`: gate and up interleaved in 64-row chunks, one m64n128 product a step
-    (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
+    bytes in flight per SM); `_il`: each step's 64-row gate and up blocks side by side in shared memory,
+    one m64n128 product a step (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
     blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
@@ -93,14 +93,9 @@ def main():
         for fp8 in (False, True):
             if fp8:
                 (xq, xs), (hq, hs) = quantize_rows(xp), quantize_rows(h)
-                # Tiling.interleaved_gate_up's one weight (as large as gate and up): only if such a tiling is timed
-                g13 = (interleave_gate_up(g, u) if any(t.interleaved_gate_up for name, t in tilings(bm, True)[0].items()
-                                                       if keep is None or name in keep) else None)
-                calls = {"gate_up": (lambda t: lambda a, b, c, w13: grouped_matmul(
-                                         a[0], w13 if t.interleaved_gate_up else b[0], te,
-                                         up=None if t.interleaved_gate_up else c[0], tiling=t, x_scale=a[1],
-                                         w_scale=b[1], up_scale=c[1]),
-                                     ((xq, xs), (g, gs), (u, us), g13)),
+                calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(
+                                         a[0], b[0], te, up=c[0], tiling=t, x_scale=a[1], w_scale=b[1], up_scale=c[1]),
+                                     ((xq, xs), (g, gs), (u, us))),
                          "down": (lambda t: lambda a, b: grouped_matmul(a[0], b[0], te, tiling=t, x_scale=a[1], w_scale=b[1]),
                                   ((hq, hs), (d, ds)))}
             else:

@@ -229,17 +229,18 @@ def test_fp8_block_scales_per_step_equal_reference(compute_wgs, cluster_n):
 
 @pytest.mark.parametrize("bm,bn,cluster_n", [(128, 128, 1), (128, 128, 2), (64, 256, 2)])
 def test_interleaved_gate_up_interpret_equals_reference(bm, bn, cluster_n):
-    """Tiling.interleaved_gate_up: gate and up interleaved in 64-row chunks (interleave_gate_up), one
-    m64n128 product a step per warpgroup whose halves take gate's and up's block scales (128-row tiles:
-    each warpgroup 64 rows; 64-row decode tiles of 256: each warpgroup one chunk pair, 64 output
-    columns): the interpreter (races detected) against float64 and against the two-weight fused call
-    on the same experts; 2 gate scale blocks, 5 K steps with distinct scales, an unused tile
-    unwritten; refused with `up` and on 64-wide blocks."""
+    """Tiling.interleaved_gate_up: each step's 64-row gate and up blocks loaded side by side into one
+    shared-memory buffer, one m64n128 product a step per warpgroup whose halves take gate's and up's
+    block scales (128-row tiles: each warpgroup 64 rows; 64-row decode tiles of 256: each warpgroup
+    one gate/up block pair, 64 output columns): the interpreter (races detected) against float64 and
+    against the two-weight fused call on the same experts; 2 gate scale blocks, 5 K steps with
+    distinct scales (more than the stages: the buffer's slots are reused), an unused tile unwritten;
+    refused without `up` and on 64-wide blocks."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
     from pallas_kernels.moe.fp8_rows import dequantize_rows
-    from pallas_kernels.moe.grouped_matmul import interleave_gate_up, shape_error
+    from pallas_kernels.moe.grouped_matmul import shape_error
     rng = np.random.default_rng(13)
     E, K, I = 2, 640, 256
     tile_expert = jnp.asarray([1, -1, 0], jnp.int32)
@@ -253,9 +254,7 @@ def test_interleaved_gate_up_interpret_equals_reference(bm, bn, cluster_n):
     interp = plgpu.InterpretGPUParams(detect_races=True)
     t = Tiling(block_m=bm, block_n=bn, block_k=128, stages=2, grid_block_n=2 if bm == 128 else 1, programs=4,
                compute_wgs=2, cluster_n=cluster_n, interleaved_gate_up=True)
-    w13 = interleave_gate_up(gq, uq)
-    assert w13.shape == (E, 2 * I, K) and (np.asarray(w13[1, 64:128]) == np.asarray(uq[1, :64])).all()
-    got = np.asarray(grouped_matmul(xq, w13, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs,
+    got = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, interpret=interp, x_scale=xs, w_scale=gs,
                                     up_scale=us), np.float64)
     assert got.shape == (3 * bm, I)
     two = np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, interpret=interp, x_scale=xs, w_scale=gs, up_scale=us,
@@ -267,10 +266,10 @@ def test_interleaved_gate_up_interpret_equals_reference(bm, bn, cluster_n):
         want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
         assert np.abs(got[rows] - want).max() <= 8e-3 * np.abs(want).max()
         assert np.abs(got[rows] - two[rows]).max() <= 8e-3 * np.abs(want).max()
-    with pytest.raises(ValueError, match="no up"):
-        grouped_matmul(xq, w13, tile_expert, up=w13, tiling=t, interpret=interp, x_scale=xs, w_scale=gs, up_scale=us)
+    with pytest.raises(ValueError, match="takes gate in w and up in up"):
+        grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs)
     sds = jax.ShapeDtypeStruct
-    assert "interleaved_gate_up" in shape_error(sds((3 * bm, K), jnp.float8_e4m3fn), sds(w13.shape, jnp.float8_e4m3fn),
+    assert "interleaved_gate_up" in shape_error(sds((3 * bm, K), jnp.float8_e4m3fn), sds(gq.shape, jnp.float8_e4m3fn),
                                                 dataclasses.replace(t, block_n=64), fp8=True)
 
 
@@ -286,8 +285,10 @@ def test_interleaved_gate_up_lowers_for_cuda_at_glm5_widths(bm, cluster_n, stage
     P = 8192 * 8 + 256 * 128 if bm == 128 else 64 * 8 * 64
     t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=stages, compute_wgs=2,
                grid_block_n=16 if bm == 128 else 1, cluster_n=cluster_n, interleaved_gate_up=True)
-    f = jax.jit(lambda x, w, te, xs, gs, us: grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=gs, up_scale=us))
-    text = f.trace(sds((P, D), jnp.float8_e4m3fn), sds((E, 2 * I, D), jnp.float8_e4m3fn), sds((P // bm,), jnp.int32),
+    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                up_scale=us))
+    w = sds((E, I, D), jnp.float8_e4m3fn)
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32),
                    sds((D // 128, P), jnp.float32), sds((E, I // 128, D // 128), jnp.float32),
                    sds((E, I // 128, D // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -378,6 +379,49 @@ def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
     np.testing.assert_array_equal(bf16, np.asarray(expert_mlp_ragged(
         x, fe, *(fp8_experts_as_plain(w, sc, x.dtype) for w, sc in ((gq, gs), (uq, us), (dq, ds))), k).slots(), np.float64))
     assert np.abs(got - bf16).max() <= 0.1 * scale      # fp8 activations: a few % of the largest output
+
+
+def test_fp8_interleaved_gate_up_policy():
+    """KernelPolicy.fp8_moe_interleaved_gate_up: the dispatch's gate_up tiling at GLM-5's widths is the
+    interleaved one (128 x 128 at prefill, 64 x 256 walked row by row over its 16 column blocks at
+    decode, clusters of two) and fits; and the fp8 expert path with it (interpreter, races detected)
+    equals float64 and the default tilings' path to fp8 rounding."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import expert_mlp_blocked_fp8, quantize_rows
+    from pallas_kernels.moe.dispatch import expert_tilings, fp8_shape_error
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 256, 6144, 2048
+    gate, down = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn)
+    for slots, (bm, bn, walk) in ((8192 * 8, (128, 128, 16)), (64 * 8, (64, 256, 16))):
+        up_t, down_t = expert_tilings(slots, gate, True, 2, interleaved=True)
+        assert (up_t.interleaved_gate_up, up_t.block_m, up_t.block_n, up_t.grid_block_n, up_t.cluster_n) == (
+            True, bm, bn, walk, 2)
+        assert down_t == expert_tilings(slots, gate, True, 2)[1]
+        assert not expert_tilings(slots, gate, True, 2)[0].interleaved_gate_up
+        assert not expert_tilings(slots, gate, True, 1, interleaved=True)[0].interleaved_gate_up
+        assert fp8_shape_error(sds((slots // 8, D), jnp.bfloat16), gate, down, slots, interleaved=True) is None
+    rng = np.random.default_rng(8)
+    N, k, D, I, E = 40, 2, 256, 256, 4
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(routings(rng, N * k, E).__next__(), jnp.int32)
+    t = Tiling(block_m=64, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=4, compute_wgs=2)
+    il = dataclasses.replace(t, block_n=256, cluster_n=2, interleaved_gate_up=True)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    got, plain = (np.asarray(expert_mlp_blocked_fp8(x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=u, down_tiling=t,
+                                                    interpret=interp).slots(), np.float64) for u in (il, t))
+    xd = np.asarray(dequantize_rows(*quantize_rows(x)), np.float64)
+    gd, ud, dd = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us), (dq, ds)))
+    used = np.asarray(fe) < E
+    a = np.einsum("sd,sdi->si", xd[np.arange(N * k) // k][used], gd[np.asarray(fe)[used]])
+    h = a / (1 + np.exp(-a)) * np.einsum("sd,sdi->si", xd[np.arange(N * k) // k][used], ud[np.asarray(fe)[used]])
+    want = np.einsum("si,sid->sd", h, dd[np.asarray(fe)[used]])   # h unquantized: the kernels round it to fp8
+    assert np.abs(got[used] - want).mean() <= 1e-2 * np.abs(want).max()
+    assert np.abs(got[used] - want).max() <= 0.1 * np.abs(want).max()
+    assert np.abs(got).max() > 0
+    np.testing.assert_allclose(got, plain, rtol=0, atol=1e-2 * np.abs(plain).max())
 
 
 def test_fp8_experts_in_the_plain_layout_are_refused():
@@ -513,14 +557,14 @@ def test_expert_mlp_kernel_compiled_equals_reference(compute_wgs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compute_wgs", [1, 2])
-def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs):
+@pytest.mark.parametrize("compute_wgs,interleaved", [(1, False), (2, False), (2, True)])
+def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs, interleaved):
     """fp8 experts through the compiled fp8 kernel (policy.fp8_moe_kernel; one compute warpgroup or the
-    warp-specialized two) against the same weights dequantized to bf16 (the bf16 kernel path):
-    prefill and decode row counts, 16 and 256 experts."""
+    warp-specialized two, with gate_up's blocks side by side or not) against the same weights
+    dequantized to bf16 (the bf16 kernel path): prefill and decode row counts, 16 and 256 experts."""
     from pallas_kernels.moe import fp8_kernel_applies
     rng = np.random.default_rng(6)
-    on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs)
+    on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs, fp8_moe_interleaved_gate_up=interleaved)
     off = KernelPolicy(fp8_moe_kernel=False)
     run = slots_compiled
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
@@ -542,7 +586,6 @@ def test_interleaved_gate_up_compiled_equals_the_two_weight_call(bm, bn, cluster
     experts with rows routed by block_plan (empty experts, a skewed expert): equal, to bf16 rounding of
     the output, to the two-weight fused gate_up call on the same fp8 experts."""
     from pallas_kernels.moe import grouped_matmul, quantize_rows
-    from pallas_kernels.moe.grouped_matmul import interleave_gate_up
     rng = np.random.default_rng(21)
     E, D, I, slots = 64, 1024, 512, (3000 if bm == 128 else 96)
     (gq, gs), (uq, us) = fp8_experts(rng, D, I, E)[:2]
@@ -553,7 +596,7 @@ def test_interleaved_gate_up_compiled_equals_the_two_weight_call(bm, bn, cluster
                cluster_n=cluster_n, interleaved_gate_up=True)
     two = Tiling(block_m=bm, block_n=64 if bm == 128 else 128, block_k=128, stages=4, compute_wgs=2,
                  grid_block_n=t.grid_block_n, joint_products=bm == 128)
-    got = grouped_matmul(xq, interleave_gate_up(gq, uq), tile_expert, tiling=t, x_scale=xs, w_scale=gs, up_scale=us)
+    got = grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, x_scale=xs, w_scale=gs, up_scale=us)
     want = grouped_matmul(xq, gq, tile_expert, up=uq, tiling=two, x_scale=xs, w_scale=gs, up_scale=us)
     used = np.repeat(np.asarray(tile_expert) >= 0, bm)
     got, want = (np.asarray(a, np.float64)[used] for a in (got, want))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error
+from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error, tile_columns
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -80,7 +80,7 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
 def paired(t: Tiling, N: int) -> Tiling:
     """t, or t without its cluster of two programs or its column pairs where N's column blocks do not
     pair up (the kernel refuses both there)."""
-    if (t.cluster_n == 2 or t.column_pairs) and (N // t.block_n) % 2:
+    if (t.cluster_n == 2 or t.column_pairs) and (N // tile_columns(t)) % 2:
         return dataclasses.replace(t, cluster_n=1, column_pairs=False)
     return t
 
@@ -111,15 +111,19 @@ def by_rows(t: Tiling, N: int) -> Tiling:
     used tiles into a second round of a few programs (1 token x 256 experts: 128 used tiles of 144
     on 132 programs; H200, docs/perf.md 2026-12-04 fifth session: fp8 gate_up 0.083 -> 0.067 ms, bf16
     0.132 -> 0.106, 64 tokens 1.558 -> 1.434 and 3.387 -> 2.689)."""
-    return dataclasses.replace(t, grid_block_n=N // t.block_n) if t.block_m == 64 else t
+    return dataclasses.replace(t, grid_block_n=N // tile_columns(t)) if t.block_m == 64 else t
 
 
-def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int) -> tuple[Tiling, Tiling]:
+def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
-    [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row."""
+    [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
+    interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
+    if fp8 and interleaved and compute_wgs == 2:
+        up_t = Tiling(block_m=up_t.block_m, block_n=128 if up_t.block_m == 128 else 256, block_k=128, stages=4,
+                      compute_wgs=2, grid_block_n=up_t.grid_block_n, cluster_n=2, interleaved_gate_up=True)
     return by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
 
 
@@ -153,12 +157,12 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
             Tiling(block_m=block_m, block_n=64, block_k=128, stages=4))
 
 
-def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2) -> str | None:
+def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
-    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs)
+    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -169,7 +173,8 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     """Whether expert_mlp runs fp8 experts (K-major: gate [E, I, D], down [E, D, I]) through the fp8
     kernel (else they are dequantized first): on the GPU, where its shapes fit."""
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
-            and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs) is None)
+            and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
+                                policy.fp8_moe_interleaved_gate_up) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -211,7 +216,8 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     check_experts(x.shape[1], gate, up, down, scales)
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
-            up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs)
+            up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
+                                          policy.fp8_moe_interleaved_gate_up)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

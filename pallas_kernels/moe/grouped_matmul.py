@@ -59,11 +59,12 @@ class Tiling:
     with few rows per expert (decode); twice the fresh accumulators in registers, so only where a
     warpgroup's part of the tile is at most 64 x 64."""
     interleaved_gate_up: bool = False
-    """fp8, warp-specialized, 128 x 128 tiles (each warpgroup 64 rows) or 64 x 256 (each warpgroup 128
-    columns): w is gate and up interleaved in 64-row chunks ([E, 2I, K], interleave_gate_up), so a
-    warpgroup's one m64n128 product a step holds 64 gate and 64 up columns (the x tile read from shared
-    memory once, not once per weight), its halves summed apart and paired by the epilogue; w_scale /
-    up_scale stay gate's and up's own [E, I/128, K/128] block scales. Output [P, I]."""
+    """fp8 gate_up (w and up given), warp-specialized, 128 x 128 tiles (each warpgroup 64 rows) or 64 x 256
+    (each warpgroup 128 columns): each step's 64-row blocks of gate and up are loaded side by side into
+    one shared-memory buffer (gate, up, gate, up: the tile's block_n rows), so a warpgroup's one m64n128
+    product holds 64 gate and 64 up columns (the x tile read from shared memory once, not once per
+    weight); its halves are summed apart with their own block scales and paired by the epilogue. A
+    tile computes block_n / 2 output columns."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -78,8 +79,7 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         _, N, K2 = w.shape
         if x.dtype != jnp.float8_e4m3fn or w.dtype != jnp.float8_e4m3fn:
             return f"fp8 operands must be float8_e4m3fn (got {x.dtype}, {w.dtype})"
-        scaled_n = tiling.block_n // 2 if tiling.interleaved_gate_up else tiling.block_n   # a tile's output columns
-        if tiling.block_k != FP8_BLOCK or FP8_BLOCK % scaled_n:
+        if tiling.block_k != FP8_BLOCK or FP8_BLOCK % tile_columns(tiling):
             return f"fp8 needs block_k {FP8_BLOCK} (one scale block per step) and a tile's output columns dividing it"
     else:
         _, K2, N = w.shape
@@ -88,8 +88,9 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"operands must be bf16 or f16 of one dtype (got {x.dtype}, {w.dtype})"
     if K != K2:
         return f"x has {K} columns, the weights {K2} rows"
-    if K % tiling.block_k or N % tiling.block_n:
-        return f"K {K} and N {N} must be multiples of block_k {tiling.block_k} and block_n {tiling.block_n}"
+    if K % tiling.block_k or N % tile_columns(tiling):
+        return (f"K {K} and N {N} must be multiples of block_k {tiling.block_k} and of a tile's output columns "
+                f"{tile_columns(tiling)}")
     if P % tiling.block_m:
         return f"rows {P} must be a multiple of block_m {tiling.block_m} (the padded layout)"
     if tiling.block_m % 64 or tiling.block_n % 8 or tiling.block_k * x.dtype.itemsize != 128:
@@ -116,10 +117,16 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
-            tiling.compute_wgs != 2 or (N // tiling.block_n // pair) % 2 or tiling.programs % 2):
+            tiling.compute_wgs != 2 or (N // tile_columns(tiling) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
-                f"blocks ({N // tiling.block_n // pair}) and of programs")
+                f"blocks ({N // tile_columns(tiling) // pair}) and of programs")
     return None
+
+
+def tile_columns(tiling: Tiling) -> int:
+    """Output columns of a tile: block_n, or half of it where gate and up share the block
+    (interleaved_gate_up)."""
+    return tiling.block_n // 2 if tiling.interleaved_gate_up else tiling.block_n
 
 
 def _add_scaled(total, part, scale):
@@ -138,14 +145,12 @@ def _silu_mul(gate, up):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
-def _operand_refs(refs, fp8: bool, interleaved: bool = False):
+def _operand_refs(refs, fp8: bool):
     """The kernel's refs after x, as grouped_matmul passes them: (row scales or None, weights, their
-    block scales (empty for bf16; gate's and up's for the one interleaved weight), output)."""
+    block scales (empty for bf16), output)."""
     if not fp8:
         return None, refs[:-1], (), refs[-1]
     xs_ref, *refs = refs
-    if interleaved:
-        return xs_ref, refs[:1], refs[1:3], refs[-1]
     n_w = (len(refs) - 1) // 2
     return xs_ref, refs[:n_w], refs[n_w:2 * n_w], refs[-1]
 
@@ -240,15 +245,18 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     is 64. bf16: each accumulates its wgmma in place. fp8: every step each waits on its own 128-deep
     product and adds it scaled into its fp32 sums while the other's wgmma occupies the tensor cores."""
     interleaved = tiling.interleaved_gate_up
-    xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8, interleaved)
+    xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
     n_w = len(w_refs)
     n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
-    fused = n_w == 2 and not tiling.column_pairs or interleaved   # gate and up: silu(gate) * up
+    fused = n_w == 2 and not tiling.column_pairs   # gate and up: silu(gate) * up
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
-    out_n = bn // 2 if interleaved else bn         # output columns of a tile's block (interleaved: its gate half)
+    out_n = bn // 2 if interleaved else bn         # output columns of a tile (interleaved: gate's half of its block)
     out_sn = sn // 2 if interleaved else sn        # a warpgroup's output columns (and fp32 sums' width)
+    # interleaved: the tile's (gate, up) pairs of 64-row blocks, side by side in one buffer of bn rows
+    half = 64
+    n_blocks = bn // half if interleaved else n_w
     wg = jax.lax.axis_index("wg")
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
@@ -260,9 +268,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         consecutive steps)."""
         kb = lambda k: k + start   # noqa: E731
         w_block, w_index = ((bn, bk), lambda k: (0, kb(k))) if fp8 else ((bk, bn), lambda k: (kb(k), 0))
+        if interleaved:
+            w_block = (half, bk)
         specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, kb(k)), **shared)]
                  + ([plgpu.BlockSpec((1, bm), lambda k: (kb(k), 0), **shared)] if fp8 else [])
-                 + [plgpu.BlockSpec(w_block, w_index)] * n_w)
+                 + [plgpu.BlockSpec(w_block, w_index)] * n_blocks)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs)
@@ -276,15 +286,30 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         """The pipeline's inputs for the tile (row tile mi, column block ni) of `expert`."""
         tile_rows = pl.ds(mi * bm, bm)
         scales = [xs_ref.at[:, tile_rows]] if fp8 else []
-        ws = [w.at[expert, pl.ds(column(ni, j), bn)] if fp8 else w.at[expert, :, pl.ds(column(ni, j), bn)]
-              for j, w in enumerate(w_refs)]
+        if interleaved:           # gate's and up's blocks of each of the tile's 64-column output chunks
+            ws = [w.at[expert, pl.ds(ni * out_n + c * half, half)] for c in range(n_blocks // 2) for w in w_refs]
+        else:
+            ws = [w.at[expert, pl.ds(column(ni, j), bn)] if fp8 else w.at[expert, :, pl.ds(column(ni, j), bn)]
+                  for j, w in enumerate(w_refs)]
         return (x_ref.at[tile_rows], *scales, *ws)
 
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
-    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
-                       o_smem=plgpu.SMEM((2 * n_out, sm, out_sn), o_ref.dtype), collective_axes="wg")
-    def _scope(allocs, o_smem):
+    allocs = pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0))
+    pairs = {}
+    if interleaved:               # one buffer for the weight blocks, each block a view of it (_scope)
+        in_allocs = allocs["flat_in_smem_refs"]   # x's, the row scales', then the weight blocks' (slots first)
+        block = in_allocs[-1]
+        allocs = dict(allocs, flat_in_smem_refs=in_allocs[:-n_blocks])
+        pairs = dict(pairs=plgpu.SMEM((block.shape[0], bn, bk), block.dtype, transforms=block.transforms))
+
+    @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((2 * n_out, sm, out_sn), o_ref.dtype),
+                       collective_axes="wg", **pairs)
+    def _scope(allocs, o_smem, pairs=None):
+        if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
+            allocs = dict(allocs, flat_in_smem_refs=[
+                *allocs["flat_in_smem_refs"], *[pairs.at[:, pl.ds(b * half, half)] for b in range(n_blocks)]])
+
         @plgpu.nd_loop((grid_m * grid_n // cn * tiling.k_splits,), collective_axes="sm")
         def _tile(info):
             tile, split, steps, start = _split_tile(info.index[0], tiling.k_splits, k_steps)
@@ -316,7 +341,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
                 if interleaved:           # one product: its gate half into gate's sums, its up half into up's
-                    part = products(w_smems)[0]
+                    part = products([pairs.at[jax.lax.rem(idx[0], pairs.shape[0])]])[0]   # the step's slot
                     halves = (part[:, :out_sn], part[:, out_sn:])
                     return tuple(_add_scaled(total, half, scale) for total, half, scale in zip(sums, halves, scales))
                 if tiling.joint_products:
@@ -370,14 +395,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def interleave_gate_up(gate, up, chunk: int = 64):
-    """fp8 gate and up experts [E, I, K] (K-major) as one [E, 2I, K]: chunks of `chunk` rows, gate's then
-    up's, in turn (Tiling.interleaved_gate_up reads a 2 * chunk-row block as both)."""
-    E, I, K = gate.shape
-    return jnp.stack([gate.reshape(E, I // chunk, chunk, K), up.reshape(E, I // chunk, chunk, K)], axis=2).reshape(
-        E, 2 * I, K)
-
-
 def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), interpret=False, x_scale=None,
                    w_scale=None, up_scale=None, out_dtype=None):
     """x [P, K] in the padded layout (P a multiple of block_m), w [E, K, N], tile_expert [P // block_m]
@@ -385,23 +402,20 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     Rows of unused tiles are left unwritten. interpret: True (or plgpu.InterpretGPUParams) runs Mosaic
     GPU's interpreter, on any backend.
     fp8 (x_scale given): x [P, K] e4m3 with x_scale [K / 128, P] fp32; w (and up) [E, N, K] e4m3 with
-    w_scale (up_scale) [E, ceil(N / 128), K / 128] fp32; out_dtype (default bf16). With
-    tiling.interleaved_gate_up: w = interleave_gate_up(gate, up) [E, 2I, K], no up, w_scale / up_scale
-    gate's and up's [E, I / 128, K / 128]; returns silu(x @ gate) * (x @ up) [P, I]."""
+    w_scale (up_scale) [E, ceil(N / 128), K / 128] fp32; out_dtype (default bf16)."""
     fp8 = x_scale is not None
     interleaved = tiling.interleaved_gate_up
     err = shape_error(x, w, tiling, fp8) or (None if up is None or up.shape == w.shape else
                                              f"up {up.shape} must match gate {w.shape}")
-    if err is None and interleaved and up is not None:
-        err = "interleaved_gate_up takes gate and up in w (interleave_gate_up), no up"
+    if err is None and interleaved and (up is None or not fp8):
+        err = "interleaved_gate_up is fp8 gate_up: it takes gate in w and up in up"
     P, K = x.shape
     N = w.shape[1] if fp8 else w.shape[2]
     if err is None and fp8:
         E = w.shape[0]
-        n_scaled = N // 2 if interleaved else N       # interleaved: gate's and up's own scales
-        want = {"x_scale": (K // FP8_BLOCK, P), "w_scale": (E, -(-n_scaled // FP8_BLOCK), K // FP8_BLOCK)}
+        want = {"x_scale": (K // FP8_BLOCK, P), "w_scale": (E, -(-N // FP8_BLOCK), K // FP8_BLOCK)}
         got = {"x_scale": x_scale, "w_scale": w_scale}
-        if up is not None or interleaved:
+        if up is not None:
             want["up_scale"], got["up_scale"] = want["w_scale"], up_scale
         err = next((f"{name} must be fp32 {want[name]}, got "
                     f"{None if a is None else (tuple(a.shape), str(a.dtype))}" for name, a in got.items()
@@ -420,8 +434,8 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     pair = 2 if tiling.column_pairs else 1
     weights = (w,) * pair if up is None else (w, up)
     if fp8:
-        weights = (x_scale,) + weights + ((w_scale,) * pair if up is None and not interleaved else (w_scale, up_scale))
-    grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tiling.block_n // pair,
+        weights = (x_scale,) + weights + ((w_scale,) * pair if up is None else (w_scale, up_scale))
+    grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tile_columns(tiling) // pair,
                 k_steps=K // tiling.block_k)
     body = functools.partial(_kernel_ws if tiling.compute_wgs == 2 else _kernel, fp8=fp8, **grid)
     threads = dict(num_threads=3, thread_name="wg") if tiling.compute_wgs == 2 else {}
@@ -431,7 +445,7 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     S = tiling.k_splits
     kernel = plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct((S, P, N), jnp.float32) if S > 1
-                        else jax.ShapeDtypeStruct((P, N // 2 if interleaved else N), out_dtype)),
+                        else jax.ShapeDtypeStruct((P, N), out_dtype)),
         grid=(tiling.programs // tiling.cluster_n,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret, **threads,
