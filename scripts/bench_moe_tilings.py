@@ -17,6 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
+from pallas_kernels.moe.dispatch import chained
 from pallas_kernels.moe.grouped_matmul import Tiling
 from pallas_kernels.moe.plan import block_plan
 
@@ -28,7 +29,9 @@ def tilings(bm: int, fp8: bool):
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
     bytes in flight per SM); `_il`: each step's 64-row gate and up blocks side by side in shared memory,
     one m64n128 product a step (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
-    blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column."""
+    blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column.
+    Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
+    (Tiling.chained_tiles: a program's tiles as one continued pipeline)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -103,6 +106,8 @@ def main():
                 calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a, b, te, up=c, tiling=t), (xp, gb, ub)),
                          "down": (lambda t: lambda a, b: grouped_matmul(a, b, te, tiling=t), (h, db))}
             for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
+                K = D if call == "gate_up" else I        # `_ch`: the tiling with chained_tiles, where it applies
+                group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if chained(t, K).chained_tiles}}
                 make, operands = calls[call]
                 ref = None
                 for name, t in group.items():

@@ -273,6 +273,52 @@ def test_interleaved_gate_up_interpret_equals_reference(bm, bn, cluster_n):
                                                 dataclasses.replace(t, block_n=64), fp8=True)
 
 
+@pytest.mark.parametrize("kind", ["fp8_joint", "fp8_interleaved_c2", "fp8_down_pairs_c2", "bf16"])
+def test_chained_tiles_interpret_are_bit_equal(kind):
+    """Tiling.chained_tiles (a program's tiles as one continued K pipeline: START, STEADY..., STOP)
+    does the same arithmetic as a pipeline a tile: the interpreter (races detected) gives bit-equal
+    outputs, over row tiles whose experts leave programs with several used tiles between unused ones,
+    exactly one, or none (the rest unwritten), 4 K steps over 2 stages; refused where the K steps are
+    not a multiple of the stages."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    rng = np.random.default_rng(31)
+    E, K, N = 3, 512, 512 if kind == "fp8_down_pairs_c2" else 256
+    fp8 = kind != "bf16"
+    t = Tiling(block_m=128, block_n=64, block_k=128 if fp8 else 64, stages=2, grid_block_n=2, programs=4,
+               compute_wgs=2, joint_products=kind == "fp8_joint")
+    if kind == "fp8_interleaved_c2":
+        t = dataclasses.replace(t, block_n=128, cluster_n=2, interleaved_gate_up=True)
+    if kind == "fp8_down_pairs_c2":
+        t = dataclasses.replace(t, block_m=64, block_n=128, cluster_n=2, column_pairs=True, joint_products=True,
+                                grid_block_n=1)
+    if not fp8:
+        t = dataclasses.replace(t, stages=4, block_n=128)       # 8 K steps of 64
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    for tile_expert in ([1, -1, 0, 2, -1, 1], [-1, -1, 2, -1, -1, -1]):
+        te = jnp.asarray(tile_expert, jnp.int32)
+        x = jnp.asarray(rng.standard_normal((len(tile_expert) * t.block_m, K)), jnp.float32)
+        if fp8:
+            (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
+            xq, xs = quantize_rows(x)
+            two = kind != "fp8_down_pairs_c2"
+            call = lambda tt: grouped_matmul(xq, gq, te, up=uq if two else None, tiling=tt, interpret=interp,  # noqa: E731
+                                             x_scale=xs, w_scale=gs, up_scale=us if two else None)
+        else:
+            g, u = (jnp.asarray(rng.standard_normal((E, K, N)) * K ** -0.5, jnp.bfloat16) for _ in range(2))
+            call = lambda tt: grouped_matmul(x.astype(jnp.bfloat16), g, te, up=u, tiling=tt, interpret=interp)  # noqa: E731
+        plain, chained = (np.asarray(call(dataclasses.replace(t, chained_tiles=c)), np.float32) for c in (False, True))
+        assert list(used_tiles(te, t.block_m, plain, chained)) and np.abs(plain[np.isfinite(plain)]).max() > 0
+        np.testing.assert_array_equal(chained, plain)
+    sds = jax.ShapeDtypeStruct
+    odd = dataclasses.replace(t, stages=3, chained_tiles=True)
+    assert "chained_tiles" in shape_error(sds((128, K), xq.dtype if fp8 else jnp.bfloat16),
+                                          sds((E, N, K) if fp8 else (E, K, N), gq.dtype if fp8 else jnp.bfloat16),
+                                          odd, fp8=fp8)
+
+
 @pytest.mark.parametrize("bm,cluster_n,stages", [(128, 1, 4), (128, 2, 4), (128, 1, 5), (64, 2, 4)])
 def test_interleaved_gate_up_lowers_for_cuda_at_glm5_widths(bm, cluster_n, stages):
     """The interleaved gate_up call at GLM-5's widths (hidden 6144, expert width 2048, 256 experts;
@@ -557,15 +603,18 @@ def test_expert_mlp_kernel_compiled_equals_reference(compute_wgs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compute_wgs,interleaved", [(1, False), (2, False), (2, True)])
-def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs, interleaved):
+@pytest.mark.parametrize("compute_wgs,interleaved,chain", [(1, False, False), (2, False, False), (2, True, False),
+                                                          (2, False, True)])
+def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs, interleaved, chain):
     """fp8 experts through the compiled fp8 kernel (policy.fp8_moe_kernel; one compute warpgroup or the
-    warp-specialized two, with gate_up's blocks side by side or not) against the same weights
-    dequantized to bf16 (the bf16 kernel path): prefill and decode row counts, 16 and 256 experts."""
+    warp-specialized two, with gate_up's blocks side by side or not, tiles chained or not) against the
+    same weights dequantized to bf16 (the bf16 kernel path, chained as well): prefill and decode row
+    counts, 16 and 256 experts."""
     from pallas_kernels.moe import fp8_kernel_applies
     rng = np.random.default_rng(6)
-    on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs, fp8_moe_interleaved_gate_up=interleaved)
-    off = KernelPolicy(fp8_moe_kernel=False)
+    on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs, fp8_moe_interleaved_gate_up=interleaved,
+                      moe_chained_tiles=chain)
+    off = KernelPolicy(fp8_moe_kernel=False, moe_chained_tiles=chain)
     run = slots_compiled
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
         x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
@@ -702,6 +751,31 @@ def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_
     jax.jit(f).trace(x, fe, *plain).lower(lowering_platforms=("cuda",))
     fp8_gate = sds((experts, I, D), jnp.float8_e4m3fn)
     lower_fp8_experts_for_cuda(tokens, experts, *expert_tilings(tokens * k, fp8_gate, True, compute_wgs), D, I, k)
+
+
+def test_chained_tiles_policy_and_lowering_at_glm5_widths():
+    """KernelPolicy.moe_chained_tiles: the dispatch's warp-specialized tilings chain their tiles where a
+    tile's K steps are a multiple of the stages (fp8: 48 and 16 steps over 4 stages; bf16 prefill
+    gate_up 96 over 3, not its down's 32 over 3; bf16 decode gate_up keeps one compute warpgroup),
+    nothing else changes, and the chained expert calls
+    lower for CUDA at GLM-5's widths (prefill 8192 and decode 64 tokens over 256 experts)."""
+    from pallas_kernels.moe import expert_mlp_blocked
+    from pallas_kernels.moe.dispatch import expert_tilings
+    D, I, E, k = 6144, 2048, 256, 8
+    sds = jax.ShapeDtypeStruct
+    fp8_gate, bf16_gate = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.bfloat16)
+    for tokens, want_fp8, want_bf16 in ((8192, (True, True), (True, False)), (64, (True, True), (False, True))):
+        for gate, fp8, want in ((fp8_gate, True, want_fp8), (bf16_gate, False, want_bf16)):
+            plain = expert_tilings(tokens * k, gate, fp8, 2)
+            chain = expert_tilings(tokens * k, gate, fp8, 2, chain=True)
+            assert [t.chained_tiles for t in chain] == list(want), (tokens, fp8)
+            assert [dataclasses.replace(t, chained_tiles=False) for t in chain] == list(plain)
+            assert not any(t.chained_tiles for t in expert_tilings(tokens * k, gate, fp8, 1, chain=True))
+        lower_fp8_experts_for_cuda(tokens, E, *expert_tilings(tokens * k, fp8_gate, True, 2, chain=True), D, I, k)
+        up_t, down_t = expert_tilings(tokens * k, bf16_gate, False, 2, chain=True)
+        f = functools.partial(expert_mlp_blocked, topk=k, up_tiling=up_t, down_tiling=down_t)
+        jax.jit(f).trace(sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), bf16_gate, bf16_gate,
+                         sds((E, I, D), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
 
 
 def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_where_they_would_spill():

@@ -114,17 +114,29 @@ def by_rows(t: Tiling, N: int) -> Tiling:
     return dataclasses.replace(t, grid_block_n=N // tile_columns(t)) if t.block_m == 64 else t
 
 
-def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False) -> tuple[Tiling, Tiling]:
+def chained(t: Tiling, K: int) -> Tiling:
+    """t with chained_tiles where it applies: warp-specialized, each tile's K steps (K / block_k) a
+    multiple of the stages (or fewer than them)."""
+    steps = K // t.block_k // t.k_splits
+    if t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0):
+        return dataclasses.replace(t, chained_tiles=True)
+    return t
+
+
+def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
+                   chain: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
-    interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up."""
+    interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
+    call's tiling `chained` where it applies."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
     if fp8 and interleaved and compute_wgs == 2:
         up_t = Tiling(block_m=up_t.block_m, block_n=128 if up_t.block_m == 128 else 256, block_k=128, stages=4,
                       compute_wgs=2, grid_block_n=up_t.grid_block_n, cluster_n=2, interleaved_gate_up=True)
-    return by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
+    up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
+    return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
 
 
 def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling) -> str | None:
@@ -157,12 +169,13 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
             Tiling(block_m=block_m, block_n=64, block_k=128, stages=4))
 
 
-def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False) -> str | None:
+def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
+                    chain: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
-    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved)
+    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -174,7 +187,7 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     kernel (else they are dequantized first): on the GPU, where its shapes fit."""
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
-                                policy.fp8_moe_interleaved_gate_up) is None)
+                                policy.fp8_moe_interleaved_gate_up, policy.moe_chained_tiles) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -217,11 +230,11 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
-                                          policy.fp8_moe_interleaved_gate_up)
+                                          policy.fp8_moe_interleaved_gate_up, policy.moe_chained_tiles)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
-    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs)
+    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.moe_chained_tiles)
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)

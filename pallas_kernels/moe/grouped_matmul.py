@@ -65,6 +65,11 @@ class Tiling:
     product holds 64 gate and 64 up columns (the x tile read from shared memory once, not once per
     weight); its halves are summed apart with their own block scales and paired by the epilogue. A
     tile computes block_n / 2 output columns."""
+    chained_tiles: bool = False
+    """Warp-specialized: a program's tiles run as one continued K pipeline (emit_pipeline_warp_specialized's
+    pipeline_state: its first used tile START, the next STEADY, its last STOP), so the producer loads
+    the next tile's first K blocks while the compute warpgroups finish and store this one, instead of
+    waiting at each tile's end for them to consume the last. Needs the K steps a multiple of the stages."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -116,6 +121,10 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
+    steps = k_steps // tiling.k_splits
+    if tiling.chained_tiles and (tiling.compute_wgs != 2 or steps > tiling.stages and steps % tiling.stages):
+        return (f"chained_tiles: two compute warpgroups and each tile's {steps} K steps a multiple of the "
+                f"{tiling.stages} stages ({tiling})")
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
             tiling.compute_wgs != 2 or (N // tile_columns(tiling) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
@@ -263,9 +272,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     # in a cluster the two programs share the row tile: its x (and row scales) arrive by multicast
     shared = dict(collective_axes=("cluster",)) if cn == 2 else {}
 
-    def pipeline(body, context, start=0, steps=k_steps):
+    def pipeline(body, context, start=0, steps=k_steps, state=None):
         """The tile's K pipeline of `steps` steps from K block `start` (k_splits: the split's
-        consecutive steps)."""
+        consecutive steps); state: its place in the program's chain of pipelines (chained_tiles)."""
         kb = lambda k: k + start   # noqa: E731
         w_block, w_index = ((bn, bk), lambda k: (0, kb(k))) if fp8 else ((bk, bn), lambda k: (kb(k), 0))
         if interleaved:
@@ -275,7 +284,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                  + [plgpu.BlockSpec(w_block, w_index)] * n_blocks)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs)
+            max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs, pipeline_state=state)
 
     def column(ni, j):
         """First output column of weight j's block in tile column ni (gate and up share one block; column
@@ -310,12 +319,26 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             allocs = dict(allocs, flat_in_smem_refs=[
                 *allocs["flat_in_smem_refs"], *[pairs.at[:, pl.ds(b * half, half)] for b in range(n_blocks)]])
 
-        @plgpu.nd_loop((grid_m * grid_n // cn * tiling.k_splits,), collective_axes="sm")
-        def _tile(info):
+        loop = (grid_m * grid_n // cn * tiling.k_splits,)
+
+        def tile_at(info):
+            """(row tile, column block, its expert or -1, K split, its steps, its first step) of a loop step."""
             tile, split, steps, start = _split_tile(info.index[0], tiling.k_splits, k_steps)
             mi, nc = plgpu.planar_snake(tile, (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
             ni = nc * cn + jax.lax.axis_index("cluster") if cn == 2 else nc
-            expert = tile_expert_ref[mi]
+            return mi, ni, tile_expert_ref[mi], split, steps, start
+
+        if tiling.chained_tiles:  # the program's first and last loop steps with a used tile (-1: none)
+            @plgpu.nd_loop(loop, collective_axes="sm", init_carry=(jnp.int32(-1), jnp.int32(-1)))
+            def used_steps(info, carry):
+                first, last = carry
+                used, k = tile_at(info)[2] >= 0, jnp.asarray(info.local_index, jnp.int32)
+                return jnp.where(used & (first < 0), k, first), jnp.where(used, k, last)
+            first_used, last_used = used_steps
+
+        @plgpu.nd_loop(loop, collective_axes="sm")
+        def _tile(info):
+            mi, ni, expert, split, steps, start = tile_at(info)
             rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
 
@@ -387,10 +410,21 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     store(outputs([acc[...] for acc in accs]))
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * n_w)
 
-            @pl.when(expert >= 0)
-            def _():
-                pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16, start, steps)(
+            def run(state=None):
+                pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16, start, steps, state)(
                     *operands(mi, ni, expert), allocations=allocs)
+
+            if not tiling.chained_tiles:
+                pl.when(expert >= 0)(run)
+                return
+            k = jnp.asarray(info.local_index, jnp.int32)
+            pl.when((expert >= 0) & (first_used == last_used))(run)     # the program's one used tile
+            chain = plgpu.PipelinePipeline
+
+            @pl.when((expert >= 0) & (first_used != last_used))
+            def _():
+                run(jnp.where(k == first_used, int(chain.START), jnp.where(
+                    k == last_used, int(chain.STOP), int(chain.STEADY))).astype(jnp.int32))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
