@@ -60,11 +60,11 @@ class KernelPolicy:
     warpgroup's TMA loads feeding two compute warpgroups, each rescaling its half of the tile while
     the other's wgmma runs), or 1 (one warpgroup pipelining its own loads; 9.8 ms where the two take
     6.3 in the prefill above)."""
-    moe_chained_tiles: bool = False
-    """The routed experts' warp-specialized calls (bf16 and fp8) run each program's tiles as one
-    continued K pipeline (grouped_matmul.Tiling.chained_tiles), where a tile's K steps are a multiple
-    of the stages: the next tile's first loads overlap this tile's last products and its store. Off
-    until timed on the GPU."""
+    chained_tiles: bool = False
+    """The grouped matmul kernel's warp-specialized calls (routed experts, bf16 and fp8; fp8 dense
+    linears) run each program's tiles as one continued K pipeline (grouped_matmul.Tiling.chained_tiles),
+    where a tile's K steps are a multiple of the stages: the next tile's first loads overlap this
+    tile's last products and its store. Off until timed on the GPU."""
     fp8_moe_interleaved_gate_up: bool = False
     """The fp8 gate_up call with each step's gate and up blocks side by side in shared memory, one
     m64n128 product a step per warpgroup (grouped_matmul.Tiling.interleaved_gate_up; clusters of two,

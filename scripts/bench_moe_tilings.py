@@ -17,8 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.dispatch import chained
-from pallas_kernels.moe.grouped_matmul import Tiling
+from pallas_kernels.moe.grouped_matmul import Tiling, chained
 from pallas_kernels.moe.plan import block_plan
 
 

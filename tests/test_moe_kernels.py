@@ -613,8 +613,8 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
     from pallas_kernels.moe import fp8_kernel_applies
     rng = np.random.default_rng(6)
     on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs, fp8_moe_interleaved_gate_up=interleaved,
-                      moe_chained_tiles=chain)
-    off = KernelPolicy(fp8_moe_kernel=False, moe_chained_tiles=chain)
+                      chained_tiles=chain)
+    off = KernelPolicy(fp8_moe_kernel=False, chained_tiles=chain)
     run = slots_compiled
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
         x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
@@ -754,7 +754,7 @@ def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_
 
 
 def test_chained_tiles_policy_and_lowering_at_glm5_widths():
-    """KernelPolicy.moe_chained_tiles: the dispatch's warp-specialized tilings chain their tiles where a
+    """KernelPolicy.chained_tiles: the dispatch's warp-specialized tilings chain their tiles where a
     tile's K steps are a multiple of the stages (fp8: 48 and 16 steps over 4 stages; bf16 prefill
     gate_up 96 over 3, not its down's 32 over 3; bf16 decode gate_up keeps one compute warpgroup),
     nothing else changes, and the chained expert calls

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, grouped_matmul, shape_error, tile_columns
+from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, shape_error, tile_columns
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -114,15 +114,6 @@ def by_rows(t: Tiling, N: int) -> Tiling:
     return dataclasses.replace(t, grid_block_n=N // tile_columns(t)) if t.block_m == 64 else t
 
 
-def chained(t: Tiling, K: int) -> Tiling:
-    """t with chained_tiles where it applies: warp-specialized, each tile's K steps (K / block_k) a
-    multiple of the stages (or fewer than them)."""
-    steps = K // t.block_k // t.k_splits
-    if t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0):
-        return dataclasses.replace(t, chained_tiles=True)
-    return t
-
-
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
@@ -187,7 +178,7 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     kernel (else they are dequantized first): on the GPU, where its shapes fit."""
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
-                                policy.fp8_moe_interleaved_gate_up, policy.moe_chained_tiles) is None)
+                                policy.fp8_moe_interleaved_gate_up, policy.chained_tiles) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -230,11 +221,11 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
-                                          policy.fp8_moe_interleaved_gate_up, policy.moe_chained_tiles)
+                                          policy.fp8_moe_interleaved_gate_up, policy.chained_tiles)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
-    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.moe_chained_tiles)
+    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.chained_tiles)
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)

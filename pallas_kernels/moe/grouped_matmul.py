@@ -132,6 +132,15 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     return None
 
 
+def chained(t: Tiling, K: int) -> Tiling:
+    """t with chained_tiles where it applies (else t): warp-specialized, each tile's K steps (K /
+    block_k, over its K splits) a multiple of the stages or fewer than them."""
+    steps = K // t.block_k // t.k_splits
+    if t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0):
+        return dataclasses.replace(t, chained_tiles=True)
+    return t
+
+
 def tile_columns(tiling: Tiling) -> int:
     """Output columns of a tile: block_n, or half of it where gate and up share the block
     (interleaved_gate_up)."""
