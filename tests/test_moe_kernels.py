@@ -127,7 +127,8 @@ def test_expert_mlp_blocked_interpret_equals_reference():
 
 def used_tiles(tile_expert, bm: int, *outs):
     """(rows, expert) of each used row tile of kernel outputs; an unused tile's rows (expert -1) must be,
-    in every output, as the interpreter leaves unwritten memory: NaN."""
+    in every output, as the interpreter leaves unwritten memory: NaN (interpreter outputs only: compiled,
+    unwritten memory holds whatever was there)."""
     for i, e in enumerate(np.asarray(tile_expert)):
         rows = slice(i * bm, (i + 1) * bm)
         if e < 0:
