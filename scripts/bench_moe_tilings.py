@@ -39,7 +39,7 @@ def tilings(bm: int, fp8: bool):
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n64_g16_joint": T(64, 4, 2, 16, joint=True),
                  "2wg_n128_g16_il": T(128, 4, 2, 16, il=True), "2wg_n128_g16_c2_il": T(128, 4, 2, 16, 2, il=True),
-                 "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True)},
+                 "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True), "2wg_n128_g16_c2_il_s6": T(128, 6, 2, 16, 2, il=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n128_g16_pairs_s3": T(128, 3, 2, 16, 1, True),
                  "2wg_n128_g16_c2_pairs_s3": T(128, 3, 2, 16, 2, True),
