@@ -17,7 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, chained
+from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, chained
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -106,7 +106,7 @@ def main():
                          "down": (lambda t: lambda a, b: grouped_matmul(a, b, te, tiling=t), (h, db))}
             for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
                 K = D if call == "gate_up" else I        # `_ch`: the tiling with chained_tiles, where it applies
-                group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if chained(t, K).chained_tiles}}
+                group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if can_chain(t, K)}}
                 make, operands = calls[call]
                 ref = None
                 for name, t in group.items():

@@ -124,8 +124,8 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
     if fp8 and interleaved and compute_wgs == 2:
-        up_t = Tiling(block_m=up_t.block_m, block_n=128 if up_t.block_m == 128 else 256, block_k=128, stages=4,
-                      compute_wgs=2, grid_block_n=up_t.grid_block_n, cluster_n=2, interleaved_gate_up=True)
+        up_t = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
+                                   joint_products=False, interleaved_gate_up=True)
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
 

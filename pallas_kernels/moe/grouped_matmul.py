@@ -121,10 +121,9 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
-    steps = k_steps // tiling.k_splits
-    if tiling.chained_tiles and (tiling.compute_wgs != 2 or steps > tiling.stages and steps % tiling.stages):
-        return (f"chained_tiles: two compute warpgroups and each tile's {steps} K steps a multiple of the "
-                f"{tiling.stages} stages ({tiling})")
+    if tiling.chained_tiles and not can_chain(tiling, K):
+        return (f"chained_tiles: two compute warpgroups and each tile's {k_steps // tiling.k_splits} K steps a "
+                f"multiple of the {tiling.stages} stages ({tiling})")
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
             tiling.compute_wgs != 2 or (N // tile_columns(tiling) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
@@ -132,13 +131,16 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     return None
 
 
-def chained(t: Tiling, K: int) -> Tiling:
-    """t with chained_tiles where it applies (else t): warp-specialized, each tile's K steps (K /
-    block_k, over its K splits) a multiple of the stages or fewer than them."""
+def can_chain(t: Tiling, K: int) -> bool:
+    """Whether t's tiles can run chained (chained_tiles) over K inputs: warp-specialized, each tile's K
+    steps (K / block_k, over its K splits) a multiple of the stages or fewer than them."""
     steps = K // t.block_k // t.k_splits
-    if t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0):
-        return dataclasses.replace(t, chained_tiles=True)
-    return t
+    return t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0)
+
+
+def chained(t: Tiling, K: int) -> Tiling:
+    """t with chained_tiles where it applies (can_chain), else t."""
+    return dataclasses.replace(t, chained_tiles=True) if can_chain(t, K) else t
 
 
 def tile_columns(tiling: Tiling) -> int:
@@ -270,7 +272,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
-    out_n = bn // 2 if interleaved else bn         # output columns of a tile (interleaved: gate's half of its block)
+    out_n = tile_columns(tiling)                   # output columns of a tile (interleaved: gate's half of its block)
     out_sn = sn // 2 if interleaved else sn        # a warpgroup's output columns (and fp32 sums' width)
     # interleaved: the tile's (gate, up) pairs of 64-row blocks, side by side in one buffer of bn rows
     half = 64
@@ -314,15 +316,15 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
     allocs = pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0))
-    pairs = {}
+    pairs_alloc = {}
     if interleaved:               # one buffer for the weight blocks, each block a view of it (_scope)
         in_allocs = allocs["flat_in_smem_refs"]   # x's, the row scales', then the weight blocks' (slots first)
         block = in_allocs[-1]
         allocs = dict(allocs, flat_in_smem_refs=in_allocs[:-n_blocks])
-        pairs = dict(pairs=plgpu.SMEM((block.shape[0], bn, bk), block.dtype, transforms=block.transforms))
+        pairs_alloc = dict(pairs=plgpu.SMEM((block.shape[0], bn, bk), block.dtype, transforms=block.transforms))
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((2 * n_out, sm, out_sn), o_ref.dtype),
-                       collective_axes="wg", **pairs)
+                       collective_axes="wg", **pairs_alloc)
     def _scope(allocs, o_smem, pairs=None):
         if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
             allocs = dict(allocs, flat_in_smem_refs=[
