@@ -88,6 +88,12 @@ def print_table(rows) -> None:
 def report(rows, results, json_path: str | None) -> None:
     """A benchmark's ending: its table printed (print_table) and its results written as JSON."""
     print_table(rows)
+    save_results(results, json_path)
+
+
+def save_results(results, json_path: str | None) -> None:
+    """The results so far written as JSON (benchmarks call it as they go, so a run cut short by a
+    device call's time limit keeps what it measured)."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -3,7 +3,7 @@ vs the warp-specialized two, bf16 and fp8 (block-scaled, K-major experts), the g
 up fused) and the down call apart, at GLM-5's widths (hidden 6144, expert width 2048, top-8, uniform
 routing): prefill 8192 tokens over 16 and 256 experts, decode 64 tokens over 256. Prints a table
 (ms, TFLOP/s, GB/s of the touched experts' weights, max error against the first tiling of its group)
-and writes JSON.
+and writes JSON (after every tiling, so a run cut short keeps what it timed).
 
     python3 scripts/bench_moe_tilings.py --json moe_tilings.json
 """
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpkv_jax.perf import fitted_pipelined_time, report
+from cpkv_jax.perf import fitted_pipelined_time, report, save_results
 from pallas_kernels.moe import grouped_matmul, quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, chained
 from pallas_kernels.moe.plan import block_plan
@@ -128,6 +128,7 @@ def main():
                         entry["error"] = str(e)[:300]
                         rows.append([case, entry["dtype"], call, name, entry["error"][:60], "", "", ""])
                     res.append(entry)
+                    save_results(res, args.json)
             if not fp8:
                 del gb, ub, db
     report(rows, res, args.json)

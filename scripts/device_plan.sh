@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The measurements still owed to the open issues, as named parts of device calls (each fits one call of
+# the device tool's 600 s): `scripts/device_plan.sh PART...` on the GPU box, from the repo root, writes
+# JSON and logs under $OUT (default ./device_out); every number it prints goes to docs/perf.md with date,
+# device and command.
+#
+#   tests   issues 26/28: compiled tests not yet run on the GPU: interleaved gate/up, chained tiles (experts,
+#           fp8 linears), the selection test split one shape a case
+#   moe     issue 26: the fp8 expert tilings (default vs interleaved `_il` vs chained `_ch`) at 8192x256,
+#           8192x16, 64x256, bf16 beside
+#   e2e     issue 26: fp8 256-expert prefill at 8192 under each candidate policy, HF transformers beside
+#   mla     issue 28: sparse MLA decode at 1..128 queries with device busy time
+#   ncu     issue 26: Nsight Compute counters of gate_up at 8192x16: fp8 joint and interleaved, bf16 beside
+#   paged   issue 28: one-wave paged scores off/on, twice, at batch 1 x 8k and batch 8 x 2k
+#   mesh    issue 34 (multi-GPU kinds only): EP/TP scaling of the fp8 256-expert slice, two-batch overlap off/on
+#   cp8     issue 34: cp = all GPUs prefill at 8k/32k/128k against cp 1
+#   pd      issue 34: PD page transfer paths; serving with prefill on half the GPUs vs colocated
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-device_out}
+[ -n "${PLAN_DRY_RUN:-}" ] || mkdir -p "$OUT"
+export PYTHONPATH=.:scripts JAX_PLATFORMS=cuda
+PY=${PYTHON:-python3}
+GLM=(--model random:glm-5 --num-layers 4)
+
+run() {   # run NAME CMD...: one step's output to $OUT/NAME.log, its time and status to the summary
+  local name=$1; shift
+  if [ -n "${PLAN_DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; return; fi   # the commands only (the CPU test)
+  local t0=$SECONDS
+  echo "== $name: $*" | tee -a "$OUT/summary.txt"
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$OUT/$name.log"
+  echo "== $name rc=$rc $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+}
+
+gpus() { echo "${PLAN_GPUS:-$(nvidia-smi -L | wc -l)}"; }
+
+part_tests() {
+  run gpu_tests "$PY" scripts/gpu_tests.py tests/test_moe_kernels.py tests/test_fp8_linear.py tests/test_kernels.py \
+    -k "interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or select_topk_compiled" \
+    --per-test 120 --budget 480 --json "$OUT/gpu_tests.json"
+}
+
+part_moe() {
+  # the dispatch's tilings (fp8: joint gate_up / clustered down at prefill, clustered rows-first at decode;
+  # bf16 beside for the fp8 / bf16 ratio), their interleaved gate_up, each chained (`_ch`) where it can
+  local fp8=2wg_n64_g16_joint,2wg_n128_g16_c2_il,2wg_n128_g16_c2_il_s6,2wg_n128_g16_c2
+  fp8+=,2wg_n128_c2_rm,2wg_n256_c2_il_rm,2wg_n256_c2_pairs_joint_rm
+  local bf16=2wg_n128_s3,2wg_n256_s3,1wg_n128_rm,2wg_n256_c2_rm
+  local names; names=$(echo "$fp8,$bf16" | tr ',' '\n' | sed 'p;s/$/_ch/' | paste -sd,)
+  run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases 8192x256,8192x16,64x256 --tilings "$names" \
+    --json "$OUT/moe_tilings.json"
+}
+
+part_e2e() {
+  run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts 256 --prompt-lens 8192 --fp8-weights \
+    --policies "default;fp8_moe_interleaved_gate_up=true;chained_tiles=true;fp8_moe_interleaved_gate_up=true,chained_tiles=true" \
+    --timeout 500 --json "$OUT/e2e_fp8_256.json"
+}
+
+part_mla() {
+  run mla "$PY" scripts/bench_kernels.py --only sparse_mla --mla-prefill "" --mla-decode 1,8,32,64,128 \
+    --mla-decode-tilings "mgpu_rows:p:k,mgpu_rows:1:p:k,mgpu_rows:4:p:k" --mla-device-time \
+    --json "$OUT/mla_decode.json"
+}
+
+part_ncu() {
+  for t in 2wg_n64_g16_joint 2wg_n128_g16_c2_il 2wg_n128_s3; do   # fp8 joint, fp8 interleaved, bf16
+    run "ncu_$t" "$PY" scripts/ncu_kernel.py --kernel mosaic --launch-skip 2 --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis --json "$OUT/ncu_$t.json" -- \
+      "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "$t"
+  done
+}
+
+part_paged() {
+  for shape in "--batch 1 --context 8192" "--batch 8 --context 2048"; do
+    local tag; tag=$(echo "$shape" | tr -d ' -' | tr -s 'a-z' | cut -c1-20)
+    run "paged_$tag" "$PY" scripts/bench_decode_step.py "${GLM[@]}" --num-experts 256 --fp8-weights $shape \
+      --steps 30 --kernels "default;mgpu_paged_one_wave=true;default;mgpu_paged_one_wave=true" \
+      --json "$OUT/paged_$tag.json"
+  done
+}
+
+part_mesh() {
+  local n; n=$(gpus)
+  local meshes="ep=1;ep=2;tp=2"
+  [ "$n" -ge 4 ] && meshes+=";ep=4;tp=4;ep=2,tp=2"
+  [ "$n" -ge 8 ] && meshes+=";ep=8;ep=4,tp=2"
+  run mesh "$PY" scripts/bench_mesh.py "${GLM[@]}" --num-experts 256 --fp8-weights --meshes "$meshes" \
+    --tbo off on --prompt-len 8192 --batch 2 --decode-batch 64 --decode-context 2048 --decode-tokens 32 \
+    --profile --deadline-s 520 --json "$OUT/mesh.json"
+}
+
+part_cp8() {
+  local n; n=$(gpus)
+  run cp "$PY" scripts/bench_cp.py "${GLM[@]}" --num-experts 16 --cp 1 "$n" --prompt-lens 8192 32768 131072 \
+    --deadline-s 520 --json "$OUT/cp.json"
+}
+
+part_pd() {   # transfer paths, then serving: prefill on half the GPUs and decode on the rest vs colocated
+  local n; n=$(gpus)
+  run pd_transfer "$PY" scripts/pd_transfer_bench.py --pages 64 --json "$OUT/pd_transfer.json"
+  local load=(--concurrency 4 16 --num-prompts 64 --input-len 2048 --output-len 128)
+  run serve_colocated "$PY" scripts/bench_serving.py "${GLM[@]}" --num-experts 16 "${load[@]}" \
+    --json "$OUT/serve_colocated.json"
+  run serve_pd "$PY" scripts/bench_serving.py "${GLM[@]}" --num-experts 16 "${load[@]}" \
+    --pd-prefill-devices $((n / 2)) --pd-decode-replicas $((n - n / 2)) --json "$OUT/serve_pd.json"
+}
+
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+for part in "$@"; do
+  declare -F "part_$part" > /dev/null || { echo "unknown part: $part" >&2; exit 2; }
+  "part_$part"
+done
+[ -n "${PLAN_DRY_RUN:-}" ] || cat "$OUT/summary.txt"

@@ -1,0 +1,90 @@
+"""scripts/device_plan.sh: every command of every part takes its arguments (each script's own parser,
+the commands ncu runs included) and every test selection selects GPU tests, checked on CPU from the
+plan's dry run, so a device call is never spent on a misspelled flag."""
+
+import argparse
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN = ROOT / "scripts" / "device_plan.sh"
+
+
+class Parsed(Exception):
+    pass
+
+
+def dry_run(*parts: str, gpus: int = 8) -> list[list[str]]:
+    out = subprocess.run(["bash", str(PLAN), *parts], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "PLAN_DRY_RUN": "1", "PLAN_GPUS": str(gpus)}).stdout
+    return [shlex.split(line) for line in out.splitlines() if line.strip()]
+
+
+def parse_only(script: str, args: list[str], monkeypatch) -> argparse.Namespace:
+    """args parsed by the script's own parser (its main() run until parse_args returns)."""
+    seen = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def parse(self, a=None, namespace=None):
+        seen["ns"] = original(self, a, namespace)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    with pytest.raises(Parsed):
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    monkeypatch.undo()
+    return seen["ns"]
+
+
+def or_terms(expr: str) -> list[str]:
+    """A pytest -k expression's alternatives: split at its top-level ' or '."""
+    terms, depth, start = [], 0, 0
+    for i, c in enumerate(expr):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0 and expr.startswith(" or ", i):
+            terms.append(expr[start:i])
+            start = i + 4
+    return [*terms, expr[start:]]
+
+
+def check(cmd: list[str], monkeypatch) -> None:
+    assert cmd[0] == "python3" and cmd[1].startswith("scripts/"), cmd
+    script, args = cmd[1], cmd[2:]
+    if script == "scripts/gpu_tests.py":
+        sys.path.insert(0, str(ROOT / "scripts"))
+        import gpu_tests
+        ns = parse_only(script, args, monkeypatch)
+        for term in or_terms(ns.keyword):    # each alternative of -k selects some GPU test
+            assert gpu_tests.collect([str(ROOT / p) for p in ns.paths], term), (term, cmd)
+        return
+    ns = parse_only(script, args, monkeypatch)
+    if script == "scripts/ncu_kernel.py":    # the command ncu profiles
+        inner = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
+        check(inner, monkeypatch)
+
+
+def test_every_command_of_every_part_parses(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    parts = ("tests", "moe", "e2e", "mla", "ncu", "paged", "mesh", "cp8", "pd")
+    commands = dry_run(*parts)
+    assert len(commands) >= len(parts)
+    for cmd in commands:
+        check(cmd, monkeypatch)
+    # the GPU count sizes the multi-GPU parts
+    assert "ep=8" in " ".join(dry_run("mesh", gpus=8)[0]) and "ep=8" not in " ".join(dry_run("mesh", gpus=2)[0])
+
+
+def test_a_misspelled_flag_or_an_unknown_part_fails(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cmd = dry_run("moe")[0]
+    with pytest.raises(SystemExit):
+        check([*cmd, "--no-such-flag"], monkeypatch)
+    assert subprocess.run(["bash", str(PLAN), "no_such_part"], capture_output=True, cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "PLAN_DRY_RUN": "1"}).returncode == 2
