@@ -30,7 +30,9 @@ def tilings(bm: int, fp8: bool):
     one m64n128 product a step (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
     blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column.
     Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
-    (Tiling.chained_tiles: a program's tiles as one continued pipeline)."""
+    (Tiling.chained_tiles: a program's tiles as one continued pipeline), and every fp8 one as `<name>_u`
+    (Tiling.unscaled_probe: the products accumulated in place without block scales, what the tiling takes
+    without the per-step promotion; its err is against the group's first `_u`)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -61,6 +63,24 @@ def tilings(bm: int, fp8: bool):
              "2wg_n256_c2_rm": T(256, 4, 2, 1, 2, rm=True)})
 
 
+def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
+    """{call: {name: tiling}}: tilings(bm, fp8) with the `_ch` variants where they apply and, fp8, `_u`."""
+    out = {}
+    for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
+        K = D if call == "gate_up" else I
+        group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if can_chain(t, K)}}
+        if fp8:
+            group = {**group, **{f"{n}_u": dataclasses.replace(t, unscaled_probe=True)
+                                 for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")}}
+        out[call] = group
+    return out
+
+
+def tiling_names(D: int, I: int) -> set[str]:
+    """Every name --tilings can select, over both row tiles and dtypes."""
+    return {n for bm in (64, 128) for fp8 in (False, True) for g in timed_groups(bm, fp8, D, I).values() for n in g}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=6144)
@@ -73,6 +93,9 @@ def main():
     args = p.parse_args()
     keep = set(args.tilings.split(",")) if args.tilings else None
     D, I, k = args.hidden, args.width, args.top_k
+    unknown = sorted((keep or set()) - tiling_names(D, I))
+    if unknown:
+        p.error(f"--tilings: no tiling is named {', '.join(unknown)}")
     res, rows = [], [["case", "dtype", "call", "tiling", "ms", "TFLOP/s", "GB/s", "err"]]
     for case in args.cases.split(","):
         tokens, E = map(int, case.split("x"))
@@ -104,11 +127,9 @@ def main():
                 gb, ub, db = (jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16) for w in (g, u, d))   # [E, K, N]
                 calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a, b, te, up=c, tiling=t), (xp, gb, ub)),
                          "down": (lambda t: lambda a, b: grouped_matmul(a, b, te, tiling=t), (h, db))}
-            for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
-                K = D if call == "gate_up" else I        # `_ch`: the tiling with chained_tiles, where it applies
-                group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if can_chain(t, K)}}
+            for call, group in timed_groups(bm, fp8, D, I).items():
                 make, operands = calls[call]
-                ref = None
+                refs = {}                                # the first timed of each kind: scaled, unscaled
                 for name, t in group.items():
                     if keep is not None and name not in keep:
                         continue
@@ -118,7 +139,7 @@ def main():
                         f = jax.jit(make(t))
                         s = fitted_pipelined_time(f, *operands)
                         out = np.asarray(f(*operands).astype(jnp.float32))[used]
-                        ref = out if ref is None else ref
+                        ref = refs.setdefault(t.unscaled_probe, out)
                         entry.update(s=s, tflops=flops[call] / s / 1e12,
                                      weight_gbps=weights[call] * (1 if fp8 else 2) / s / 1e9,
                                      err=float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)))

@@ -7,7 +7,7 @@
 #   tests   issues 26/28: compiled tests not yet run on the GPU: interleaved gate/up, chained tiles (experts,
 #           fp8 linears), the selection test split one shape a case
 #   moe     issue 26: the fp8 expert tilings (default vs interleaved `_il` vs chained `_ch`) at 8192x256,
-#           8192x16, 64x256, bf16 beside
+#           8192x16, 64x256, bf16 beside; the prefill ones also without the fp8 promotion (`_u`)
 #   e2e     issue 26: fp8 256-expert prefill at 8192 under each candidate policy, HF transformers beside
 #   mla     issue 28: sparse MLA decode at 1..128 queries with device busy time
 #   ncu     issue 26: Nsight Compute counters of gate_up at 8192x16: fp8 joint and interleaved, bf16 beside
@@ -45,10 +45,13 @@ part_tests() {
 part_moe() {
   # the dispatch's tilings (fp8: joint gate_up / clustered down at prefill, clustered rows-first at decode;
   # bf16 beside for the fp8 / bf16 ratio), their interleaved gate_up, each chained (`_ch`) where it can
-  local fp8=2wg_n64_g16_joint,2wg_n128_g16_c2_il,2wg_n128_g16_c2_il_s6,2wg_n128_g16_c2
-  fp8+=,2wg_n128_c2_rm,2wg_n256_c2_il_rm,2wg_n256_c2_pairs_joint_rm
-  local bf16=2wg_n128_s3,2wg_n256_s3,1wg_n128_rm,2wg_n256_c2_rm
-  local names; names=$(echo "$fp8,$bf16" | tr ',' '\n' | sed 'p;s/$/_ch/' | paste -sd,)
+  local names=2wg_n64_g16_joint,2wg_n128_g16_c2_il,2wg_n128_g16_c2_il_s6,2wg_n128_g16_c2      # fp8 prefill
+  names+=,2wg_n128_c2_rm,2wg_n256_c2_il_rm,2wg_n256_c2_pairs_joint_rm                         # fp8 decode
+  names+=,2wg_n128_s3,2wg_n256_s3,1wg_n128_rm,2wg_n256_c2_rm                                  # bf16
+  names+=,2wg_n64_g16_joint_ch,2wg_n128_g16_c2_il_ch,2wg_n128_g16_c2_il_s6_ch,2wg_n128_g16_c2_ch
+  names+=,2wg_n128_c2_rm_ch,2wg_n256_c2_il_rm_ch,2wg_n256_c2_pairs_joint_rm_ch,2wg_n128_s3_ch,2wg_n256_c2_rm_ch
+  # `_u`: the prefill tilings without the fp8 promotion (Tiling.unscaled_probe): what the promotion costs
+  names+=,2wg_n64_g16_joint_u,2wg_n128_g16_c2_il_u,2wg_n128_g16_c2_u
   run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases 8192x256,8192x16,64x256 --tilings "$names" \
     --json "$OUT/moe_tilings.json"
 }

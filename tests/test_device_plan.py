@@ -1,6 +1,6 @@
 """scripts/device_plan.sh: every command of every part takes its arguments (each script's own parser,
-the commands ncu runs included) and every test selection selects GPU tests, checked on CPU from the
-plan's dry run, so a device call is never spent on a misspelled flag."""
+the commands ncu runs included), names tilings the MoE bench has, and every test selection selects GPU
+tests, checked on CPU from the plan's dry run, so a device call is never spent on a misspelled flag."""
 
 import argparse
 import runpy
@@ -56,22 +56,25 @@ def or_terms(expr: str) -> list[str]:
 def check(cmd: list[str], monkeypatch) -> None:
     assert cmd[0] == "python3" and cmd[1].startswith("scripts/"), cmd
     script, args = cmd[1], cmd[2:]
+    for path in (ROOT, ROOT / "scripts"):      # the scripts import each other and the packages (PYTHONPATH=.:scripts)
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
     if script == "scripts/gpu_tests.py":
-        sys.path.insert(0, str(ROOT / "scripts"))
         import gpu_tests
         ns = parse_only(script, args, monkeypatch)
         for term in or_terms(ns.keyword):    # each alternative of -k selects some GPU test
             assert gpu_tests.collect([str(ROOT / p) for p in ns.paths], term), (term, cmd)
         return
     ns = parse_only(script, args, monkeypatch)
+    if script == "scripts/bench_moe_tilings.py" and ns.tilings:   # names it knows (it refuses others, but later)
+        import bench_moe_tilings
+        assert set(ns.tilings.split(",")) <= bench_moe_tilings.tiling_names(ns.hidden, ns.width), cmd
     if script == "scripts/ncu_kernel.py":    # the command ncu profiles
         inner = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
         check(inner, monkeypatch)
 
 
 def test_every_command_of_every_part_parses(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT))
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     parts = ("tests", "moe", "e2e", "mla", "ncu", "paged", "mesh", "cp8", "pd")
     commands = dry_run(*parts)
     assert len(commands) >= len(parts)
@@ -82,7 +85,6 @@ def test_every_command_of_every_part_parses(monkeypatch):
 
 
 def test_a_misspelled_flag_or_an_unknown_part_fails(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     cmd = dry_run("moe")[0]
     with pytest.raises(SystemExit):
         check([*cmd, "--no-such-flag"], monkeypatch)

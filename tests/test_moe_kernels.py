@@ -274,6 +274,67 @@ def test_interleaved_gate_up_interpret_equals_reference(bm, bn, cluster_n):
                                                 dataclasses.replace(t, block_n=64), fp8=True)
 
 
+@pytest.mark.parametrize("kind", ["joint", "interleaved_c2", "interleaved_64x256", "down_pairs"])
+def test_unscaled_probe_interpret_equals_the_unscaled_products(kind):
+    """Tiling.unscaled_probe (a benchmark probe: the fp8 products accumulated in place, no block scales):
+    the interpreter (races detected) against float64 products of the raw e4m3 values, for the gate_up
+    call (joint products, interleaved in clusters, 64 x 256 decode tiles) and a plain call in column
+    pairs; 5 K steps over 2 stages; refused with one compute warpgroup. Its output must not equal the
+    scaled call's (the scales are ignored, not silently applied)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    rng = np.random.default_rng(37)
+    E, K, N = 2, 640, 256
+    bm = 64 if kind == "interleaved_64x256" else 128
+    t = Tiling(block_m=bm, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=4, compute_wgs=2,
+               joint_products=True, unscaled_probe=True)
+    if kind.startswith("interleaved"):
+        t = dataclasses.replace(t, block_n=128 if bm == 128 else 256, cluster_n=2, joint_products=False,
+                                interleaved_gate_up=True)
+    if kind == "down_pairs":
+        t = dataclasses.replace(t, block_n=128, column_pairs=True, joint_products=False)
+    te = jnp.asarray([1, -1, 0], jnp.int32)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((3 * bm, K)), jnp.float32))
+    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
+    two = kind != "down_pairs"
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    call = lambda tt: np.asarray(grouped_matmul(  # noqa: E731
+        xq, gq, te, up=uq if two else None, tiling=tt, interpret=interp, x_scale=xs, w_scale=gs,
+        up_scale=us if two else None), np.float64)
+    got, scaled = call(t), call(dataclasses.replace(t, unscaled_probe=False))
+    x64, g64, u64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (xq, gq, uq))
+    for rows, e in used_tiles(te, bm, got):
+        a = x64[rows] @ g64[e].T
+        with np.errstate(over="ignore"):      # raw e4m3 products are large: exp(-a) overflows to inf, silu to 0
+            want = a / (1 + np.exp(-a)) * (x64[rows] @ u64[e].T) if two else a
+        assert np.abs(got[rows] - want).max() <= 8e-3 * np.abs(want).max()
+        assert np.abs(scaled[rows] - want).max() > 0.1 * np.abs(want).max()
+    sds = jax.ShapeDtypeStruct
+    one_wg = Tiling(block_m=64, block_n=64, block_k=128, stages=2, unscaled_probe=True)
+    assert "unscaled_probe" in shape_error(sds((128, K), jnp.float8_e4m3fn), sds(gq.shape, jnp.float8_e4m3fn),
+                                           one_wg, fp8=True)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_unscaled_probe_lowers_for_cuda_at_glm5_widths(interleaved):
+    """The probe as bench_moe_tilings times it (`_u`): the prefill gate_up tilings (joint n64, interleaved
+    in clusters) at GLM-5's widths, 8192 tokens x top-8 over 256 experts, lowered for CUDA from shapes."""
+    from pallas_kernels.moe import grouped_matmul
+    sds = jax.ShapeDtypeStruct
+    E, D, I, P = 256, 6144, 2048, 8192 * 8 + 256 * 128
+    t = Tiling(block_m=128, block_n=128 if interleaved else 64, block_k=128, stages=4, compute_wgs=2, grid_block_n=16,
+               cluster_n=2 if interleaved else 1, joint_products=not interleaved, interleaved_gate_up=interleaved,
+               unscaled_probe=True)
+    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                up_scale=us))
+    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // 128,), jnp.int32), sds((D // 128, P), jnp.float32),
+                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("kind", ["fp8_joint", "fp8_interleaved_c2", "fp8_down_pairs_c2", "bf16"])
 def test_chained_tiles_interpret_are_bit_equal(kind):
     """Tiling.chained_tiles (a program's tiles as one continued K pipeline: START, STEADY..., STOP)

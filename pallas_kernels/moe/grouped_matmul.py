@@ -70,6 +70,11 @@ class Tiling:
     pipeline_state: its first used tile START, the next STEADY, its last STOP), so the producer loads
     the next tile's first K blocks while the compute warpgroups finish and store this one, instead of
     waiting at each tile's end for them to consume the last. Needs the K steps a multiple of the stages."""
+    unscaled_probe: bool = False
+    """Benchmark probe, never a model's tiling (fp8, warp-specialized): each step's products accumulate in
+    place with no block scales, as bf16's do (issued together, awaited once) - the same pipeline and
+    wgmma shapes without the per-step promotion (a fresh zeroed accumulator, its wait, the scaled add).
+    Its output ignores the scales (x_q @ w_q); timed beside the scaled tiling it says what promotion costs."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -121,6 +126,8 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
+    if tiling.unscaled_probe and not (fp8 and tiling.compute_wgs == 2):
+        return f"unscaled_probe: fp8 with two compute warpgroups ({tiling})"
     if tiling.chained_tiles and not can_chain(tiling, K):
         return (f"chained_tiles: two compute warpgroups and each tile's {k_steps // tiling.k_splits} K steps a "
                 f"multiple of the {tiling.stages} stages ({tiling})")
@@ -385,10 +392,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 return tuple(_add_scaled(total, products([w_smem])[0], scale)
                              for total, w_smem, scale in zip(sums, w_smems, scales))
 
-            def step_bf16(_, x_smem, *rest):
-                *w_smems, accs = rest
+            def step_in_place(idx, x_smem, *rest):
+                """bf16, and fp8's unscaled_probe: the step's products added to accumulators kept across
+                steps (fp8: no scales; its row scales, first of rest, unused)."""
+                *w_smems, accs = rest[1:] if fp8 else rest
+                if interleaved:
+                    w_smems = [pairs.at[jax.lax.rem(idx[0], pairs.shape[0])]]
                 for acc, w_smem in zip(accs, w_smems):
-                    plgpu.wgmma(acc, x_smem.at[rows], w_smem.at[:, cols])
+                    plgpu.wgmma(acc, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)) if fp8 else w_smem.at[:, cols])
                 plgpu.wgmma_wait(0)
                 return accs
 
@@ -415,15 +426,20 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 sums = run((zeros,) * len(ws_refs))
                 store(outputs(sums))
 
-            def context_bf16(run):
+            def context_in_place(run):
                 def scoped(*accs):
                     run(accs)
-                    store(outputs([acc[...] for acc in accs]))
-                pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * n_w)
+                    vals = [acc[...] for acc in accs]
+                    if interleaved:   # unscaled_probe: gate's and up's halves of the one product
+                        vals = [vals[0][:, :out_sn], vals[0][:, out_sn:]]
+                    store(outputs(vals))
+                pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * (1 if interleaved else n_w))
+
+            in_place = tiling.unscaled_probe or not fp8
+            step, context = (step_in_place, context_in_place) if in_place else (step_fp8, context_fp8)
 
             def run(state=None):
-                pipeline(step_fp8 if fp8 else step_bf16, context_fp8 if fp8 else context_bf16, start, steps, state)(
-                    *operands(mi, ni, expert), allocations=allocs)
+                pipeline(step, context, start, steps, state)(*operands(mi, ni, expert), allocations=allocs)
 
             if not tiling.chained_tiles:
                 pl.when(expert >= 0)(run)
