@@ -20,9 +20,9 @@ os.environ.setdefault("CPKV_CACHE_DIR", tempfile.mkdtemp(prefix="cpkv-test-cache
 # persistent compilation cache (keyed by the computation, so a changed program never hits a stale entry).
 # Set in the environment, which JAX reads at import, so the processes tests start (the notebook's
 # kernel, servers, CLI runs) share it too.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
-    "CPKV_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), f"cpkv-jax-xla-cache-{os.getuid()}")))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get(
+    "CPKV_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), f"cpkv-jax-xla-cache-{os.getuid()}"))
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

@@ -367,6 +367,10 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                        else column(ni, j) + (0 if split_rows else wg * sn))
                 return ws_refs[j][expert, col // FP8_BLOCK, i + start]
 
+            def pair_slot(idx):
+                """interleaved: the step's slot of `pairs` (its gate and up blocks side by side)."""
+                return pairs.at[jax.lax.rem(idx[0], pairs.shape[0])]
+
             def step_fp8(idx, x_smem, xs_smem, *rest):
                 *w_smems, sums = rest
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -382,7 +386,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
                 if interleaved:           # one product: its gate half into gate's sums, its up half into up's
-                    part = products([pairs.at[jax.lax.rem(idx[0], pairs.shape[0])]])[0]   # the step's slot
+                    part = products([pair_slot(idx)])[0]
                     halves = (part[:, :out_sn], part[:, out_sn:])
                     return tuple(_add_scaled(total, half, scale) for total, half, scale in zip(sums, halves, scales))
                 if tiling.joint_products:
@@ -397,7 +401,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 steps (fp8: no scales; its row scales, first of rest, unused)."""
                 *w_smems, accs = rest[1:] if fp8 else rest
                 if interleaved:
-                    w_smems = [pairs.at[jax.lax.rem(idx[0], pairs.shape[0])]]
+                    w_smems = [pair_slot(idx)]
                 for acc, w_smem in zip(accs, w_smems):
                     plgpu.wgmma(acc, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)) if fp8 else w_smem.at[:, cols])
                 plgpu.wgmma_wait(0)
