@@ -6,8 +6,9 @@
 #
 #   tests   issues 26/28: compiled tests not yet run on the GPU: interleaved gate/up, chained tiles (experts,
 #           fp8 linears), the selection test split one shape a case
-#   moe     issue 26: the fp8 expert tilings (default vs interleaved `_il` vs chained `_ch`) at 8192x256,
-#           8192x16, 64x256, bf16 beside; the prefill ones also without the fp8 promotion (`_u`)
+#   moe     issue 26: the fp8 expert tilings (default vs interleaved `_il` vs chained `_ch`) at 8192x256 and
+#           8192x16, bf16 beside; the prefill ones also without the fp8 promotion (`_u`)
+#   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 256-expert prefill at 8192 under each candidate policy, HF transformers beside
 #   mla     issue 28: sparse MLA decode at 1..128 queries with device busy time
 #   ncu     issue 26: Nsight Compute counters of gate_up at 8192x16: fp8 joint and interleaved, bf16 beside
@@ -52,8 +53,12 @@ part_moe() {
   names+=,2wg_n128_c2_rm_ch,2wg_n256_c2_il_rm_ch,2wg_n256_c2_pairs_joint_rm_ch,2wg_n128_s3_ch,2wg_n256_c2_rm_ch
   # `_u`: the prefill tilings without the fp8 promotion (Tiling.unscaled_probe): what the promotion costs
   names+=,2wg_n64_g16_joint_u,2wg_n128_g16_c2_il_u,2wg_n128_g16_c2_u
-  run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases 8192x256,8192x16,64x256 --tilings "$names" \
-    --json "$OUT/moe_tilings.json"
+  run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "$names" \
+    --json "$OUT/moe_tilings${MOE_TAG:-}.json"
+}
+
+part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)
+  MOE_CASES=64x256 MOE_TAG=_decode part_moe
 }
 
 part_e2e() {
