@@ -7,7 +7,8 @@
 #   tests   issues 26/28: compiled tests not yet run on the GPU: interleaved gate/up, chained tiles (experts,
 #           fp8 linears), the selection test split one shape a case
 #   moe     issue 26: the fp8 expert tilings (default vs interleaved `_il` vs chained `_ch`) at 8192x256 and
-#           8192x16, bf16 beside; the prefill ones also without the fp8 promotion (`_u`)
+#           8192x16, bf16 beside; the prefill ones also without the fp8 promotion (`_u`) and promoting
+#           each step's products under the next step's wgmma (`_lp`)
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 256-expert prefill at 8192 under each candidate policy, HF transformers beside
 #   mla     issue 28: sparse MLA decode at 1..128 queries with device busy time
@@ -53,6 +54,9 @@ part_moe() {
   names+=,2wg_n128_c2_rm_ch,2wg_n256_c2_il_rm_ch,2wg_n256_c2_pairs_joint_rm_ch,2wg_n128_s3_ch,2wg_n256_c2_rm_ch
   # `_u`: the prefill tilings without the fp8 promotion (Tiling.unscaled_probe): what the promotion costs
   names+=,2wg_n64_g16_joint_u,2wg_n128_g16_c2_il_u,2wg_n128_g16_c2_u
+  # `_lp`: each step's products promoted during the next step's wgmma (Tiling.lagged_promotion)
+  names+=,2wg_n64_g16_joint_lp,2wg_n128_g16_c2_il_lp,2wg_n128_g16_c2_il_s6_lp,2wg_n128_g16_c2_lp
+  names+=,2wg_n256_c2_il_rm_lp,2wg_n256_c2_pairs_joint_rm_lp
   run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "$names" \
     --json "$OUT/moe_tilings${MOE_TAG:-}.json"
 }
@@ -74,7 +78,8 @@ part_mla() {
 }
 
 part_ncu() {
-  for t in 2wg_n64_g16_joint 2wg_n128_g16_c2_il 2wg_n128_s3; do   # fp8 joint, fp8 interleaved, bf16
+  # fp8 joint, fp8 interleaved, bf16, the interleaved one promoting lagged (NCU_TILINGS: a subset)
+  for t in ${NCU_TILINGS:-2wg_n64_g16_joint 2wg_n128_g16_c2_il 2wg_n128_s3 2wg_n128_g16_c2_il_lp}; do
     run "ncu_$t" "$PY" scripts/ncu_kernel.py --kernel mosaic --launch-skip 2 --section MemoryWorkloadAnalysis \
       --section ComputeWorkloadAnalysis --json "$OUT/ncu_$t.json" -- \
       "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "$t"
