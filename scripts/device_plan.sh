@@ -40,7 +40,7 @@ gpus() { echo "${PLAN_GPUS:-$(nvidia-smi -L | wc -l)}"; }
 
 part_tests() {
   run gpu_tests "$PY" scripts/gpu_tests.py tests/test_moe_kernels.py tests/test_fp8_linear.py tests/test_kernels.py \
-    -k "interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or select_topk_compiled" \
+    -k "interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or lagged_promotion_compiled or select_topk_compiled" \
     --per-test 120 --budget 480 --json "$OUT/gpu_tests.json"
 }
 
@@ -67,7 +67,7 @@ part_moe_decode() {   # the same names at the decode case (64 tokens over 256 ex
 
 part_e2e() {
   run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts 256 --prompt-lens 8192 --fp8-weights \
-    --policies "default;fp8_moe_interleaved_gate_up=true;chained_tiles=true;fp8_moe_interleaved_gate_up=true,chained_tiles=true" \
+    --policies "default;fp8_lagged_promotion=true;fp8_moe_interleaved_gate_up=true,fp8_lagged_promotion=true;chained_tiles=true;fp8_moe_interleaved_gate_up=true,chained_tiles=true,fp8_lagged_promotion=true" \
     --timeout 500 --json "$OUT/e2e_fp8_256.json"
 }
 

@@ -69,6 +69,12 @@ def check(cmd: list[str], monkeypatch) -> None:
     if script == "scripts/bench_moe_tilings.py" and ns.tilings:   # names it knows (it refuses others, but later)
         import bench_moe_tilings
         assert set(ns.tilings.split(",")) <= bench_moe_tilings.tiling_names(ns.hidden, ns.width), cmd
+    for policies in (getattr(ns, name, None) for name in ("policies", "kernels")):   # KernelPolicy fields it has
+        if isinstance(policies, str):
+            from cpkv_jax.cli import kernel_policy
+            for policy in policies.split(";"):
+                if policy != "default":
+                    kernel_policy(policy)
     if script == "scripts/ncu_kernel.py":    # the command ncu profiles
         inner = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
         check(inner, monkeypatch)

@@ -769,6 +769,27 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_lagged_promotion_compiled_is_bit_equal(interleaved):
+    """KernelPolicy.fp8_lagged_promotion compiled on the GPU through the dispatch: bit-equal to the same
+    tilings promoting at once (the same adds in the same order), prefill and decode row counts, 16 and
+    256 experts, gate_up's blocks side by side or not."""
+    from pallas_kernels.moe.dispatch import expert_tilings
+    rng = np.random.default_rng(8)
+    off = KernelPolicy(fp8_moe_interleaved_gate_up=interleaved)
+    on = dataclasses.replace(off, fp8_lagged_promotion=True)
+    for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
+        x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+        (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+        assert any(t.lagged_promotion for t in expert_tilings(N * k, gq, True, 2, interleaved, lag=True))
+        fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
+        got, want = (np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=p, scales=(gs, us, ds)), np.float32)
+                     for p in (on, off))
+        assert np.isfinite(got).all() and np.abs(want).max() > 0
+        np.testing.assert_array_equal(got, want, err_msg=f"{(N, k, D, I, E)}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("bm,bn,cluster_n", [(128, 128, 1), (128, 128, 2), (64, 256, 2)])
 def test_interleaved_gate_up_compiled_equals_the_two_weight_call(bm, bn, cluster_n):
     """Tiling.interleaved_gate_up compiled on the GPU (prefill 128-row and decode 64 x 256 tiles), 64
@@ -916,6 +937,26 @@ def test_chained_tiles_policy_and_lowering_at_glm5_widths():
         f = functools.partial(expert_mlp_blocked, topk=k, up_tiling=up_t, down_tiling=down_t)
         jax.jit(f).trace(sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), bf16_gate, bf16_gate,
                          sds((E, I, D), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+
+
+def test_lagged_promotion_policy_and_lowering_at_glm5_widths():
+    """KernelPolicy.fp8_lagged_promotion: the dispatch's fp8 tilings promote lagged where can_lag allows
+    (prefill: joint gate_up and down; decode: down's joint column pairs, and gate_up where interleaved,
+    not the clustered single-issue gate_up), nothing else changes, bf16 never; the lagged expert calls
+    lower for CUDA at GLM-5's widths (8192 and 64 tokens over 256 experts)."""
+    from pallas_kernels.moe.dispatch import expert_tilings
+    D, I, E, k = 6144, 2048, 256, 8
+    sds = jax.ShapeDtypeStruct
+    fp8_gate, bf16_gate = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.bfloat16)
+    for tokens, interleaved, want in ((8192, False, (True, True)), (8192, True, (True, True)),
+                                      (64, False, (False, True)), (64, True, (True, True))):
+        plain = expert_tilings(tokens * k, fp8_gate, True, 2, interleaved)
+        lag = expert_tilings(tokens * k, fp8_gate, True, 2, interleaved, lag=True)
+        assert [t.lagged_promotion for t in lag] == list(want), (tokens, interleaved)
+        assert [dataclasses.replace(t, lagged_promotion=False) for t in lag] == list(plain)
+        lower_fp8_experts_for_cuda(tokens, E, *lag, D, I, k)
+    assert expert_tilings(8192 * k, bf16_gate, False, 2, lag=True) == expert_tilings(8192 * k, bf16_gate, False, 2)
+    assert not any(t.lagged_promotion for t in expert_tilings(8192 * k, fp8_gate, True, 1, lag=True))
 
 
 def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_where_they_would_spill():

@@ -157,6 +157,11 @@ def can_lag(t: Tiling, up: bool = False) -> bool:
             and (t.joint_products or t.interleaved_gate_up or t.block_m * t.block_n // 2 <= 64 * 128))
 
 
+def lagged(t: Tiling, up: bool = False) -> Tiling:
+    """fp8 tiling t with lagged_promotion where it applies (can_lag), else t."""
+    return dataclasses.replace(t, lagged_promotion=True) if can_lag(t, up) else t
+
+
 def can_chain(t: Tiling, K: int) -> bool:
     """Whether t's tiles can run chained (chained_tiles) over K inputs: warp-specialized, each tile's K
     steps (K / block_k, over its K splits) a multiple of the stages or fewer than them."""
