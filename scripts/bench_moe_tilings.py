@@ -30,9 +30,9 @@ def tilings(bm: int, fp8: bool):
     one m64n128 product a step (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
     blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column.
     Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
-    (Tiling.chained_tiles: a program's tiles as one continued pipeline), and every fp8 one as `<name>_u`
+    (Tiling.chained_tiles: a program's tiles as one continued pipeline), every warp-specialized fp8 one as `<name>_u`
     (Tiling.unscaled_probe: the products accumulated in place without block scales, what the tiling takes
-    without the per-step promotion; its err is against the group's first `_u`), and every fp8 one whose
+    without the per-step promotion; its err is against the group's first `_u`), and every such one whose
     step's products are issued together as `<name>_lp` (Tiling.lagged_promotion: each step's products
     promoted during the next step's wgmma)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
@@ -66,7 +66,8 @@ def tilings(bm: int, fp8: bool):
 
 
 def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
-    """{call: {name: tiling}}: tilings(bm, fp8) with the `_ch` variants where they apply and, fp8, `_u`."""
+    """{call: {name: tiling}}: tilings(bm, fp8) with the `_ch` variants where they apply and, fp8, `_u` and
+    (where can_lag) `_lp`."""
     out = {}
     for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
         K = D if call == "gate_up" else I

@@ -153,8 +153,9 @@ def can_lag(t: Tiling, up: bool = False) -> bool:
     (lagged_promotion): warp-specialized, scaled, a step's products issued together (joint products,
     interleaved gate/up, or one weight: with up, only the first two) and at most 64 x 128 per warpgroup."""
     together = t.joint_products or t.interleaved_gate_up or not (t.column_pairs or up)
+    products = 2 if t.joint_products else 1             # a warpgroup's fresh products of a step
     return (t.compute_wgs == 2 and not t.unscaled_probe and together
-            and (t.joint_products or t.interleaved_gate_up or t.block_m * t.block_n // 2 <= 64 * 128))
+            and products * t.block_m * t.block_n // 2 <= 64 * 128)
 
 
 def lagged(t: Tiling, up: bool = False) -> Tiling:
