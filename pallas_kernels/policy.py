@@ -71,11 +71,6 @@ class KernelPolicy:
     128 x 128 tiles at prefill, 64 x 256 at decode). Measured with gate and up stored interleaved
     (docs/perf.md, 2026-12-05): 8192 x 256 4.085 vs 4.382 ms, 8192 x 16 3.056 vs 3.209, 64 x 256 1.436
     vs 1.561; off until this form, which keeps the stored layout, is timed."""
-    fp8_lagged_promotion: bool = False
-    """fp8 calls of the grouped matmul kernel (routed experts, dense linears) promote each K step's
-    products while the next step's wgmma runs (grouped_matmul.Tiling.lagged_promotion) where the tiling
-    allows: the two compute warpgroups reach the promotion together, so done at once it idles the
-    tensor cores. Bit-equal output. Off until timed on the GPU."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

@@ -17,7 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report, save_results
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, can_lag, chained
+from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, chained
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -30,11 +30,9 @@ def tilings(bm: int, fp8: bool):
     one m64n128 product a step (Tiling.interleaved_gate_up); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
     blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column.
     Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
-    (Tiling.chained_tiles: a program's tiles as one continued pipeline), every warp-specialized fp8 one as `<name>_u`
+    (Tiling.chained_tiles: a program's tiles as one continued pipeline), and every fp8 one as `<name>_u`
     (Tiling.unscaled_probe: the products accumulated in place without block scales, what the tiling takes
-    without the per-step promotion; its err is against the group's first `_u`), and every such one whose
-    step's products are issued together as `<name>_lp` (Tiling.lagged_promotion: each step's products
-    promoted during the next step's wgmma)."""
+    without the per-step promotion; its err is against the group's first `_u`)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -66,17 +64,14 @@ def tilings(bm: int, fp8: bool):
 
 
 def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
-    """{call: {name: tiling}}: tilings(bm, fp8) with the `_ch` variants where they apply and, fp8, `_u` and
-    (where can_lag) `_lp`."""
+    """{call: {name: tiling}}: tilings(bm, fp8) with the `_ch` variants where they apply and, fp8, `_u`."""
     out = {}
     for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
         K = D if call == "gate_up" else I
         group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if can_chain(t, K)}}
         if fp8:
-            plain = {n: t for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")}
-            group = {**group, **{f"{n}_u": dataclasses.replace(t, unscaled_probe=True) for n, t in plain.items()},
-                     **{f"{n}_lp": dataclasses.replace(t, lagged_promotion=True) for n, t in plain.items()
-                        if can_lag(t, up=call == "gate_up")}}
+            group = {**group, **{f"{n}_u": dataclasses.replace(t, unscaled_probe=True)
+                                 for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")}}
         out[call] = group
     return out
 

@@ -7,8 +7,7 @@
 #   tests   issues 26/28: compiled tests not yet run on the GPU: interleaved gate/up, chained tiles (experts,
 #           fp8 linears), the selection test split one shape a case
 #   moe     issue 26: the fp8 expert tilings (default vs interleaved `_il` vs chained `_ch`) at 8192x256 and
-#           8192x16, bf16 beside; the prefill ones also without the fp8 promotion (`_u`) and promoting
-#           each step's products under the next step's wgmma (`_lp`)
+#           8192x16, bf16 beside; the prefill ones also without the fp8 promotion (`_u`)
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 256-expert prefill at 8192 under each candidate policy, HF transformers beside
 #   mla     issue 28: sparse MLA decode at 1..128 queries with device busy time
@@ -40,7 +39,7 @@ gpus() { echo "${PLAN_GPUS:-$(nvidia-smi -L | wc -l)}"; }
 
 part_tests() {
   run gpu_tests "$PY" scripts/gpu_tests.py tests/test_moe_kernels.py tests/test_fp8_linear.py tests/test_kernels.py \
-    -k "interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or lagged_promotion_compiled or select_topk_compiled" \
+    -k "interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or select_topk_compiled" \
     --per-test 120 --budget 480 --json "$OUT/gpu_tests.json"
 }
 
@@ -54,9 +53,6 @@ part_moe() {
   names+=,2wg_n128_c2_rm_ch,2wg_n256_c2_il_rm_ch,2wg_n256_c2_pairs_joint_rm_ch,2wg_n128_s3_ch,2wg_n256_c2_rm_ch
   # `_u`: the prefill tilings without the fp8 promotion (Tiling.unscaled_probe): what the promotion costs
   names+=,2wg_n64_g16_joint_u,2wg_n128_g16_c2_il_u,2wg_n128_g16_c2_u
-  # `_lp`: each step's products promoted during the next step's wgmma (Tiling.lagged_promotion)
-  names+=,2wg_n64_g16_joint_lp,2wg_n128_g16_c2_il_lp,2wg_n128_g16_c2_il_s6_lp,2wg_n128_g16_c2_lp
-  names+=,2wg_n256_c2_il_rm_lp,2wg_n256_c2_pairs_joint_rm_lp
   run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "$names" \
     --json "$OUT/moe_tilings${MOE_TAG:-}.json"
 }
@@ -67,7 +63,7 @@ part_moe_decode() {   # the same names at the decode case (64 tokens over 256 ex
 
 part_e2e() {
   run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts 256 --prompt-lens 8192 --fp8-weights \
-    --policies "default;fp8_lagged_promotion=true;fp8_moe_interleaved_gate_up=true,fp8_lagged_promotion=true;chained_tiles=true;fp8_moe_interleaved_gate_up=true,chained_tiles=true,fp8_lagged_promotion=true" \
+    --policies "default;fp8_moe_interleaved_gate_up=true;chained_tiles=true;fp8_moe_interleaved_gate_up=true,chained_tiles=true" \
     --timeout 500 --json "$OUT/e2e_fp8_256.json"
 }
 
@@ -78,8 +74,8 @@ part_mla() {
 }
 
 part_ncu() {
-  # fp8 joint, fp8 interleaved, bf16, the interleaved one promoting lagged (NCU_TILINGS: a subset)
-  for t in ${NCU_TILINGS:-2wg_n64_g16_joint 2wg_n128_g16_c2_il 2wg_n128_s3 2wg_n128_g16_c2_il_lp}; do
+  # fp8 joint, fp8 interleaved, bf16, the interleaved one unscaled (NCU_TILINGS: a subset)
+  for t in ${NCU_TILINGS:-2wg_n64_g16_joint 2wg_n128_g16_c2_il 2wg_n128_s3 2wg_n128_g16_c2_il_u}; do
     run "ncu_$t" "$PY" scripts/ncu_kernel.py --kernel mosaic --launch-skip 2 --section MemoryWorkloadAnalysis \
       --section ComputeWorkloadAnalysis --json "$OUT/ncu_$t.json" -- \
       "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "$t"

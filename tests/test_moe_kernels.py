@@ -317,84 +317,6 @@ def test_unscaled_probe_interpret_equals_the_unscaled_products(kind):
                                            one_wg, fp8=True)
 
 
-@pytest.mark.parametrize("kind", ["joint", "interleaved_c2", "interleaved_64x256", "down", "down_pairs_joint"])
-def test_lagged_promotion_interpret_is_bit_equal_and_equals_reference(kind):
-    """Tiling.lagged_promotion (each step's products promoted during the next step's wgmma, the last after
-    the pipeline): the interpreter (races detected) bit-equal to the same tiling promoting at once (the
-    same adds in the same order) and within bf16 rounding of float64 products of the dequantized operands;
-    5 K steps over 2 stages, every step's block scales distinct; gate_up with joint products, interleaved
-    in clusters and on 64 x 256 decode tiles, a plain call, a plain call in joint column pairs. Refused
-    where a step's products are not issued together."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.moe import grouped_matmul, quantize_rows
-    from pallas_kernels.moe.fp8_rows import dequantize_rows
-    from pallas_kernels.moe.grouped_matmul import shape_error
-    rng = np.random.default_rng(41)
-    E, K, N = 2, 640, 256
-    bm = 64 if kind in ("interleaved_64x256", "down_pairs_joint") else 128
-    t = Tiling(block_m=bm, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=4, compute_wgs=2,
-               joint_products=True)
-    if kind.startswith("interleaved"):
-        t = dataclasses.replace(t, block_n=128 if bm == 128 else 256, cluster_n=2, joint_products=False,
-                                interleaved_gate_up=True)
-    if kind == "down":
-        t = dataclasses.replace(t, block_n=128, joint_products=False)
-    if kind == "down_pairs_joint":
-        t = dataclasses.replace(t, block_n=128, column_pairs=True)
-    te = jnp.asarray([1, -1, 0], jnp.int32)
-    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((3 * bm, K)), jnp.float32))
-    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
-    gs = gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)
-    us = us * jnp.asarray(rng.uniform(0.25, 4.0, us.shape), jnp.float32)
-    two = not kind.startswith("down")
-    interp = plgpu.InterpretGPUParams(detect_races=True)
-    call = lambda tt: np.asarray(grouped_matmul(  # noqa: E731
-        xq, gq, te, up=uq if two else None, tiling=tt, interpret=interp, x_scale=xs, w_scale=gs,
-        up_scale=us if two else None), np.float32)
-    lagged = dataclasses.replace(t, lagged_promotion=True)
-    got, at_once = call(lagged), call(t)
-    np.testing.assert_array_equal(got, at_once)
-    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
-    gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
-    for rows, e in used_tiles(te, bm, got):
-        a = xd[rows] @ gd[e]
-        want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e]) if two else a
-        assert np.abs(got[rows] - want).max() <= 8e-3 * np.abs(want).max()
-    sds = jax.ShapeDtypeStruct
-    x_sds, w_sds = sds((384, K), jnp.float8_e4m3fn), sds(gq.shape, jnp.float8_e4m3fn)
-    for refused in (dataclasses.replace(lagged, compute_wgs=1, cluster_n=1),
-                    dataclasses.replace(lagged, unscaled_probe=True),
-                    Tiling(block_m=128, block_n=128, block_k=128, compute_wgs=2, column_pairs=True, lagged_promotion=True)):
-        assert "lagged_promotion" in shape_error(x_sds, w_sds, refused, fp8=True)
-    if kind == "joint":
-        with pytest.raises(ValueError, match="lagged_promotion with up needs joint products"):
-            grouped_matmul(xq, gq, te, up=uq, tiling=dataclasses.replace(lagged, joint_products=False),
-                           interpret=interp, x_scale=xs, w_scale=gs, up_scale=us)
-
-
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_lagged_promotion_lowers_for_cuda_at_glm5_widths(interleaved):
-    """The lagged gate_up tilings bench_moe_tilings times (`_lp`), and the lagged down, at GLM-5's widths
-    (8192 tokens x top-8 over 256 experts) lowered for CUDA from shapes."""
-    from pallas_kernels.moe import grouped_matmul
-    sds = jax.ShapeDtypeStruct
-    E, D, I, P = 256, 6144, 2048, 8192 * 8 + 256 * 128
-    t = Tiling(block_m=128, block_n=128 if interleaved else 64, block_k=128, stages=4, compute_wgs=2, grid_block_n=16,
-               cluster_n=2 if interleaved else 1, joint_products=not interleaved, interleaved_gate_up=interleaved,
-               lagged_promotion=True)
-    down_t = Tiling(block_m=128, block_n=128, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2,
-                    lagged_promotion=True)
-    f = jax.jit(lambda x, w, u, d, h, te, xs, gs, us, hs, ds: (
-        grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs, up_scale=us),
-        grouped_matmul(h, d, te, tiling=down_t, x_scale=hs, w_scale=ds)))
-    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
-    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((E, D, I), jnp.float8_e4m3fn), sds((P, I), jnp.float8_e4m3fn),
-                   sds((P // 128,), jnp.int32), sds((D // 128, P), jnp.float32), ws, ws, sds((I // 128, P), jnp.float32),
-                   sds((E, D // 128, I // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 2
-
-
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_unscaled_probe_lowers_for_cuda_at_glm5_widths(interleaved):
     """The probe as bench_moe_tilings times it (`_u`): the prefill gate_up tilings (joint n64, interleaved
@@ -769,27 +691,6 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_lagged_promotion_compiled_is_bit_equal(interleaved):
-    """KernelPolicy.fp8_lagged_promotion compiled on the GPU through the dispatch: bit-equal to the same
-    tilings promoting at once (the same adds in the same order), prefill and decode row counts, 16 and
-    256 experts, gate_up's blocks side by side or not."""
-    from pallas_kernels.moe.dispatch import expert_tilings
-    rng = np.random.default_rng(8)
-    off = KernelPolicy(fp8_moe_interleaved_gate_up=interleaved)
-    on = dataclasses.replace(off, fp8_lagged_promotion=True)
-    for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
-        x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
-        (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
-        assert any(t.lagged_promotion for t in expert_tilings(N * k, gq, True, 2, interleaved, lag=True))
-        fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
-        got, want = (np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=p, scales=(gs, us, ds)), np.float32)
-                     for p in (on, off))
-        assert np.isfinite(got).all() and np.abs(want).max() > 0
-        np.testing.assert_array_equal(got, want, err_msg=f"{(N, k, D, I, E)}")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("bm,bn,cluster_n", [(128, 128, 1), (128, 128, 2), (64, 256, 2)])
 def test_interleaved_gate_up_compiled_equals_the_two_weight_call(bm, bn, cluster_n):
     """Tiling.interleaved_gate_up compiled on the GPU (prefill 128-row and decode 64 x 256 tiles), 64
@@ -937,26 +838,6 @@ def test_chained_tiles_policy_and_lowering_at_glm5_widths():
         f = functools.partial(expert_mlp_blocked, topk=k, up_tiling=up_t, down_tiling=down_t)
         jax.jit(f).trace(sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), bf16_gate, bf16_gate,
                          sds((E, I, D), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
-
-
-def test_lagged_promotion_policy_and_lowering_at_glm5_widths():
-    """KernelPolicy.fp8_lagged_promotion: the dispatch's fp8 tilings promote lagged where can_lag allows
-    (prefill: joint gate_up and down; decode: down's joint column pairs, and gate_up where interleaved,
-    not the clustered single-issue gate_up), nothing else changes, bf16 never; the lagged expert calls
-    lower for CUDA at GLM-5's widths (8192 and 64 tokens over 256 experts)."""
-    from pallas_kernels.moe.dispatch import expert_tilings
-    D, I, E, k = 6144, 2048, 256, 8
-    sds = jax.ShapeDtypeStruct
-    fp8_gate, bf16_gate = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.bfloat16)
-    for tokens, interleaved, want in ((8192, False, (True, True)), (8192, True, (True, True)),
-                                      (64, False, (False, True)), (64, True, (True, True))):
-        plain = expert_tilings(tokens * k, fp8_gate, True, 2, interleaved)
-        lag = expert_tilings(tokens * k, fp8_gate, True, 2, interleaved, lag=True)
-        assert [t.lagged_promotion for t in lag] == list(want), (tokens, interleaved)
-        assert [dataclasses.replace(t, lagged_promotion=False) for t in lag] == list(plain)
-        lower_fp8_experts_for_cuda(tokens, E, *lag, D, I, k)
-    assert expert_tilings(8192 * k, bf16_gate, False, 2, lag=True) == expert_tilings(8192 * k, bf16_gate, False, 2)
-    assert not any(t.lagged_promotion for t in expert_tilings(8192 * k, fp8_gate, True, 1, lag=True))
 
 
 def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_where_they_would_spill():

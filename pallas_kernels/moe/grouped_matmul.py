@@ -75,13 +75,6 @@ class Tiling:
     place with no block scales, as bf16's do (issued together, awaited once) - the same pipeline and
     wgmma shapes without the per-step promotion (a fresh zeroed accumulator, its wait, the scaled add).
     Its output ignores the scales (x_q @ w_q); timed beside the scaled tiling it says what promotion costs."""
-    lagged_promotion: bool = False
-    """fp8, warp-specialized, a step's products issued together (joint products, interleaved gate/up, or
-    one weight): each step's scaled add of the previous step's products runs while this step's wgmma is
-    in flight, instead of after waiting for it, so the tensor cores are not idle through the promotion
-    when both compute warpgroups reach it together (they wait on the same pipeline slot). The unpromoted
-    products and their scales are carried to the next step: a third set of fp32 registers per warpgroup,
-    so a step's products are at most 64 x 128 per warpgroup."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -135,9 +128,6 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
                 f"({tiling})")
     if tiling.unscaled_probe and not (fp8 and tiling.compute_wgs == 2):
         return f"unscaled_probe: fp8 with two compute warpgroups ({tiling})"
-    if tiling.lagged_promotion and not (fp8 and can_lag(tiling)):
-        return (f"lagged_promotion: fp8, two compute warpgroups, scaled, and a step's products at most 64 x 128 "
-                f"per warpgroup issued together (joint products, interleaved gate/up, or one weight) ({tiling})")
     if tiling.chained_tiles and not can_chain(tiling, K):
         return (f"chained_tiles: two compute warpgroups and each tile's {k_steps // tiling.k_splits} K steps a "
                 f"multiple of the {tiling.stages} stages ({tiling})")
@@ -146,21 +136,6 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
                 f"blocks ({N // tile_columns(tiling) // pair}) and of programs")
     return None
-
-
-def can_lag(t: Tiling, up: bool = False) -> bool:
-    """Whether fp8 tiling t can promote each step's products during the next step's wgmma
-    (lagged_promotion): warp-specialized, scaled, a step's products issued together (joint products,
-    interleaved gate/up, or one weight: with up, only the first two) and at most 64 x 128 per warpgroup."""
-    together = t.joint_products or t.interleaved_gate_up or not (t.column_pairs or up)
-    products = 2 if t.joint_products else 1             # a warpgroup's fresh products of a step
-    return (t.compute_wgs == 2 and not t.unscaled_probe and together
-            and products * t.block_m * t.block_n // 2 <= 64 * 128)
-
-
-def lagged(t: Tiling, up: bool = False) -> Tiling:
-    """fp8 tiling t with lagged_promotion where it applies (can_lag), else t."""
-    return dataclasses.replace(t, lagged_promotion=True) if can_lag(t, up) else t
 
 
 def can_chain(t: Tiling, K: int) -> bool:
@@ -401,33 +376,25 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
                 plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
 
-                def products(smems, in_flight=lambda: None):
-                    """(in_flight(), this step's products with the weight blocks `smems`): the products issued
-                    together, in_flight run while they are, then awaited once."""
+                def products(smems):
+                    """This step's products with the weight blocks `smems`, issued together, awaited once."""
                     def issue(*acc_refs):
                         for acc_ref, w_smem in zip(acc_refs, smems):
                             plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
-                        meanwhile = in_flight()
-                        return meanwhile, tuple(acc_ref[...] for acc_ref in acc_refs)
+                        return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
-                smems = [pair_slot(idx)] if interleaved else w_smems
-                if tiling.lagged_promotion:   # the previous step's products promoted under this step's wgmma
-                    totals, prev, prev_scales = sums
-                    return products(smems, lambda: promote(totals, prev, prev_scales)) + (tuple(scales),)
-                if interleaved or tiling.joint_products:
-                    return promote(sums, products(smems)[1], scales)
+                if interleaved:           # one product: its gate half into gate's sums, its up half into up's
+                    part = products([pair_slot(idx)])[0]
+                    halves = (part[:, :out_sn], part[:, out_sn:])
+                    return tuple(_add_scaled(total, half, scale) for total, half, scale in zip(sums, halves, scales))
+                if tiling.joint_products:
+                    return tuple(_add_scaled(total, part, scale)
+                                 for total, part, scale in zip(sums, products(w_smems), scales))
                 # one product at a time, each rescaled before the next is issued
-                return tuple(_add_scaled(total, products([w_smem])[1][0], scale)
+                return tuple(_add_scaled(total, products([w_smem])[0], scale)
                              for total, w_smem, scale in zip(sums, w_smems, scales))
-
-            def promote(sums, parts, scales):
-                """The sums plus a step's products times their scales (interleaved: the one product's gate
-                half into gate's sums, its up half into up's)."""
-                if interleaved:
-                    parts = (parts[0][:, :out_sn], parts[0][:, out_sn:])
-                return tuple(_add_scaled(total, part, scale) for total, part, scale in zip(sums, parts, scales))
 
             def step_in_place(idx, x_smem, *rest):
                 """bf16, and fp8's unscaled_probe: the step's products added to accumulators kept across
@@ -460,15 +427,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             def context_fp8(run):
                 # interleaved: gate's and up's sums, each the [sm, out_sn] half of the step's product
                 zeros = plgpu.layout_cast(jnp.zeros((sm, out_sn), jnp.float32), plgpu.Layout.WGMMA)
-                if not tiling.lagged_promotion:
-                    store(outputs(run((zeros,) * len(ws_refs))))
-                    return
-                # the carry: the sums, the last step's products and their scales (zero before the first step)
-                no_parts = (plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA),) * (
-                    1 if interleaved else len(ws_refs))
-                no_scales = (plgpu.layout_cast(jnp.zeros((sm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),) * len(
-                    ws_refs)
-                store(outputs(promote(*run(((zeros,) * len(ws_refs), no_parts, no_scales)))))
+                sums = run((zeros,) * len(ws_refs))
+                store(outputs(sums))
 
             def context_in_place(run):
                 def scoped(*accs):
@@ -536,9 +496,6 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
     if tiling.k_splits > 1 and up is not None:
         raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
-    if tiling.lagged_promotion and up is not None and not can_lag(tiling, up=True):
-        raise ValueError("grouped_matmul: lagged_promotion with up needs joint products or interleaved gate/up "
-                         "(a step's gate and up products issued together)")
     pair = 2 if tiling.column_pairs else 1
     weights = (w,) * pair if up is None else (w, up)
     if fp8:
