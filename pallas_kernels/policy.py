@@ -71,6 +71,11 @@ class KernelPolicy:
     128 x 128 tiles at prefill, 64 x 256 at decode). Measured with gate and up stored interleaved
     (docs/perf.md, 2026-12-05): 8192 x 256 4.085 vs 4.382 ms, 8192 x 16 3.056 vs 3.209, 64 x 256 1.436
     vs 1.561; off until this form, which keeps the stored layout, is timed."""
+    fp8_running_scale: bool = False
+    """The fp8 expert calls and dense linears keep each weight's sum in its wgmma accumulator, in units
+    of the step's scale (grouped_matmul.Tiling.running_scale), instead of promoting every 128-deep
+    product into fp32 sums: no fresh accumulator and no wait after each product, at the cost of the
+    tensor cores' fp8 accumulation precision. Off until timed and its error measured on the GPU."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

@@ -17,7 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report, save_results
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, chained
+from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, chained, with_running_scale
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -32,7 +32,10 @@ def tilings(bm: int, fp8: bool):
     Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
     (Tiling.chained_tiles: a program's tiles as one continued pipeline), and every fp8 one as `<name>_u`
     (Tiling.unscaled_probe: the products accumulated in place without block scales, what the tiling takes
-    without the per-step promotion; its err is against the group's first `_u`)."""
+    without the per-step promotion; its err is against the group's first `_u`), and every fp8 one that is
+    not interleaved as `<name>_rs` (Tiling.running_scale, its products issued one after the other: the
+    sums kept in the wgmma accumulators in units of the step's scale; its err, against the group's first
+    scaled tiling, is what the tensor cores' accumulation costs in precision)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -64,14 +67,17 @@ def tilings(bm: int, fp8: bool):
 
 
 def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
-    """{call: {name: tiling}}: tilings(bm, fp8) with the `_ch` variants where they apply and, fp8, `_u`."""
+    """{call: {name: tiling}}: tilings(bm, fp8) with the `_ch` variants where they apply and, fp8, `_u` and
+    `_rs` (also chained: `_ch_rs`)."""
     out = {}
     for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
         K = D if call == "gate_up" else I
         group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if can_chain(t, K)}}
         if fp8:
             group = {**group, **{f"{n}_u": dataclasses.replace(t, unscaled_probe=True)
-                                 for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")}}
+                                 for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")},
+                     **{f"{n}_rs": with_running_scale(t) for n, t in group.items()
+                        if t.compute_wgs == 2 and not t.interleaved_gate_up}}
         out[call] = group
     return out
 

@@ -7,7 +7,8 @@
 #   tests   issues 26/28: compiled tests not yet run on the GPU: interleaved gate/up, chained tiles (experts,
 #           fp8 linears), the selection test split one shape a case
 #   moe     issue 26: the fp8 expert tilings (default vs interleaved `_il` vs chained `_ch`) at 8192x256 and
-#           8192x16, bf16 beside; the prefill ones also without the fp8 promotion (`_u`)
+#           8192x16, bf16 beside; the prefill ones also without the fp8 promotion (`_u`) and with the sums
+#           in running scales (`_rs`); MOE_TILINGS: a subset
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 256-expert prefill at 8192 under each candidate policy, HF transformers beside
 #   mla     issue 28: sparse MLA decode at 1..128 queries with device busy time
@@ -39,8 +40,8 @@ gpus() { echo "${PLAN_GPUS:-$(nvidia-smi -L | wc -l)}"; }
 
 part_tests() {
   run gpu_tests "$PY" scripts/gpu_tests.py tests/test_moe_kernels.py tests/test_fp8_linear.py tests/test_kernels.py \
-    -k "interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or select_topk_compiled" \
-    --per-test 120 --budget 480 --json "$OUT/gpu_tests.json"
+    -k "${TESTS_K:-running_scale_compiled or interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or select_topk_compiled}" \
+    --per-test 120 --budget "${TESTS_BUDGET:-480}" --json "$OUT/gpu_tests.json"
 }
 
 part_moe() {
@@ -53,7 +54,10 @@ part_moe() {
   names+=,2wg_n128_c2_rm_ch,2wg_n256_c2_il_rm_ch,2wg_n256_c2_pairs_joint_rm_ch,2wg_n128_s3_ch,2wg_n256_c2_rm_ch
   # `_u`: the prefill tilings without the fp8 promotion (Tiling.unscaled_probe): what the promotion costs
   names+=,2wg_n64_g16_joint_u,2wg_n128_g16_c2_il_u,2wg_n128_g16_c2_u
-  run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "$names" \
+  # `_rs`: the sums kept in the wgmma accumulators in running scales (Tiling.running_scale)
+  names+=,2wg_n64_g16_joint_rs,2wg_n128_g16_c2_rs,2wg_n128_g16_c2_ch_rs,2wg_n128_g16_rs
+  names+=,2wg_n128_c2_rm_rs,2wg_n256_c2_pairs_joint_rm_rs
+  run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "${MOE_TILINGS:-$names}" \
     --json "$OUT/moe_tilings${MOE_TAG:-}.json"
 }
 
@@ -63,7 +67,7 @@ part_moe_decode() {   # the same names at the decode case (64 tokens over 256 ex
 
 part_e2e() {
   run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts 256 --prompt-lens 8192 --fp8-weights \
-    --policies "default;fp8_moe_interleaved_gate_up=true;chained_tiles=true;fp8_moe_interleaved_gate_up=true,chained_tiles=true" \
+    --policies "${E2E_POLICIES:-default;fp8_running_scale=true;fp8_running_scale=true,chained_tiles=true;fp8_moe_interleaved_gate_up=true;chained_tiles=true}" \
     --timeout 500 --json "$OUT/e2e_fp8_256.json"
 }
 

@@ -317,6 +317,131 @@ def test_unscaled_probe_interpret_equals_the_unscaled_products(kind):
                                            one_wg, fp8=True)
 
 
+def running_case(rng, kind: str):
+    """A running_scale case: (fp8 operands, the tiling, float64 reference rows per used tile). K = 640
+    (5 steps over 2 stages), each step's weight block scale its own, x's column groups 1e-3 to 1e3
+    apart (the units change by up to 1e6 between steps), and one of expert 1's weight blocks at scale
+    zero (the units' floor: its step adds nothing)."""
+    from pallas_kernels.moe import quantize_rows
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    E, K = 2, 640
+    bm = 64 if kind == "pairs_64" else 128
+    te = jnp.asarray([1, -1, 0, 1], jnp.int32)
+    groups = np.repeat(np.asarray([[1e-3, 1e3, 1.0, 30.0, 1e-2]]), 128, axis=1)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((4 * bm, K)) * groups, jnp.float32))
+    N = 512 if kind == "pairs_64" else 256       # clustered column pairs: an even number of pair blocks
+    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
+    gs = (gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)).at[1, 0, 3].set(0.0)
+    us = us * jnp.asarray(rng.uniform(0.25, 4.0, us.shape), jnp.float32)
+    t = Tiling(block_m=bm, block_n=128, block_k=128, stages=2, grid_block_n=2, programs=4, compute_wgs=2,
+               cluster_n=2 if kind in ("gate_up_c2", "pairs_64") else 1, column_pairs=kind == "pairs_64",
+               k_splits=5 if kind == "k_splits" else 1, running_scale=True)
+    if kind == "chained":
+        t = dataclasses.replace(t, k_splits=1, chained_tiles=True, stages=5)
+    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
+    gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
+    two = kind in ("gate_up", "gate_up_c2", "chained")
+
+    def want(rows, e):
+        a = xd[rows] @ gd[e]
+        with np.errstate(over="ignore"):      # the 1e3 column group: exp(-a) overflows to inf, silu to 0
+            return a / (1 + np.exp(-a)) * (xd[rows] @ ud[e]) if two else a
+    operands = dict(x=xq, w=gq, x_scale=xs, w_scale=gs, **(dict(up=uq, up_scale=us) if two else {}))
+    return operands, te, t, want
+
+
+@pytest.mark.parametrize("kind", ["gate_up", "gate_up_c2", "plain", "pairs_64", "k_splits", "chained"])
+def test_running_scale_interpret_equals_reference(kind):
+    """Tiling.running_scale (the sums held in the wgmma accumulators in units of the step's scale) in
+    the interpreter (races detected) against float64 products of the dequantized operands and against
+    the same tiling promoting each step: gate_up (alone and in clusters of two), one weight, column
+    pairs on 64-row tiles, K split over 5 programs, tiles chained; scales 1e6 apart from step to step
+    and a zero weight block scale (running_case)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul
+    ops, te, t, want = running_case(np.random.default_rng(41), kind)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    call = lambda tt: np.asarray(grouped_matmul(tile_expert=te, tiling=tt, interpret=interp, **ops), np.float64)  # noqa: E731
+    got, promoted = call(t), call(dataclasses.replace(t, running_scale=False))
+    for rows, e in used_tiles(te, t.block_m, got, promoted):
+        w = want(rows, e)
+        assert np.abs(got[rows] - w).max() <= 8e-3 * np.abs(w).max(), kind           # bf16 output rounding
+        assert np.abs(got[rows] - promoted[rows]).max() <= 8e-3 * np.abs(w).max(), kind
+
+
+def test_running_scale_refusals():
+    """running_scale is refused where its products would not be issued one after the other by it: joint
+    products, interleaved gate/up, one compute warpgroup, the unscaled probe, bf16."""
+    from pallas_kernels.moe.grouped_matmul import shape_error, with_running_scale
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((256, 256), jnp.float8_e4m3fn), sds((2, 256, 256), jnp.float8_e4m3fn)
+    base = Tiling(block_m=128, block_n=128, block_k=128, stages=2, compute_wgs=2, running_scale=True)
+    assert shape_error(x, w, base, fp8=True) is None
+    for bad in (dict(joint_products=True, block_n=64), dict(interleaved_gate_up=True), dict(compute_wgs=1),
+                dict(unscaled_probe=True)):
+        assert "running_scale" in shape_error(x, w, dataclasses.replace(base, **bad), fp8=True), bad
+    assert "running_scale" in shape_error(sds((256, 256), jnp.bfloat16), sds((2, 256, 256), jnp.bfloat16),
+                                          dataclasses.replace(base, block_k=64), fp8=False)
+    joint = Tiling(block_m=128, block_n=64, block_k=128, compute_wgs=2, joint_products=True)
+    assert with_running_scale(joint) == dataclasses.replace(joint, joint_products=False, running_scale=True)
+
+
+@pytest.mark.parametrize("rows", [8192 * 8, 64 * 8])
+def test_running_scale_lowers_for_cuda_at_glm5_widths(rows):
+    """The dispatch's fp8 expert tilings with running_scale (KernelPolicy.fp8_running_scale) at GLM-5's
+    widths over 256 experts, prefill and decode, plain and chained, lowered for CUDA from shapes."""
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.dispatch import expert_tilings
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 256, 6144, 2048
+    gate = sds((E, I, D), jnp.float8_e4m3fn)
+    for chain in (False, True):
+        up_t, down_t = expert_tilings(rows, gate, True, 2, chain=chain, running=True)
+        assert up_t.running_scale and down_t.running_scale and up_t.chained_tiles == chain
+        P = padded_rows(rows, E, up_t.block_m)
+        ws = lambda n, k: sds((E, n // 128, k // 128), jnp.float32)   # noqa: E731
+        up = jax.jit(lambda x, g, u, te, xs, gs, us: grouped_matmul(
+            x, g, te, up=u, tiling=up_t, x_scale=xs, w_scale=gs, up_scale=us)).trace(
+            sds((P, D), jnp.float8_e4m3fn), gate, gate, sds((P // up_t.block_m,), jnp.int32),
+            sds((D // 128, P), jnp.float32), ws(I, D), ws(I, D))
+        down = jax.jit(lambda h, d, te, hs, ds: grouped_matmul(h, d, te, tiling=down_t, x_scale=hs, w_scale=ds)).trace(
+            sds((P, I), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn), sds((P // up_t.block_m,), jnp.int32),
+            sds((I // 128, P), jnp.float32), ws(D, I))
+        for traced in (up, down):
+            assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+def test_running_scale_compiled_error_is_within_bf16_rounding():
+    """running_scale compiled on the GPU at GLM-5's gate_up depth (K 6144, 48 steps; 64 experts, rows
+    routed by block_plan) against float64 products of the dequantized operands, beside the promoting
+    tiling: Hopper's fp8 wgmma adds into its accumulator with fewer bits than fp32, and running_scale
+    keeps the whole sum there. Both errors printed; running_scale's at most bf16 output rounding
+    (2^-8 of the largest output) and its mean at most 1.5x the promoting one's."""
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    rng = np.random.default_rng(43)
+    E, D, I, slots = 16, 6144, 512, 2048
+    (gq, gs), (uq, us) = fp8_experts(rng, D, I, E)[:2]
+    fe = jnp.asarray(rng.integers(0, E, slots), jnp.int32)
+    _, row_slot, te = block_plan(fe, E, 128)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((row_slot.shape[0], D)), jnp.bfloat16))
+    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
+    gd = np.asarray(plain_f32(gq, gs), np.float64)
+    used = np.asarray(te)
+    want = np.concatenate([xd[i * 128:(i + 1) * 128] @ gd[e] for i, e in enumerate(used) if e >= 0])
+    promoted = Tiling(block_m=128, block_n=128, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2)
+    errs = {}
+    for name, t in (("promoted", promoted), ("running", dataclasses.replace(promoted, running_scale=True))):
+        out = np.asarray(grouped_matmul(xq, gq, te, tiling=t, x_scale=xs, w_scale=gs), np.float64)
+        got = np.concatenate([out[i * 128:(i + 1) * 128] for i, e in enumerate(used) if e >= 0])
+        errs[name] = (np.abs(got - want).max() / np.abs(want).max(), np.abs(got - want).mean() / np.abs(want).mean())
+    print(f"fp8 grouped matmul vs float64, (max, mean) relative: {errs}")
+    assert errs["running"][0] <= 2.0 ** -8
+    assert errs["running"][1] <= 1.5 * errs["promoted"][1]
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_unscaled_probe_lowers_for_cuda_at_glm5_widths(interleaved):
     """The probe as bench_moe_tilings times it (`_u`): the prefill gate_up tilings (joint n64, interleaved
@@ -665,17 +790,18 @@ def test_expert_mlp_kernel_compiled_equals_reference(compute_wgs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compute_wgs,interleaved,chain", [(1, False, False), (2, False, False), (2, True, False),
-                                                          (2, False, True)])
-def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs, interleaved, chain):
+@pytest.mark.parametrize("compute_wgs,interleaved,chain,running", [
+    (1, False, False, False), (2, False, False, False), (2, True, False, False), (2, False, True, False),
+    (2, False, False, True), (2, False, True, True)])
+def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs, interleaved, chain, running):
     """fp8 experts through the compiled fp8 kernel (policy.fp8_moe_kernel; one compute warpgroup or the
-    warp-specialized two, with gate_up's blocks side by side or not, tiles chained or not) against the
-    same weights dequantized to bf16 (the bf16 kernel path, chained as well): prefill and decode row
-    counts, 16 and 256 experts."""
+    warp-specialized two, with gate_up's blocks side by side or not, tiles chained or not, sums in
+    running scales or promoted) against the same weights dequantized to bf16 (the bf16 kernel path,
+    chained as well): prefill and decode row counts, 16 and 256 experts."""
     from pallas_kernels.moe import fp8_kernel_applies
     rng = np.random.default_rng(6)
     on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs, fp8_moe_interleaved_gate_up=interleaved,
-                      chained_tiles=chain)
+                      chained_tiles=chain, fp8_running_scale=running)
     off = KernelPolicy(fp8_moe_kernel=False, chained_tiles=chain)
     run = slots_compiled
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):

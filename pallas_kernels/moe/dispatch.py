@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, shape_error, tile_columns
+from pallas_kernels.moe.grouped_matmul import with_running_scale
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -115,17 +116,24 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 
 
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
-                   chain: bool = False) -> tuple[Tiling, Tiling]:
+                   chain: bool = False, running: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
-    call's tiling `chained` where it applies."""
+    call's tiling `chained` where it applies; running (fp8, two compute warpgroups): Tiling.running_scale
+    for down and, unless interleaved, gate_up, whose prefill tiles then take 128 columns of each weight
+    in clusters of two (what its products issued one after the other need: joint 64-wide products
+    read each x block twice from shared memory)."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
     if fp8 and interleaved and compute_wgs == 2:
         up_t = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
                                    joint_products=False, interleaved_gate_up=True)
+    if fp8 and running and compute_wgs == 2:
+        if not up_t.interleaved_gate_up:
+            up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2) if up_t.block_m == 128 else up_t)
+        down_t = with_running_scale(down_t)
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
 
@@ -161,12 +169,12 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
-                    chain: bool = False) -> str | None:
+                    chain: bool = False, running: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
-    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain)
+    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -178,7 +186,8 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     kernel (else they are dequantized first): on the GPU, where its shapes fit."""
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
-                                policy.fp8_moe_interleaved_gate_up, policy.chained_tiles) is None)
+                                policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
+                                policy.fp8_running_scale) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -221,7 +230,8 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
-                                          policy.fp8_moe_interleaved_gate_up, policy.chained_tiles)
+                                          policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
+                                          policy.fp8_running_scale)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

@@ -75,6 +75,15 @@ class Tiling:
     place with no block scales, as bf16's do (issued together, awaited once) - the same pipeline and
     wgmma shapes without the per-step promotion (a fresh zeroed accumulator, its wait, the scaled add).
     Its output ignores the scales (x_q @ w_q); timed beside the scaled tiling it says what promotion costs."""
+    running_scale: bool = False
+    """fp8, warp-specialized, neither joint nor interleaved: each weight's products accumulate in one wgmma
+    accumulator kept in units of the current step's scale (row scale x block scale): before a step's
+    product it is multiplied by the previous step's scale over this one's, and the sum is the accumulator
+    times the last step's scale. No fresh zeroed accumulator, no wait after each product: the first
+    weight's rescale is exposed, the second's runs under the first's wgmma. The price is precision: the
+    sum is added up by the tensor cores (Hopper's fp8 wgmma accumulates with fewer bits than fp32, which
+    the per-step promotion exists to avoid) instead of in fp32 registers. Scales under MIN_RUNNING_SCALE
+    count as it (a zero scale has no units to hold the sum in)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -126,6 +135,10 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
+    if tiling.running_scale and not (fp8 and tiling.compute_wgs == 2 and not tiling.unscaled_probe
+                                     and not (tiling.joint_products or tiling.interleaved_gate_up)):
+        return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
+                f"(its products are issued back to back already) ({tiling})")
     if tiling.unscaled_probe and not (fp8 and tiling.compute_wgs == 2):
         return f"unscaled_probe: fp8 with two compute warpgroups ({tiling})"
     if tiling.chained_tiles and not can_chain(tiling, K):
@@ -150,16 +163,33 @@ def chained(t: Tiling, K: int) -> Tiling:
     return dataclasses.replace(t, chained_tiles=True) if can_chain(t, K) else t
 
 
+def with_running_scale(t: Tiling) -> Tiling:
+    """An fp8 tiling with running_scale, its products issued one after the other (joint_products off),
+    where it applies (two compute warpgroups, gate and up not interleaved); else t."""
+    if t.compute_wgs != 2 or t.interleaved_gate_up:
+        return t
+    return dataclasses.replace(t, running_scale=True, joint_products=False)
+
+
 def tile_columns(tiling: Tiling) -> int:
     """Output columns of a tile: block_n, or half of it where gate and up share the block
     (interleaved_gate_up)."""
     return tiling.block_n // 2 if tiling.interleaved_gate_up else tiling.block_n
 
 
+MIN_RUNNING_SCALE = 2.0 ** -100
+"""running_scale's least step scale: an accumulator in these units still holds a sum of 1e4 within fp32."""
+
+
+def _scaled(part, scale):
+    """part x scale [rows], each row by its own."""
+    return part * jax.lax.broadcast_in_dim(scale, part.shape, [0])
+
+
 def _add_scaled(total, part, scale):
     """total + part x scale [rows]: the step's row scales times its weight block's scale (multiplied
     first, before the step's products are issued), so one multiply and one add per element."""
-    return total + part * jax.lax.broadcast_in_dim(scale, part.shape, [0])
+    return total + _scaled(part, scale)
 
 
 def _step_scales(row_scale, load, step, n: int):
@@ -266,7 +296,7 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
 
 
 def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: int, k_steps: int,
-               fp8: bool):
+               fp8: bool, interpret: bool = False):
     """The kernel with a producer warpgroup and two compute warpgroups (axis "wg": 0, 1 compute, 2
     memory), which each own half of the tile: 64 of its 128 rows, or half of its columns when block_m
     is 64. bf16: each accumulates its wgmma in place. fp8: every step each waits on its own 128-deep
@@ -407,6 +437,39 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 plgpu.wgmma_wait(0)
                 return accs
 
+            def step_running(idx, x_smem, xs_smem, *rest):
+                """fp8 running_scale: the first accumulator rescaled from the previous step's units to this
+                step's and its product issued onto it; each next one rescaled while the product before it
+                runs, then issued; all awaited at the step's end (run_state's exit), before the step's
+                buffers are released. The interpreter sets no accumulator to a value, so there each
+                product goes to a fresh accumulator and is added to the rescaled sum: the same
+                arithmetic in fp32."""
+                *w_smems, (accs, units) = rest
+                row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
+                scales = tuple(jnp.maximum(s, MIN_RUNNING_SCALE)
+                               for s in _step_scales(row_scale, load_scale, idx[0], len(ws_refs)))
+                ratios = [unit / scale for unit, scale in zip(units, scales)]
+
+                def product(acc_ref, w_smem):
+                    plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
+
+                if interpret:
+                    def fresh(acc_ref, w_smem):
+                        product(acc_ref, w_smem)
+                        return acc_ref[...]
+                    return tuple(_scaled(acc, ratio) + pl.run_scoped(functools.partial(fresh, w_smem=w_smem),
+                                                                     plgpu.ACC((sm, sn), jnp.float32))
+                                 for acc, ratio, w_smem in zip(accs, ratios, w_smems)), scales
+
+                def issue(acc_refs):
+                    for j, (acc_ref, w_smem) in enumerate(zip(acc_refs, w_smems)):
+                        if j:             # its registers are not in flight: no wait
+                            acc_ref[...] = _scaled(plgpu.wgmma_accumulator_load(acc_ref, wait_n=None), ratios[j])
+                        product(acc_ref, w_smem)
+                inits = [_scaled(accs[0], ratios[0]), *accs[1:]]
+                return tuple(pl.run_state(issue)(tuple(plgpu.ACC.init(v) for v in inits))), scales
+
             def store(outs):
                 """This warpgroup's part of each of the tile's output column blocks, through shared memory."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -439,8 +502,15 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     store(outputs(vals))
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * (1 if interleaved else n_w))
 
+            def context_running(run):
+                zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
+                ones = plgpu.layout_cast(jnp.ones((sm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                accs, units = run(((zeros,) * n_w, (ones,) * n_w))
+                store(outputs([_scaled(acc, unit) for acc, unit in zip(accs, units)]))
+
             in_place = tiling.unscaled_probe or not fp8
-            step, context = (step_in_place, context_in_place) if in_place else (step_fp8, context_fp8)
+            step, context = ((step_in_place, context_in_place) if in_place else
+                             (step_running, context_running) if tiling.running_scale else (step_fp8, context_fp8))
 
             def run(state=None):
                 pipeline(step, context, start, steps, state)(*operands(mi, ni, expert), allocations=allocs)
@@ -502,7 +572,10 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         weights = (x_scale,) + weights + ((w_scale,) * pair if up is None else (w_scale, up_scale))
     grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tile_columns(tiling) // pair,
                 k_steps=K // tiling.block_k)
-    body = functools.partial(_kernel_ws if tiling.compute_wgs == 2 else _kernel, fp8=fp8, **grid)
+    if tiling.compute_wgs == 2:
+        body = functools.partial(_kernel_ws, fp8=fp8, interpret=bool(interpret), **grid)
+    else:
+        body = functools.partial(_kernel, fp8=fp8, **grid)
     threads = dict(num_threads=3, thread_name="wg") if tiling.compute_wgs == 2 else {}
     if tiling.cluster_n == 2:
         threads.update(cluster=(2,), cluster_names=("cluster",))
