@@ -23,7 +23,8 @@ from pallas_kernels.moe.plan import block_plan
 
 def tilings(bm: int, fp8: bool):
     """(gate_up, down) tilings to compare at row tile bm: the first of each is the reference; `_c2`:
-    clusters of two programs sharing their x tiles by multicast; `_pairs`: two column blocks per tile
+    clusters of two programs sharing their x tiles by multicast; `_gN`: N column blocks walked together
+    before the next row tiles (grid_block_n, 8 where unnamed); `_pairs`: two column blocks per tile
     (fp8 down: the gate_up call's two-accumulator shape); `_joint`: a step's two products issued together
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
     bytes in flight per SM); `_il`: each step's 64-row gate and up blocks side by side in shared memory,
@@ -42,6 +43,7 @@ def tilings(bm: int, fp8: bool):
         interleaved_gate_up=il)
     if fp8 and bm == 128:
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
+                 "2wg_n128_g8_c2": T(128, 4, 2, 8, 2),
                  "2wg_n64_g16_joint": T(64, 4, 2, 16, joint=True),
                  "2wg_n128_g16_il": T(128, 4, 2, 16, il=True), "2wg_n128_g16_c2_il": T(128, 4, 2, 16, 2, il=True),
                  "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True), "2wg_n128_g16_c2_il_s6": T(128, 6, 2, 16, 2, il=True)},

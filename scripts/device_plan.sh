@@ -21,6 +21,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device_out}
 [ -n "${PLAN_DRY_RUN:-}" ] || mkdir -p "$OUT"
+# a part cut by an outer `timeout` can leave its profiler or benchmark holding the GPU: stop them first
+[ -n "${PLAN_DRY_RUN:-}" ] || { pkill -9 -x ncu; pkill -9 -f 'scripts/(ncu_kernel|bench_[a-z_]+|gpu_tests)[.]py|-m pytest'; } || true
 export PYTHONPATH=.:scripts JAX_PLATFORMS=cuda
 PY=${PYTHON:-python3}
 GLM=(--model random:glm-5 --num-layers 4)
@@ -55,7 +57,7 @@ part_moe() {
   # `_u`: the prefill tilings without the fp8 promotion (Tiling.unscaled_probe): what the promotion costs
   names+=,2wg_n64_g16_joint_u,2wg_n128_g16_c2_il_u,2wg_n128_g16_c2_u
   # `_rs`: the sums kept in the wgmma accumulators in running scales (Tiling.running_scale)
-  names+=,2wg_n64_g16_joint_rs,2wg_n128_g16_c2_rs,2wg_n128_g16_c2_ch_rs,2wg_n128_g16_rs
+  names+=,2wg_n64_g16_joint_rs,2wg_n128_g16_c2_rs,2wg_n128_g16_c2_ch_rs,2wg_n128_g16_rs,2wg_n128_g8_c2,2wg_n128_g8_c2_rs
   names+=,2wg_n128_c2_rm_rs,2wg_n256_c2_pairs_joint_rm_rs
   run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "${MOE_TILINGS:-$names}" \
     --json "$OUT/moe_tilings${MOE_TAG:-}.json"
