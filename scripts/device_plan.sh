@@ -68,9 +68,9 @@ part_moe_decode() {   # the same names at the decode case (64 tokens over 256 ex
 }
 
 part_e2e() {
-  run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts 256 --prompt-lens 8192 --fp8-weights \
+  run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts "${E2E_EXPERTS:-256}" --prompt-lens 8192 --fp8-weights \
     --policies "${E2E_POLICIES:-default;fp8_running_scale=true;fp8_running_scale=true,chained_tiles=true;fp8_moe_interleaved_gate_up=true;chained_tiles=true}" \
-    --timeout 500 --json "$OUT/e2e_fp8_256.json"
+    --timeout 500 --json "$OUT/e2e_fp8_${E2E_EXPERTS:-256}.json"
 }
 
 part_mla() {
