@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import GROUP, dequantize_blocks, dequantize_rows, quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, shape_error as grouped_shape_error
-from pallas_kernels.moe.grouped_matmul import with_running_scale
 from pallas_kernels.policy import KernelPolicy
 
 
@@ -96,12 +95,11 @@ def fp8_linear_reference(x, w, scale_inv):
 
 @jax.named_call     # profiles name the ops inside by this scope
 def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, split_k: bool = False, chain: bool = False,
-               running: bool = False, interpret=False):
+               interpret=False):
     """x [..., K] @ W^T -> [..., N] in x's dtype, for W = w * scale_inv's blocks (w [N, K] e4m3,
     scale_inv [ceil(N / 128), K / 128] fp32), fp8 x fp8 with the rows quantized per 128 columns.
     split_k: the default tiling splits a decode-sized call's K (linear_tiling; KernelPolicy.fp8_linear_split_k);
-    chain: the default tiling `chained` where it fits (KernelPolicy.chained_tiles); running: the default
-    tiling with Tiling.running_scale where it applies (KernelPolicy.fp8_running_scale)."""
+    chain: the default tiling `chained` where it fits (KernelPolicy.chained_tiles)."""
     err = shape_error(x, w, scale_inv, tiling)
     if err is not None:
         raise ValueError(f"fp8_linear: {err}")
@@ -111,8 +109,6 @@ def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, split_k: bool =
     t = tiling or linear_tiling(rows.shape[0], N, K, split_k=split_k)   # splits divide K's steps: fits too
     if chain and tiling is None:
         t = chained(t, K)
-    if running and tiling is None:
-        t = with_running_scale(t)
     P = _tile_rows(rows.shape[0], t)
     xq, xs = quantize_rows(jnp.pad(rows, ((0, P - rows.shape[0]), (0, 0))))   # padding: zeros at scale 1
     y = grouped_matmul(xq, w[None], jnp.zeros(P // t.block_m, jnp.int32), tiling=t, interpret=interpret,

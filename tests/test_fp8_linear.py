@@ -114,15 +114,13 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, running: seen.append(
-        (w, s, split_k, chain, running)) or jnp.zeros((*x.shape[:-1], 192)))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain: seen.append(
+        (w, s, split_k, chain)) or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
     dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True))
-    dense(x, KernelPolicy(fp8_running_scale=True))
-    # split K by default, tiles neither chained nor with running scales
-    assert [a[2:] for a in seen] == [(True, False, False), (False, True, False), (True, False, True)]
+    assert [a[2:] for a in seen] == [(True, False), (False, True)]   # split K by default, tiles not chained
     del seen[1:]
     tilings = []
 
@@ -137,10 +135,8 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     fp8_linear(x[..., :1].repeat(768, -1), w, sc, chain=True)          # 6 K steps over 4 stages: not chained
     w8, sc8 = jnp.zeros((256, 1024), jnp.float8_e4m3fn), jnp.ones((2, 8), jnp.float32)   # 8 K steps: chained
     fp8_linear(x[..., :1].repeat(1024, -1), w8, sc8, chain=True)
-    fp8_linear(x[..., :1].repeat(768, -1), w, sc, running=True)
     assert tilings == [linear_tiling(21, 256, 768, split_k=True), linear_tiling(21, 256, 768),
-                       linear_tiling(21, 256, 768), dataclasses.replace(linear_tiling(21, 256, 1024), chained_tiles=True),
-                       dataclasses.replace(linear_tiling(21, 256, 768), running_scale=True)]
+                       linear_tiling(21, 256, 768), dataclasses.replace(linear_tiling(21, 256, 1024), chained_tiles=True)]
     assert tilings[0].k_splits > 1 == tilings[1].k_splits
     off = dense(x, KernelPolicy(fp8_linear_kernel=False))
     want = np.asarray(x, np.float32) @ np.asarray(fp8.dequantize(dense.fp8_weight[...], dense.scale_inv[...],
@@ -149,20 +145,18 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     np.testing.assert_allclose(np.asarray(off, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("rows,split_k,chain,running", [
-    (8192, False, False, False), (64, False, False, False), (1, False, False, False), (64, True, False, False),
-    (1, True, False, False), (8192, False, True, False), (64, True, True, False), (8192, False, False, True),
-    (64, True, False, True)])
-def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows, split_k, chain, running):
+@pytest.mark.parametrize("rows,split_k,chain", [(8192, False, False), (64, False, False), (1, False, False),
+                                                (64, True, False), (1, True, False), (8192, False, True),
+                                                (64, True, True)])
+def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows, split_k, chain):
     """Each of GLM-5's fp8 dense linears at prefill and decode row counts (decode also with K split; tiles
-    chained or not; sums in running scales or promoted), traced and lowered for CUDA on this machine
-    from shapes alone (Mosaic GPU checks shared memory while lowering): one kernel call, the weight
-    argument reaching it untransposed."""
+    chained or not), traced and lowered for CUDA on this machine from shapes alone (Mosaic GPU checks
+    shared memory while lowering): one kernel call, the weight argument reaching it untransposed."""
     sds = jax.ShapeDtypeStruct
     for name, (K, N) in GLM5_LINEARS.items():
         x, w, s = sds((rows, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn), sds((-(-N // 128), K // 128), jnp.float32)
         assert shape_error(x, w, s) is None, name
-        text = jax.jit(functools.partial(fp8_linear, split_k=split_k, chain=chain, running=running)).trace(x, w, s).lower(
+        text = jax.jit(functools.partial(fp8_linear, split_k=split_k, chain=chain)).trace(x, w, s).lower(
             lowering_platforms=("cuda",)).as_text()
         lines = text.splitlines()
         assert sum("custom_call @mosaic_gpu" in line for line in lines) == 1, name
@@ -175,13 +169,11 @@ def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows, split_k, cha
 @pytest.mark.gpu
 def test_fp8_linear_compiled_equals_the_quantized_reference():
     """Compiled on the GPU, GLM-5's widths at prefill and decode row counts (bf16 in and out), decode
-    also with K split over programs (split_k), tiles chained (chain), sums in running scales (running)."""
+    also with K split over programs (split_k), and tiles chained (chain)."""
     rng = np.random.default_rng(7)
-    for rows, split_k, chain, running in ((1000, False, False, False), (64, False, False, False),
-                                          (3, False, False, False), (64, True, False, False), (3, True, False, False),
-                                          (1000, False, True, False), (64, True, True, False),
-                                          (1000, False, False, True), (64, True, False, True)):
-        run = jax.jit(functools.partial(fp8_linear, split_k=split_k, chain=chain, running=running))
+    for rows, split_k, chain in ((1000, False, False), (64, False, False), (3, False, False), (64, True, False),
+                                 (3, True, False), (1000, False, True), (64, True, True)):
+        run = jax.jit(functools.partial(fp8_linear, split_k=split_k, chain=chain))
         for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
             K, N = GLM5_LINEARS[name]
             x = jnp.asarray(rng.standard_normal((rows, K)), jnp.bfloat16)
