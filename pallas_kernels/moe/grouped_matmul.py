@@ -14,7 +14,8 @@ the [rows, 2 * width] intermediate never reaches HBM.
 fp8 (DeepSeek/DeepGEMM's block scaling): x is e4m3 with one fp32 scale per row per 128 columns, the
 weights e4m3 stored K-major ([E, N, K], as the checkpoints hold them: 8-bit wgmma takes both operands
 K-major) with one fp32 scale per 128 x 128 block. Each 128-wide K step's product goes to a fresh
-accumulator and is added to the fp32 sum in registers times its row scales and its block's scale.
+accumulator and is added to the fp32 sum in registers times its row scales and its block's scale
+(Tiling.running_scale instead keeps the sum in the accumulator, in units of the step's scale).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class Tiling:
     """fp8, warp-specialized, neither joint nor interleaved: each weight's products accumulate in one wgmma
     accumulator kept in units of the current step's scale (row scale x block scale): before a step's
     product it is multiplied by the previous step's scale over this one's, and the sum is the accumulator
-    times the last step's scale. No fresh zeroed accumulator, no wait after each product: the first
-    weight's rescale is exposed, the second's runs under the first's wgmma. The price is precision: the
+    times the last step's scale. No fresh zeroed accumulator and one wait a step instead of one per
+    product: the first weight's rescale is exposed, the second's runs under the first's wgmma. The price is precision: the
     sum is added up by the tensor cores (Hopper's fp8 wgmma accumulates with fewer bits than fp32, which
     the per-step promotion exists to avoid) instead of in fp32 registers. Scales under MIN_RUNNING_SCALE
     count as it (a zero scale has no units to hold the sum in)."""
