@@ -17,7 +17,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report, save_results
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, chained, with_running_scale
+from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, can_run_scale, chained, with_running_scale
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -78,8 +78,7 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
         if fp8:
             group = {**group, **{f"{n}_u": dataclasses.replace(t, unscaled_probe=True)
                                  for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")},
-                     **{f"{n}_rs": with_running_scale(t) for n, t in group.items()
-                        if t.compute_wgs == 2 and not t.interleaved_gate_up}}
+                     **{f"{n}_rs": with_running_scale(t) for n, t in group.items() if can_run_scale(t)}}
         out[call] = group
     return out
 

@@ -362,7 +362,8 @@ def test_running_scale_interpret_equals_reference(kind):
     from pallas_kernels.moe import grouped_matmul
     ops, te, t, want = running_case(np.random.default_rng(41), kind)
     interp = plgpu.InterpretGPUParams(detect_races=True)
-    call = lambda tt: np.asarray(grouped_matmul(tile_expert=te, tiling=tt, interpret=interp, **ops), np.float64)  # noqa: E731
+    call = lambda tt: np.asarray(  # noqa: E731
+        grouped_matmul(tile_expert=te, tiling=tt, interpret=interp, **ops), np.float64)
     got, promoted = call(t), call(dataclasses.replace(t, running_scale=False))
     for rows, e in used_tiles(te, t.block_m, got, promoted):
         w = want(rows, e)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, shape_error, tile_columns
-from pallas_kernels.moe.grouped_matmul import with_running_scale
+from pallas_kernels.moe.grouped_matmul import can_run_scale, with_running_scale
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -132,7 +132,7 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     if fp8 and interleaved and compute_wgs == 2:
         up_t = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
                                    joint_products=False, interleaved_gate_up=True)
-    if fp8 and running and compute_wgs == 2 and up_t.block_m == 128 and not up_t.interleaved_gate_up:
+    if fp8 and running and up_t.block_m == 128 and can_run_scale(up_t):
         up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)

@@ -81,10 +81,10 @@ class Tiling:
     accumulator kept in units of the current step's scale (row scale x block scale): before a step's
     product it is multiplied by the previous step's scale over this one's, and the sum is the accumulator
     times the last step's scale. No fresh zeroed accumulator and one wait a step instead of one per
-    product: the first weight's rescale is exposed, the second's runs under the first's wgmma. The price is precision: the
-    sum is added up by the tensor cores (Hopper's fp8 wgmma accumulates with fewer bits than fp32, which
-    the per-step promotion exists to avoid) instead of in fp32 registers. Scales under MIN_RUNNING_SCALE
-    count as it (a zero scale has no units to hold the sum in)."""
+    product: the first weight's rescale is exposed, the second's runs under the first's wgmma. The price
+    is precision: the sum is added up by the tensor cores (Hopper's fp8 wgmma accumulates with fewer bits
+    than fp32, which the per-step promotion exists to avoid) instead of in fp32 registers. Scales under
+    MIN_RUNNING_SCALE count as it (a zero scale has no units to hold the sum in)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -136,8 +136,7 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
-    if tiling.running_scale and not (fp8 and tiling.compute_wgs == 2 and not tiling.unscaled_probe
-                                     and not (tiling.joint_products or tiling.interleaved_gate_up)):
+    if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
         return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
                 f"(its products are issued back to back already) ({tiling})")
     if tiling.unscaled_probe and not (fp8 and tiling.compute_wgs == 2):
@@ -164,10 +163,15 @@ def chained(t: Tiling, K: int) -> Tiling:
     return dataclasses.replace(t, chained_tiles=True) if can_chain(t, K) else t
 
 
+def can_run_scale(t: Tiling) -> bool:
+    """Whether fp8 tiling t can keep its sums in running scales (running_scale, its products issued one
+    after the other): two compute warpgroups, gate and up not interleaved, not the unscaled probe."""
+    return t.compute_wgs == 2 and not (t.interleaved_gate_up or t.unscaled_probe)
+
+
 def with_running_scale(t: Tiling) -> Tiling:
-    """An fp8 tiling with running_scale, its products issued one after the other (joint_products off),
-    where it applies (two compute warpgroups, gate and up not interleaved); else t."""
-    if t.compute_wgs != 2 or t.interleaved_gate_up:
+    """An fp8 tiling with running_scale (joint_products off) where it applies (can_run_scale); else t."""
+    if not can_run_scale(t):
         return t
     return dataclasses.replace(t, running_scale=True, joint_products=False)
 
