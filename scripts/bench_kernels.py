@@ -52,6 +52,8 @@ its gather to the one element the chain reads)."""
 import argparse
 import functools
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -642,11 +644,20 @@ def traced_device_time(fn, arg_sets, reps: int = 5) -> dict:
         for _ in range(reps):
             out = many(arg_sets)
         jax.block_until_ready(out)
-    ops, _, _ = device_op_times(trace_dir)
+    ops, _, lanes = device_op_times(trace_dir)
     if not ops:
         raise RuntimeError(f"the trace in {trace_dir} holds no device ops")
-    return {"device_s": sum(t for t, _ in ops.values()) / 1e6 / (reps * len(arg_sets)),
-            "top_op_s": max(t / n for t, n in ops.values()) / 1e6}
+    calls = reps * len(arg_sets)
+    kinds: dict = {}          # the argument sets' copies of one op (fusion.3, fusion.7, ...) as one kind
+    for (_, name, _), (t, n) in ops.items():
+        kind = kinds.setdefault(re.sub(r"\.\d+$", "", name), [0.0, 0])
+        kind[0] += t
+        kind[1] += n
+    top = sorted(kinds.items(), key=lambda kv: -kv[1][0])[:6]
+    return {"device_s": sum(t for t, _ in ops.values()) / 1e6 / calls,
+            "top_op_s": max(t / n for t, n in ops.values()) / 1e6,
+            "lanes": lanes,
+            "ops": [{"op": name, "us_per_call": t / calls, "events_per_call": n / calls} for name, (t, n) in top]}
 
 
 def bench_sparse_mla(args, ceil):
@@ -742,6 +753,11 @@ def bench_sparse_mla(args, ceil):
                 else:
                     rows.append([f"{kind} {N}", name, v.get("error", "")[:80], "", "", "", ""])
     print_table(rows)
+    for entry in out:          # where a decode call's device time goes, op by op (the trace's device lanes)
+        for name, v in entry.items():
+            if isinstance(v, dict) and v.get("ops"):
+                print(f"{entry['case']} {entry['queries']} {name}: lanes {v['lanes']}; "
+                      + "; ".join(f"{o['op']} {o['us_per_call']:.1f} us x{o['events_per_call']:g}" for o in v["ops"]))
     return out
 
 
@@ -1025,6 +1041,9 @@ def main() -> int:
     p.add_argument("--mla-device-time", action="store_true",
                    help="sparse MLA decode: also each variant's device busy time per call from a profile (the ops' "
                         "sum, without the launch gaps of the timed executable) and its costliest op")
+    p.add_argument("--command-buffers-off", action="store_true",
+                   help="XLA's command buffers off for the whole run, so that --mla-device-time lists a call's ops "
+                        "one by one (with them on, the trace shows the buffer); wall times then include every launch")
     p.add_argument("--mla-decode-tilings", default="mgpu_rows,dispatch,mgpu_rows:1,mgpu_rows:4,64:64:8:2:2",
                    help="sparse MLA decode variants: as --mla-tilings ('dispatch': the Triton kernel with the "
                         "dispatch's tiling, taken with mgpu_sparse_mla_rows off), 'mgpu_rows' (the Mosaic GPU "
@@ -1038,6 +1057,8 @@ def main() -> int:
         args.moe_tokens, args.moe_experts, args.moe_hidden, args.moe_width = "32,64", "8,16", 128, 128
         args.moe_decode_tokens, args.moe_decode_experts = "1,4", 16
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.command_buffers_off:   # before jax starts its backend
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_enable_command_buffer=".strip()
     import jax
 
     from cpkv_jax.perf import measure_ceilings

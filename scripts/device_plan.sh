@@ -4,13 +4,14 @@
 # JSON and logs under $OUT (default ./device_out); every number it prints goes to docs/perf.md with date,
 # device and command.
 #
-#   tests   issues 26/28: compiled tests not yet run on the GPU: running scales' error bounds, interleaved
+#   tests   issues 26/28: compiled tests not yet run on the GPU (TESTS_K: others): interleaved
 #           gate/up, chained tiles (experts, fp8 linears), the selection test split one shape a case
 #   moe     issue 26: the dispatch's fp8 expert tilings at 8192x256 and 8192x16, bf16 beside, and in running
 #           scales (`_rs`); MOE_TILINGS: other names
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 16- and 256-expert prefill at 8192 under each candidate policy, HF transformers beside
-#   mla     issue 28: sparse MLA decode at 1..128 queries with device busy time
+#   mla     issue 28: sparse MLA decode at 1..128 queries with the device's busy time (MLA_DECODE: query counts,
+#           MLA_TILINGS: bench_kernels' decode variants; MLA_OPS=1: command buffers off, the time op by op)
 #   ncu     issue 26: Nsight Compute counters of gate_up at 8192x16: fp8 joint and interleaved, bf16 beside
 #   paged   issue 28: one-wave paged scores off/on, twice, at batch 1 x 8k and batch 8 x 2k
 #   mesh    issue 34 (multi-GPU kinds only): EP/TP scaling of the fp8 256-expert slice, two-batch overlap off/on
@@ -40,8 +41,8 @@ run() {   # run NAME CMD...: one step's output to $OUT/NAME.log, its time and st
 gpus() { echo "${PLAN_GPUS:-$(nvidia-smi -L | wc -l)}"; }
 
 part_tests() {
-  run gpu_tests "$PY" scripts/gpu_tests.py tests/test_moe_kernels.py tests/test_fp8_linear.py tests/test_kernels.py \
-    -k "${TESTS_K:-running_scale_compiled or interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or select_topk_compiled}" \
+  run gpu_tests "$PY" scripts/gpu_tests.py tests/test_moe_kernels.py tests/test_fp8_linear.py tests/test_kernels.py tests/test_sparse_mla.py \
+    -k "${TESTS_K:-interleaved_gate_up_compiled or (fp8_kernel_compiled and True) or fp8_linear_compiled or select_topk_compiled}" \
     --per-test 120 --budget "${TESTS_BUDGET:-480}" --json "$OUT/gpu_tests.json"
 }
 
@@ -67,9 +68,9 @@ part_e2e() {
 }
 
 part_mla() {
-  run mla "$PY" scripts/bench_kernels.py --only sparse_mla --mla-prefill "" --mla-decode 1,8,32,64,128 \
-    --mla-decode-tilings "mgpu_rows:p:k,mgpu_rows:1:p:k,mgpu_rows:4:p:k" --mla-device-time \
-    --json "$OUT/mla_decode.json"
+  run mla "$PY" scripts/bench_kernels.py --only sparse_mla --mla-prefill "" --mla-decode "${MLA_DECODE:-1,8,32,64,128}" \
+    --mla-decode-tilings "${MLA_TILINGS:-mgpu_rows:p:k}" --mla-device-time ${MLA_OPS:+--command-buffers-off} \
+    --json "$OUT/mla_decode${MLA_OPS:+_ops}.json"
 }
 
 part_ncu() {

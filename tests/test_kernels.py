@@ -1057,6 +1057,12 @@ def test_traced_device_time_is_per_call_busy_time(monkeypatch):
         assert times[n]["device_s"] > 0 and times[n]["top_op_s"] > 0
     assert times[1024]["device_s"] > 8 * times[256]["device_s"], times
     ops = {("m", "kernel", ""): [400.0, 40], ("m", "merge", ""): [80.0, 40]}       # us, count: 5 runs x 8 calls
+    ops.update({("m", f"fusion.{i}", ""): [30.0, 5] for i in range(8)})          # one op per argument set
     monkeypatch.setattr(profile_prefill, "device_op_times", lambda trace_dir: (ops, 1e3, ["/device:GPU:0"]))
     got = traced_device_time(fn, sets, reps=5)
-    assert got == pytest.approx({"device_s": 480e-6 / 40, "top_op_s": 10e-6})
+    ops_listed = got.pop("ops")
+    assert got.pop("lanes") == ["/device:GPU:0"]
+    assert got == pytest.approx({"device_s": 720e-6 / 40, "top_op_s": 10e-6})
+    # each kind of op by its share of a call, costliest first (the argument sets' copies fusion.0..7 as one)
+    assert [(o["op"], o["us_per_call"], o["events_per_call"]) for o in ops_listed] == [
+        ("kernel", 10.0, 1.0), ("fusion", 6.0, 1.0), ("merge", 2.0, 1.0)]

@@ -377,6 +377,19 @@ def test_mgpu_kernel_lowers_for_cuda(scores, row_threads, l2_prefetch):
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("opts,named", [(dict(row_threads=3), "row_threads"), (dict(scores="odd"), "scores"),
+                                        (dict(row_splits=2), "row_splits")])
+def test_mgpu_kernel_refuses_what_it_cannot_lay_out(opts, named):
+    """Copy layouts the kernel has no pass plan for, unknown score splits and row shares without the
+    statistics that merge them are named before anything is traced."""
+    from pallas_kernels.sparse_mla.kernel_mgpu import sparse_mla_mgpu
+
+    q_lat, q_rope, latent, k_rope, slots = make_case(4, 64, 512, 64, 128, P=256, L=1)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    with pytest.raises(ValueError, match=named):
+        sparse_mla_mgpu(bf(q_lat), bf(q_rope), bf(latent), bf(k_rope), 0, jnp.asarray(slots), 0.1, **opts)
+
+
 def test_mgpu_row_splits_lower_for_cuda():
     """The decode-sized call through row splits (8 queries x 33 splits of GLM-5's 2048 rows) traces and
     lowers for CUDA: the kernel with its statistics output, then the merge."""
