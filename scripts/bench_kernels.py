@@ -631,7 +631,8 @@ MGPU_SCORES = {"mgpu": "both", "mgpu_alt": "alternate", "mgpu_split": "split_key
 def traced_device_time(fn, arg_sets, reps: int = 5) -> dict:
     """fn over arg_sets in one executable (as batched_time), `reps` runs under the JAX profiler: the
     device's busy time per call (the sum of its ops, without the launch gaps batched_time's wall
-    keeps) and the mean time of its costliest op (the kernel, where one dominates)."""
+    keeps), the mean time of its costliest op, and each kind of op's time per call. With XLA's command
+    buffers on, the trace's ops are the buffers that hold the call's ops (--command-buffers-off)."""
     import tempfile
 
     import jax
@@ -654,8 +655,9 @@ def traced_device_time(fn, arg_sets, reps: int = 5) -> dict:
         kind[0] += t
         kind[1] += n
     top = sorted(kinds.items(), key=lambda kv: -kv[1][0])[:6]
+    (_, top_name, _), (top_t, top_n) = max(ops.items(), key=lambda kv: kv[1][0] / kv[1][1])
     return {"device_s": sum(t for t, _ in ops.values()) / 1e6 / calls,
-            "top_op_s": max(t / n for t, n in ops.values()) / 1e6,
+            "top_op_s": top_t / top_n / 1e6, "top_op": top_name,
             "lanes": lanes,
             "ops": [{"op": name, "us_per_call": t / calls, "events_per_call": n / calls} for name, (t, n) in top]}
 
@@ -747,7 +749,7 @@ def bench_sparse_mla(args, ceil):
                                  f"{v.get('err', float('nan')):.1e}"])
                     if "device_s" in v:       # the same call by the device's busy time (no launch gaps)
                         busy, top = v["device_s"], v["top_op_s"]
-                        rows.append([f"{kind} {N}", f"{name} (device busy; costliest op {top * 1e6:.1f} us)",
+                        rows.append([f"{kind} {N}", f"{name} (device busy; costliest op {v['top_op']} {top * 1e6:.1f} us)",
                                      f"{busy * 1e3:.3f}", f"{flops / busy / 1e12:.0f}", f"{nbytes / busy / 1e9:.0f}",
                                      f"{nbytes / busy / ceil['copy_bytes_per_s']:.0%}", ""])
                 else:

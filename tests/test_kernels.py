@@ -1061,7 +1061,7 @@ def test_traced_device_time_is_per_call_busy_time(monkeypatch):
     monkeypatch.setattr(profile_prefill, "device_op_times", lambda trace_dir: (ops, 1e3, ["/device:GPU:0"]))
     got = traced_device_time(fn, sets, reps=5)
     ops_listed = got.pop("ops")
-    assert got.pop("lanes") == ["/device:GPU:0"]
+    assert got.pop("lanes") == ["/device:GPU:0"] and got.pop("top_op") == "kernel"
     assert got == pytest.approx({"device_s": 720e-6 / 40, "top_op_s": 10e-6})
     # each kind of op by its share of a call, costliest first (the argument sets' copies fusion.0..7 as one)
     assert [(o["op"], o["us_per_call"], o["events_per_call"]) for o in ops_listed] == [
