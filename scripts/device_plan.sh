@@ -10,6 +10,8 @@
 #           scales (`_rs`); MOE_TILINGS: other names
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 16- and 256-expert prefill at 8192 under each candidate policy, HF transformers beside
+#   e2e_profile  issue 26: profile of that prefill (16 experts, fp8) by scope, default kernels and running scales
+#           (PROFILE_POLICIES: space-separated --kernels values; fp8_moe_kernel=true is the default policy)
 #   mla     issue 28: sparse MLA decode at 1..128 queries with the device's busy time (MLA_DECODE: query counts,
 #           MLA_TILINGS: bench_kernels' decode variants; MLA_OPS=1: command buffers off, the time op by op)
 #   ncu     issue 26: Nsight Compute counters of gate_up at 8192x16: fp8 joint and interleaved, bf16 beside
@@ -65,6 +67,13 @@ part_e2e() {
   run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts "${E2E_EXPERTS:-16,256}" --prompt-lens 8192 --fp8-weights \
     --policies "${E2E_POLICIES:-default;fp8_running_scale=true;fp8_running_scale=true,chained_tiles=true}" \
     --timeout 500 --json "$OUT/e2e_fp8.json"
+}
+
+part_e2e_profile() {   # issue 26: where the fp8 16-expert prefill of 8192 goes, with and without running scales
+  for policy in ${PROFILE_POLICIES:-fp8_moe_kernel=true fp8_running_scale=true}; do
+    run "profile_${policy//[=,]/_}" "$PY" scripts/profile_prefill.py "${GLM[@]}" --num-experts "${E2E_EXPERTS:-16}" \
+      --fp8-weights --lengths 8192 --budget 8192 --kernels "$policy" --json "$OUT/profile_${policy//[=,]/_}.json"
+  done
 }
 
 part_mla() {

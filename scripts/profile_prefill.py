@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cpkv_jax.cli import add_model_args  # noqa: E402
+from cpkv_jax.cli import add_model_args, kernel_policy  # noqa: E402
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]*)"')
 _WRAPPERS = re.compile(r"^(?:[pj]?jit\(.*\)|while|body|cond|checkpoint|remat|closed_call|shard_map|core_call|eval_jaxpr)$")
@@ -122,6 +122,8 @@ def main() -> int:
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--attn-path", choices=("expanded", "absorbed"), default=None)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--kernels", type=kernel_policy, default=None, metavar="FIELD=VALUE,...",
+                   help="kernel choices over the defaults (pallas_kernels.policy.KernelPolicy's fields)")
     p.add_argument("--trace-dir", default=None, help="keep the trace here (default: a temporary directory)")
     p.add_argument("--command-buffers", action="store_true",
                    help="keep XLA's command buffers (the trace then shows them, not the ops inside)")
@@ -143,7 +145,8 @@ def main() -> int:
     pages = args.cp * (-(-(sum(pages_for(n + 1, args.page_size) for n in args.lengths) + 2 * args.cp) // args.cp) + 1)
     engine = Engine(model, EngineConfig(page_size=args.page_size, kv_pages=pages, max_running=len(prompts),
                                         max_prefill_tokens=args.budget, prefix_cache=False, cp_size=args.cp,
-                                        attn_path=args.attn_path))
+                                        attn_path=args.attn_path,
+                                        **({"kernels": args.kernels} if args.kernels is not None else {})))
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     engine.generate(prompts, params)                          # compile
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="cpkv-profile-")

@@ -81,7 +81,7 @@ def check(cmd: list[str], monkeypatch) -> None:
 
 
 def test_every_command_of_every_part_parses(monkeypatch):
-    parts = ("tests", "moe", "moe_decode", "e2e", "mla", "ncu", "paged", "mesh", "cp8", "pd")
+    parts = ("tests", "moe", "moe_decode", "e2e", "e2e_profile", "mla", "ncu", "paged", "mesh", "cp8", "pd")
     commands = dry_run(*parts)
     assert len(commands) >= len(parts)
     for cmd in commands:
