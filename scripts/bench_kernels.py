@@ -52,7 +52,6 @@ its gather to the one element the chain reads)."""
 import argparse
 import functools
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -1060,7 +1059,8 @@ def main() -> int:
         args.moe_decode_tokens, args.moe_decode_experts = "1,4", 16
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.command_buffers_off:   # before jax starts its backend
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_enable_command_buffer=".strip()
+        from scripts.profile_prefill import COMMAND_BUFFERS_OFF, add_xla_flags
+        add_xla_flags(COMMAND_BUFFERS_OFF)
     import jax
 
     from cpkv_jax.perf import measure_ceilings

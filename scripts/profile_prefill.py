@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cpkv_jax.cli import add_model_args, kernel_policy  # noqa: E402
+from pallas_kernels.policy import DEFAULT_POLICY  # noqa: E402
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]*)"')
 _WRAPPERS = re.compile(r"^(?:[pj]?jit\(.*\)|while|body|cond|checkpoint|remat|closed_call|shard_map|core_call|eval_jaxpr)$")
@@ -86,15 +87,21 @@ def device_op_times(trace_dir: str, scopes: dict | None = None) -> tuple[dict, f
     return dict(ops), (last - first if ops else 0.0), sorted(set(lanes.values()))
 
 
+COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
+"""XLA flag: no command buffers (with them the trace shows the buffers, not the ops inside)."""
+
+
+def add_xla_flags(*flags: str) -> None:
+    """flags appended to XLA_FLAGS (before jax starts its backend)."""
+    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), *flags) if f)
+
+
 def set_profile_flags(dump_dir: str | None = None, command_buffers: bool = False) -> str:
     """XLA_FLAGS for a profile named by scope (before jax starts its backend): the optimized HLO dumped
     to dump_dir (default: a temporary directory, returned) for hlo_scopes, command buffers off unless
-    asked for (with them on the trace shows the buffers, not the ops inside)."""
+    asked for."""
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="cpkv-hlo-")
-    flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_as_text"]
-    if not command_buffers:
-        flags.append("--xla_gpu_enable_command_buffer=")
-    os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
+    add_xla_flags(f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_as_text", *([] if command_buffers else [COMMAND_BUFFERS_OFF]))
     return dump_dir
 
 
@@ -122,7 +129,7 @@ def main() -> int:
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--attn-path", choices=("expanded", "absorbed"), default=None)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--kernels", type=kernel_policy, default=None, metavar="FIELD=VALUE,...",
+    p.add_argument("--kernels", type=kernel_policy, default=DEFAULT_POLICY, metavar="FIELD=VALUE,...",
                    help="kernel choices over the defaults (pallas_kernels.policy.KernelPolicy's fields)")
     p.add_argument("--trace-dir", default=None, help="keep the trace here (default: a temporary directory)")
     p.add_argument("--command-buffers", action="store_true",
@@ -145,8 +152,7 @@ def main() -> int:
     pages = args.cp * (-(-(sum(pages_for(n + 1, args.page_size) for n in args.lengths) + 2 * args.cp) // args.cp) + 1)
     engine = Engine(model, EngineConfig(page_size=args.page_size, kv_pages=pages, max_running=len(prompts),
                                         max_prefill_tokens=args.budget, prefix_cache=False, cp_size=args.cp,
-                                        attn_path=args.attn_path,
-                                        **({"kernels": args.kernels} if args.kernels is not None else {})))
+                                        attn_path=args.attn_path, kernels=args.kernels))
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     engine.generate(prompts, params)                          # compile
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="cpkv-profile-")

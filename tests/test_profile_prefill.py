@@ -65,3 +65,20 @@ def test_ops_are_named_by_their_scopes_and_summed_by_scope(tmp_path, profile_pre
     assert profile_prefill.scope_times(ops) == {"attention/sparse_mla": [16.0, 2], "mlp/expert_mlp/gate_up": [6.0, 1],
                                                 "attention": [1.0, 1], "(unscoped)": [2.5, 2]}
     assert profile_prefill.scope_times(ops, depth=1)["mlp"] == [6.0, 1]
+
+
+def test_profile_flags_keep_the_callers_and_turn_command_buffers_off_unless_asked(tmp_path, profile_prefill,
+                                                                              monkeypatch):
+    """set_profile_flags appends to XLA_FLAGS (a caller's flags stay) the HLO dump and, unless command
+    buffers are asked for, the flag that turns them off (bench_kernels --command-buffers-off appends that
+    one alone through add_xla_flags)."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_mine=1")
+    assert profile_prefill.set_profile_flags(str(tmp_path)) == str(tmp_path)
+    flags = profile_prefill.os.environ["XLA_FLAGS"].split()
+    assert flags == ["--xla_mine=1", f"--xla_dump_to={tmp_path}", "--xla_dump_hlo_as_text",
+                     profile_prefill.COMMAND_BUFFERS_OFF]
+    monkeypatch.delenv("XLA_FLAGS")
+    profile_prefill.set_profile_flags(str(tmp_path), command_buffers=True)
+    assert profile_prefill.COMMAND_BUFFERS_OFF not in profile_prefill.os.environ["XLA_FLAGS"]
+    profile_prefill.add_xla_flags(profile_prefill.COMMAND_BUFFERS_OFF)
+    assert profile_prefill.os.environ["XLA_FLAGS"].endswith(" " + profile_prefill.COMMAND_BUFFERS_OFF)
