@@ -36,7 +36,8 @@ def tilings(bm: int, fp8: bool):
     without the per-step promotion; its err is against the group's first `_u`), and every fp8 one that is
     not interleaved as `<name>_rs` (Tiling.running_scale, its products issued one after the other: the
     sums kept in the wgmma accumulators in units of the step's scale; its err, against the group's first
-    scaled tiling, is what the tensor cores' accumulation costs in precision)."""
+    scaled tiling, is what the tensor cores' accumulation costs in precision), and every scaled warp-specialized
+    fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -79,6 +80,8 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
             group = {**group, **{f"{n}_u": dataclasses.replace(t, unscaled_probe=True)
                                  for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")},
                      **{f"{n}_rs": with_running_scale(t) for n, t in group.items() if can_run_scale(t)}}
+            group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
+                                 if t.compute_wgs == 2 and not t.unscaled_probe}}
         out[call] = group
     return out
 

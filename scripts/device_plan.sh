@@ -8,6 +8,8 @@
 #           gate/up, chained tiles (experts, fp8 linears), the selection test split one shape a case
 #   moe     issue 26: the dispatch's fp8 expert tilings at 8192x256 and 8192x16, bf16 beside, and in running
 #           scales (`_rs`); MOE_TILINGS: other names
+#   sass    issue 26: each fp8 gate_up tiling of SASS_TILINGS at 8192x16 compiled alone with its SASS and ptxas
+#           report dumped, the K loop's opcodes counted (sass_summary.py); the timings of the same processes
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 16- and 256-expert prefill at 8192 under each candidate policy, HF transformers beside
 #   e2e_profile  issue 26: profile of that prefill (16 experts, fp8) by scope, default kernels and running scales
@@ -57,6 +59,16 @@ part_moe() {
   names+=,2wg_n128_g16_c2_rs,2wg_n128_g16_c2_ch_rs,2wg_n128_c2_rm_rs,2wg_n256_c2_pairs_joint_rm_rs
   run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "${MOE_TILINGS:-$names}" \
     --json "$OUT/moe_tilings${MOE_TAG:-}.json"
+}
+
+part_sass() {
+  local name
+  for name in $(echo "${SASS_TILINGS:-2wg_n128_g16_c2,2wg_n128_g16_c2_u,2wg_n128_g16_c2_nf,2wg_n128_g16_c2_rs}" | tr , ' '); do
+    MOSAIC_GPU_DUMP_TO="$OUT/sass/$name" MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 \
+      run "sass_$name" "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "2wg_n128_s3,$name" \
+      --json "$OUT/sass_$name.json"
+  done
+  run sass_summary "$PY" scripts/sass_summary.py "$OUT"/sass/* --json "$OUT/sass_summary.json"
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)

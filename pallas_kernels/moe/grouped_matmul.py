@@ -85,6 +85,10 @@ class Tiling:
     is precision: the sum is added up by the tensor cores (Hopper's fp8 wgmma accumulates with fewer bits
     than fp32, which the per-step promotion exists to avoid) instead of in fp32 registers. Scales under
     MIN_RUNNING_SCALE count as it (a zero scale has no units to hold the sum in)."""
+    fence_row_scales: bool = True
+    """fp8, warp-specialized: a proxy fence (commit_smem) after each step's read of its row scales from shared
+    memory, ordering the read before the producer's next TMA write into that slot. False (a probe) leaves it
+    to the slot's release, which comes after the value has been used (DeepGEMM reads its scales so, unfenced)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -409,7 +413,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             def step_fp8(idx, x_smem, xs_smem, *rest):
                 *w_smems, sums = rest
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
+                if tiling.fence_row_scales:   # the read above ordered before the producer's next TMA write there
+                    plgpu.commit_smem()
 
                 def products(smems):
                     """This step's products with the weight blocks `smems`, issued together, awaited once."""
@@ -451,7 +456,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 arithmetic in fp32."""
                 *w_smems, (accs, units) = rest
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                plgpu.commit_smem()   # the read above ordered before the producer's next TMA write there
+                if tiling.fence_row_scales:   # the read above ordered before the producer's next TMA write there
+                    plgpu.commit_smem()
                 scales = tuple(jnp.maximum(s, MIN_RUNNING_SCALE)
                                for s in _step_scales(row_scale, load_scale, idx[0], len(ws_refs)))
                 ratios = [unit / scale for unit, scale in zip(units, scales)]
