@@ -8,8 +8,8 @@
 #           gate/up, chained tiles (experts, fp8 linears), the selection test split one shape a case
 #   moe     issue 26: the dispatch's fp8 expert tilings at 8192x256 and 8192x16, bf16 beside, and in running
 #           scales (`_rs`); MOE_TILINGS: other names
-#   sass    issue 26: each fp8 gate_up tiling of SASS_TILINGS at 8192x16 compiled alone with its SASS and ptxas
-#           report dumped, the K loop's opcodes counted (sass_summary.py); the timings of the same processes
+#   sass    issue 26: each fp8 tiling of SASS_TILINGS at 8192x16 (bf16 beside) timed with its kernels' cubins and
+#           ptxas reports kept under $OUT/cubins (sass_summary.py --extract; disassemble them where nvdisasm is)
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 16- and 256-expert prefill at 8192 under each candidate policy, HF transformers beside
 #   e2e_profile  issue 26: profile of that prefill (16 experts, fp8) by scope, default kernels and running scales
@@ -17,6 +17,8 @@
 #   mla     issue 28: sparse MLA decode at 1..128 queries with the device's busy time (MLA_DECODE: query counts,
 #           MLA_TILINGS: bench_kernels' decode variants; MLA_OPS=1: command buffers off, the time op by op)
 #   ncu     issue 26: Nsight Compute counters of gate_up at 8192x16: fp8 joint and interleaved, bf16 beside
+#   ncu_source  issue 26: where gate_up's warps stall, instruction by instruction (ncu's source page, SASS) at
+#           8192x16: the promoted fp8 tiling and its unscaled probe (NCU_TILINGS: others)
 #   paged   issue 28: one-wave paged scores off/on, twice, at batch 1 x 8k and batch 8 x 2k
 #   mesh    issue 34 (multi-GPU kinds only): EP/TP scaling of the fp8 256-expert slice, two-batch overlap off/on
 #   cp8     issue 34: cp = all GPUs prefill at 8k/32k/128k against cp 1
@@ -64,11 +66,11 @@ part_moe() {
 part_sass() {
   local name
   for name in $(echo "${SASS_TILINGS:-2wg_n128_g16_c2,2wg_n128_g16_c2_u,2wg_n128_g16_c2_nf,2wg_n128_g16_c2_rs}" | tr , ' '); do
-    MOSAIC_GPU_DUMP_TO="$OUT/sass/$name" MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 \
-      run "sass_$name" "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "2wg_n128_s3,$name" \
-      --json "$OUT/sass_$name.json"
+    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 run "sass_$name" "$PY" scripts/bench_moe_tilings.py --cases 8192x16 \
+      --tilings "2wg_n128_s3,$name" --json "$OUT/sass_$name.json"
+    [ -n "${PLAN_DRY_RUN:-}" ] || { "$PY" scripts/sass_summary.py --extract "$OUT/sass_$name.log" --to "$OUT/cubins" \
+      && rm -f "$OUT/sass_$name.log"; }   # the modules' dump: 60 MB a run, the cubins and ptxas lines kept
   done
-  run sass_summary "$PY" scripts/sass_summary.py "$OUT"/sass/* --json "$OUT/sass_summary.json"
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)
@@ -100,6 +102,13 @@ part_ncu() {
     run "ncu_$t" "$PY" scripts/ncu_kernel.py --kernel mosaic --launch-skip 2 --section MemoryWorkloadAnalysis \
       --section ComputeWorkloadAnalysis --json "$OUT/ncu_$t.json" -- \
       "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "$t"
+  done
+}
+
+part_ncu_source() {
+  for t in ${NCU_TILINGS:-2wg_n128_g16_c2 2wg_n128_g16_c2_u}; do
+    run "ncu_source_$t" "$PY" scripts/ncu_kernel.py --kernel mosaic --launch-skip 2 --source "$OUT/ncu_source_$t.csv" \
+      --json "$OUT/ncu_source_$t.json" -- "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "$t"
   done
 }
 

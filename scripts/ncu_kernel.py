@@ -13,6 +13,8 @@ reads: L2 at 83% with twice the sectors the rows need was the cue that its copie
 
 Mosaic GPU kernels are named `anonymous_mosaic_gpu_kernel`, Triton ones by their Python function.
 --list prints every launch's name and time instead (one cheap pass), to find the name and skip count.
+--source CSV profiles the launch's warp stall samples instruction by instruction instead (ncu's source
+page, SASS): writes them as CSV and prints the instructions and opcodes that hold the most samples.
 """
 
 from __future__ import annotations
@@ -118,6 +120,45 @@ def ncu_command(ncu: str, kernel: str | None, launch_skip: int, launch_count: in
     return c + cmd
 
 
+def source_commands(ncu: str, kernel: str | None, launch_skip: int, report: str, cmd: list[str]):
+    """(profile, export): ncu collecting one launch's per-instruction stall samples into `report`
+    (.ncu-rep), then its source page as CSV with the SASS beside each address."""
+    c = [ncu, "--clock-control", "none", "--section", "SourceCounters", "--section", "WarpStateStats",
+         "--launch-skip", str(launch_skip), "--launch-count", "1", "-f", "-o", report]
+    if kernel:
+        c += ["-k", f"regex:{kernel}"]
+    return c + cmd, [ncu, "-i", report + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"]
+
+
+def stall_lines(text: str, top: int = 30) -> tuple[list[dict], dict]:
+    """ncu's source page CSV -> (the `top` instructions by warp stall samples, each with its share of
+    all samples; the samples summed by opcode, largest first)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if '"Source"' in line), None)
+    if start is None:
+        raise ValueError("no source page header (a \"Source\" column) in ncu's output")
+    head, *rows = csv.reader(io.StringIO("\n".join(lines[start:])))
+    col = next((i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All")), None)
+    if col is None:
+        raise ValueError(f"no warp stall sampling column among {head}")
+    src, addr = head.index("Source"), next((i for i, h in enumerate(head) if "Address" in h), None)
+    entries = []
+    for r in rows:
+        if len(r) != len(head) or number(r[col]) is None:
+            continue
+        entries.append({"address": r[addr] if addr is not None else "", "sass": r[src].strip(),
+                        "samples": number(r[col])})
+    total = sum(e["samples"] for e in entries) or 1.0
+    by_op: dict[str, float] = {}
+    for e in entries:
+        e["share"] = e["samples"] / total
+        words = [w for w in e["sass"].split() if not w.startswith("@")]
+        op = words[0] if words else ""
+        by_op[op] = by_op.get(op, 0.0) + e["share"]
+    ranked = sorted(entries, key=lambda e: -e["samples"])[:top]
+    return ranked, dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
+
+
 def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}"
@@ -133,6 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--section", action="append", default=[],
                    help="extra ncu sections to collect (e.g. MemoryWorkloadAnalysis_Tables: excessive sectors)")
     p.add_argument("--list", action="store_true", help="list every launch's name and time (one cheap pass)")
+    p.add_argument("--source", help="write the launch's SASS with its warp stall samples (CSV) here instead")
     p.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     p.add_argument("--json")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
@@ -140,6 +182,8 @@ def main(argv=None) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("give the command to profile after --")
+    if args.source:
+        return source_main(args, cmd)
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "ncu.csv")
         run = subprocess.run(ncu_command(args.ncu, args.kernel, args.launch_skip, args.launch_count, log,
@@ -162,6 +206,28 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"command": cmd, "kernel": args.kernel, "launches": launches}, f, indent=1)
     return 0 if launches else 1
+
+
+def source_main(args, cmd) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        profile, export = source_commands(args.ncu, args.kernel, args.launch_skip, os.path.join(tmp, "rep"), cmd)
+        run = subprocess.run(profile)
+        if run.returncode != 0:
+            print(f"ncu_kernel: the profiled command exited with {run.returncode}", file=sys.stderr)
+        out = subprocess.run(export, capture_output=True, text=True)
+    with open(args.source, "w") as f:
+        f.write(out.stdout)
+    if out.returncode != 0:
+        print(f"ncu_kernel: the export failed ({out.returncode}): {out.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    ranked, by_op = stall_lines(out.stdout)
+    print("stall samples by opcode: " + ", ".join(f"{op} {share:.1%}" for op, share in list(by_op.items())[:15]))
+    for e in ranked:
+        print(f"{e['address']:>8}  {e['share']:6.1%}  {e['sass'][:110]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": cmd, "kernel": args.kernel, "top": ranked, "by_opcode": by_op}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -83,3 +83,27 @@ def test_main_end_to_end_with_a_stand_in_ncu(nk, tmp_path, capsys):
     assert saved["launches"][0]["lts__throughput.avg.pct_of_peak_sustained_elapsed"] == pytest.approx(83.291117)
     assert nk.main(["--ncu", str(fake), "--list", "--", "python3", "-c", "pass"]) == 0
     assert "1957.3 us" in capsys.readouterr().out
+
+
+SOURCE_PAGE = '''==PROF== Connected
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed"
+"0x7f00","WARPGROUP.DEPBAR.LE gsb0, 0x0 ;","600","590","10"
+"0x7f10","FFMA R1, R2, R3, R1 ;","150","20","640"
+"0x7f20","FFMA R4, R2, R3, R4 ;","150","20","640"
+"0x7f30","@!P2 SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR8], R24 ;","100","100","10"
+'''
+
+
+def test_source_page_ranks_instructions_and_opcodes_by_stall_samples(nk):
+    ranked, by_op = nk.stall_lines(SOURCE_PAGE, top=2)
+    assert [e["address"] for e in ranked] == ["0x7f00", "0x7f10"]
+    assert ranked[0]["share"] == pytest.approx(0.6)
+    assert list(by_op) == ["WARPGROUP.DEPBAR.LE", "FFMA", "SYNCS.PHASECHK.TRANS64.TRYWAIT"]
+    assert by_op["FFMA"] == pytest.approx(0.3) and by_op["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == pytest.approx(0.1)
+
+
+def test_source_commands_profile_one_launch_then_export_its_sass(nk):
+    profile, export = nk.source_commands("ncu", "mosaic", 2, "/tmp/r", ["python3", "x.py"])
+    assert profile[-2:] == ["python3", "x.py"] and "SourceCounters" in profile
+    assert profile[profile.index("--launch-skip") + 1] == "2" and profile[profile.index("-k") + 1] == "regex:mosaic"
+    assert export == ["ncu", "-i", "/tmp/r.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"]

@@ -45,3 +45,14 @@ def test_a_hex_branch_target_closes_a_loop_too(tmp_path):
     (tmp_path / "k.sass").write_text(text)                # than 0x10..0x80 (which holds the STS)
     [entry] = sass_summary.summarize(tmp_path)
     assert entry["loop_instructions"] == 7 and "STS" not in entry["loop"] and entry["loop"]["MOV"] == 1
+
+
+def test_cubins_come_out_of_a_logged_module_unescaped(tmp_path):
+    blob = b"\x7fELF\x02\x01" + bytes(range(256)) + b'\\"end'
+    escaped = "".join(chr(b) if 0x20 <= b < 0x7F and b not in (0x22, 0x5C) else f"\\{b:02X}" for b in blob)
+    log = tmp_path / "run.log"
+    log.write_text(f'junk\n  gpu.binary @k [#gpu.object<#nvvm.target, bin = "{escaped}"> ]\n'
+                   f'ptxas info    : Used 168 registers, used 16 barriers\n bin = "notelf" \n')
+    assert sass_summary.extract(log, tmp_path / "out") == 1
+    assert (tmp_path / "out" / "k0.cubin").read_bytes() == blob
+    assert "Used 168 registers" in (tmp_path / "out" / "ptxas.txt").read_text()
