@@ -990,3 +990,26 @@ def test_joint_products_lower_for_cuda_at_glm5_decode_widths_and_are_refused_whe
     xb, wb = sds((128, D), jnp.bfloat16), sds((E, D, I), jnp.bfloat16)
     assert "joint_products" in shape_error(xb, wb, Tiling(block_m=128, block_n=64, compute_wgs=2,
                                                            joint_products=True))
+
+
+def test_unfenced_row_scale_read_is_a_race_the_interpreter_reports():
+    """Tiling.fence_row_scales stays on because, without its fence and warpgroup barrier, the compute
+    warpgroups' read of a step's row scales is not ordered before the producer's next TMA write into
+    that slot (the slot's release is one arrival a warpgroup): the interpreter's race detector reports
+    it, and the fenced kernel (the default) passes the same call."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    rng = np.random.default_rng(5)
+    E, K, N = 2, 384, 128
+    tile_expert = jnp.asarray([0, 1], jnp.int32)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((256, K)), jnp.float32))
+    (gq, gs), = fp8_experts(rng, K, N, E)[:1]
+    t = Tiling(block_m=128, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    fenced = np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, interpret=interp, x_scale=xs, w_scale=gs))
+    assert np.isfinite(fenced).all()
+    with pytest.raises(Exception, match="RACE DETECTED"):
+        unfenced = dataclasses.replace(t, fence_row_scales=False)
+        jax.block_until_ready(grouped_matmul(xq, gq, tile_expert, tiling=unfenced, interpret=interp, x_scale=xs,
+                                             w_scale=gs))

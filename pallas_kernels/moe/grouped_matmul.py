@@ -86,9 +86,14 @@ class Tiling:
     than fp32, which the per-step promotion exists to avoid) instead of in fp32 registers. Scales under
     MIN_RUNNING_SCALE count as it (a zero scale has no units to hold the sum in)."""
     fence_row_scales: bool = True
-    """fp8, warp-specialized: a proxy fence (commit_smem) after each step's read of its row scales from shared
-    memory, ordering the read before the producer's next TMA write into that slot. False (a probe) leaves it
-    to the slot's release, which comes after the value has been used (DeepGEMM reads its scales so, unfenced)."""
+    """fp8, warp-specialized: a proxy fence and warpgroup barrier (commit_smem) after each step's read of its
+    row scales from shared memory, so every thread's read is ordered before the slot's release (one
+    arrival a warpgroup) and the producer's next TMA write there. False (a probe, `_nf` in
+    bench_moe_tilings) drops it: in SASS a MEMBAR.ALL.CTA, FENCE.VIEW.ASYNC.S and BAR.SYNC a step; on the
+    H100 (docs/perf.md, 2026-12-05 fourteenth session) 8192 x 16 gate_up 3.31 -> 3.13 ms (128 columns),
+    3.14 -> 3.02 (interleaved), down 1.60 -> 1.56, at 256 experts within +-1.4%. Not the default: the
+    interpreter's race detector reports the unfenced read against that TMA write, as the PTX memory
+    model does (CUTLASS and DeepGEMM release a slot once per warp, after each warp's own reads)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
