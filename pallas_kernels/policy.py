@@ -65,12 +65,13 @@ class KernelPolicy:
     linears) run each program's tiles as one continued K pipeline (grouped_matmul.Tiling.chained_tiles),
     where a tile's K steps are a multiple of the stages: the next tile's first loads overlap this
     tile's last products and its store. Off until timed on the GPU."""
-    fp8_moe_interleaved_gate_up: bool = False
+    fp8_moe_interleaved_gate_up: bool = True
     """The fp8 gate_up call with each step's gate and up blocks side by side in shared memory, one
     m64n128 product a step per warpgroup (grouped_matmul.Tiling.interleaved_gate_up; clusters of two,
-    128 x 128 tiles at prefill, 64 x 256 at decode). Measured with gate and up stored interleaved
-    (docs/perf.md, 2026-12-05): 8192 x 256 4.085 vs 4.382 ms, 8192 x 16 3.056 vs 3.209, 64 x 256 1.436
-    vs 1.561; off until this form, which keeps the stored layout, is timed."""
+    128 x 128 tiles at prefill, 64 x 256 at decode), read from gate and up as stored. On the H100
+    (docs/perf.md, 2026-12-05 fourteenth session): the call at 8192 x 16 3.14 ms against the joint
+    tiling's 3.45, at 8192 x 256 4.28 against 4.44, decode (1 / 8 / 64 tokens x 256) equal within 2%;
+    the 16-expert fp8 prefill of 8192 tokens 61.8 ms against 64.5 (HF transformers 300.1)."""
     fp8_running_scale: bool = False
     """The fp8 prefill gate_up call keeps each weight's sum in its wgmma accumulator, in units of the
     step's scale (grouped_matmul.Tiling.running_scale; moe.dispatch.expert_tilings), instead of promoting
@@ -79,7 +80,8 @@ class KernelPolicy:
     against 4.54 over 256. The price: the tensor cores add every product into the running sum with fewer
     bits than fp32, so outputs move from the promoting kernel's by up to ~1% of the largest output (0.75%
     against float64 at K 6144, where promoting stays within bf16 rounding). Off: DeepGEMM's fp32
-    promotion is the default arithmetic."""
+    promotion is the default arithmetic. On, it takes the prefill gate_up call in place of
+    fp8_moe_interleaved_gate_up's tiling."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

@@ -402,7 +402,9 @@ def test_running_scale_lowers_for_cuda_at_glm5_widths(chain):
     assert (up_t.running_scale, up_t.block_n, up_t.cluster_n, up_t.chained_tiles) == (True, 128, 2, chain)
     assert (up_t, down_t)[1] == expert_tilings(rows, gate, True, 2, chain=chain)[1]
     assert not any(t.running_scale for t in expert_tilings(64 * 8, gate, True, 2, chain=chain, running=True))
-    assert not expert_tilings(rows, gate, True, 2, interleaved=True, running=True)[0].running_scale
+    both = expert_tilings(rows, gate, True, 2, chain=chain, interleaved=True, running=True)
+    assert both == (up_t, down_t)                           # at prefill running scales win over interleaving
+    assert expert_tilings(64 * 8, gate, True, 2, interleaved=True, running=True)[0].interleaved_gate_up
     P = padded_rows(rows, E, up_t.block_m)
     ws = sds((E, I // 128, D // 128), jnp.float32)
     traced = jax.jit(lambda x, g, u, te, xs, gs, us: grouped_matmul(
@@ -725,7 +727,10 @@ def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     dispatch.expert_mlp(x, fe, gq, uq, dq, k, policy=KernelPolicy(fp8_moe_kernel=True), scales=(gs, us, ds))
     (g, u, d, sc, tilings), = seen
     assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds)))
-    assert tilings == dispatch.expert_tilings(N * k, gq, True, KernelPolicy().fp8_moe_compute_wgs)
+    p = KernelPolicy()
+    assert tilings == dispatch.expert_tilings(N * k, gq, True, p.fp8_moe_compute_wgs, p.fp8_moe_interleaved_gate_up,
+                                              p.chained_tiles, p.fp8_running_scale)
+    assert tilings[0].interleaved_gate_up          # the default since the 2026-12-05 H100 timings
 
 
 @pytest.mark.parametrize("compute_wgs", [1, 2])

@@ -121,18 +121,19 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
     call's tiling `chained` where it applies; running (fp8, two compute warpgroups): the prefill gate_up
-    call (128-row tiles, not interleaved) with Tiling.running_scale on 128 columns of each weight in
-    clusters of two. Measured on the H100 (docs/perf.md, 2026-12-05 twelfth session): 8192 tokens over
+    call (128-row tiles) with Tiling.running_scale on 128 columns of each weight in clusters of two, in
+    place of the interleaved tiling (running scales sum each weight apart; an explicit opt-in). Measured on the H100 (docs/perf.md, 2026-12-05 twelfth session): 8192 tokens over
     16 experts 2.73 ms against the promoting joint tiling's 3.47 (bf16 4.40), over 256 3.73 against
     4.54; down (one weight, nothing to rescale under) ran slower with it (2.44 against 2.30 ms), and the
     decode tilings were not timed, so they keep promoting."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
-    if fp8 and interleaved and compute_wgs == 2:
+    running = fp8 and running and up_t.block_m == 128 and can_run_scale(up_t)
+    if fp8 and interleaved and compute_wgs == 2 and not running:
         up_t = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
                                    joint_products=False, interleaved_gate_up=True)
-    if fp8 and running and up_t.block_m == 128 and can_run_scale(up_t):
+    if running:
         up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
