@@ -731,6 +731,10 @@ def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     assert tilings == dispatch.expert_tilings(N * k, gq, True, p.fp8_moe_compute_wgs, p.fp8_moe_interleaved_gate_up,
                                               p.chained_tiles, p.fp8_running_scale)
     assert tilings[0].interleaved_gate_up          # the default since the 2026-12-05 H100 timings
+    odd = jax.ShapeDtypeStruct((8, 192, D), jnp.float8_e4m3fn)   # 16 slots over 8 experts: decode tiles, whose
+    #                                                              interleaved form takes 128 columns of 192
+    up_t, _ = dispatch.expert_tilings(N * k, odd, True, 2, True)
+    assert not up_t.interleaved_gate_up and up_t == dispatch.expert_tilings(N * k, odd, True, 2, False)[0]
 
 
 @pytest.mark.parametrize("compute_wgs", [1, 2])

@@ -131,8 +131,9 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
     running = fp8 and running and up_t.block_m == 128 and can_run_scale(up_t)
     if fp8 and interleaved and compute_wgs == 2 and not running:
-        up_t = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
-                                   joint_products=False, interleaved_gate_up=True)
+        il = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
+                                 joint_products=False, interleaved_gate_up=True)
+        up_t = il if I % tile_columns(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
     if running:
         up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
