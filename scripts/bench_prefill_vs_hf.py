@@ -26,6 +26,24 @@ def run(cmd, timeout):
     return r
 
 
+def policy_order(policies: list[str], round_: int) -> list[str]:
+    """The order the policies run in a round: as given in even rounds, reversed in odd ones, so that
+    over two rounds each policy runs once in each place (the process that runs second was up to 2.5%
+    faster on the H100, docs/perf.md 2026-12-05 fourteenth session)."""
+    return list(reversed(policies)) if round_ % 2 else list(policies)
+
+
+def round_means(results: list[dict]) -> list[dict]:
+    """Per (experts, prompt, runner): prefill seconds over its rounds (mean, min, each) from the cpkv
+    results that ran (errors left out), in first-seen order."""
+    groups: dict[tuple, list[float]] = {}
+    for r in results:
+        if r["runner"].startswith("cpkv") and "prefill" in r:
+            groups.setdefault((r["experts"], r["prompt_len"], r["runner"]), []).append(r["prefill"]["seconds"])
+    return [{"experts": e, "prompt_len": L, "runner": name, "mean_s": sum(v) / len(v), "min_s": min(v), "runs_s": v}
+            for (e, L, name), v in groups.items()]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="glm-5")
@@ -41,6 +59,9 @@ def main():
     p.add_argument("--hf-chunk", type=int, default=8192,
                    help="HF prefills longer prompts in chunks of this many tokens through its cache")
     p.add_argument("--timeout", type=int, default=400)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the policies this many times, their order reversed every other round; a summary "
+                        "gives each policy's mean and fastest prefill")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     results, rows = [], [("experts", "prompt", "runner", "prefill ms", "tok/s", "MFU", "vs HF")]
@@ -61,7 +82,8 @@ def main():
                     chunk = hf["prefill"][L].get("chunk", int(L))
                     label = "hf transformers" + (f" ({chunk}-token chunks)" if chunk < int(L) else "")
                     rows.append((E, L, label, f"{s * 1e3:.1f}", f"{int(L) / s:.0f}", "", "1.00x"))
-            for policy in args.policies.split(";"):
+            runs = [(r, policy) for r in range(args.rounds) for policy in policy_order(args.policies.split(";"), r)]
+            for round_, policy in runs:
                 with tempfile.NamedTemporaryFile(suffix=".json") as f:
                     cmd = [sys.executable, "-m", "cpkv_jax.cli", "bench", "--model", f"random:{args.model}",
                            "--num-layers", str(args.num_layers), "--num-experts", E, "--batch", "1",
@@ -74,7 +96,7 @@ def main():
                     r = run(cmd, args.timeout)
                     res = r if isinstance(r, dict) else json.loads(Path(f.name).read_text())
                 results.append({"experts": int(E), "prompt_len": int(L), "runner": f"cpkv {policy}",
-                                "fp8_weights": args.fp8_weights, **res})
+                                "round": round_, "fp8_weights": args.fp8_weights, **res})
                 if "error" in res:
                     rows.append((E, L, f"cpkv {policy}", "ERR", res["error"].splitlines()[-1][:60], "", ""))
                     continue
@@ -85,11 +107,15 @@ def main():
                 print("  ".join(map(str, rows[-1])), flush=True)   # progress, in case a later case runs out of time
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    summary = round_means(results) if args.rounds > 1 else []
+    for m in summary:
+        rows.append((m["experts"], m["prompt_len"], f"{m['runner']}, mean of {len(m['runs_s'])}",
+                     f"{m['mean_s'] * 1e3:.1f} (min {m['min_s'] * 1e3:.1f})", f"{m['prompt_len'] / m['mean_s']:.0f}", "", ""))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(results + [dict(m, summary=True) for m in summary], indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #   sass    issue 26: each fp8 tiling of SASS_TILINGS at 8192x16 (bf16 beside) timed with its kernels' cubins and
 #           ptxas reports kept under $OUT/cubins (sass_summary.py --extract; disassemble them where nvdisasm is)
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
-#   e2e     issue 26: fp8 16- and 256-expert prefill at 8192 under each candidate policy, HF transformers beside
+#   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
+#           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
 #   e2e_profile  issue 26: profile of that prefill (16 experts, fp8) by scope, default kernels and running scales
 #           (PROFILE_POLICIES: space-separated --kernels values; fp8_moe_kernel=true is the default policy)
 #   mla     issue 28: sparse MLA decode at 1..128 queries with the device's busy time (MLA_DECODE: query counts,
@@ -77,9 +78,9 @@ part_moe_decode() {   # the same names at the decode case (64 tokens over 256 ex
   MOE_CASES=64x256 MOE_TAG=_decode part_moe
 }
 
-part_e2e() {
-  run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts "${E2E_EXPERTS:-16,256}" --prompt-lens 8192 --fp8-weights \
-    --policies "${E2E_POLICIES:-default;fp8_running_scale=true;fp8_running_scale=true,chained_tiles=true}" \
+part_e2e() {   # two rounds, the policies' order reversed in the second (a change under ~3% needs both orders)
+  run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers 4 --experts "${E2E_EXPERTS:-16}" --prompt-lens 8192 --fp8-weights \
+    --policies "${E2E_POLICIES:-default;fp8_running_scale=true}" --rounds "${E2E_ROUNDS:-2}" \
     --timeout 500 --json "$OUT/e2e_fp8.json"
 }
 
