@@ -71,8 +71,9 @@ class KernelPolicy:
     128 x 128 tiles at prefill, 64 x 256 at decode), read from gate and up as stored. On the H100
     (docs/perf.md, 2026-12-05 fourteenth session): the call at 8192 x 16 3.14 ms against the joint
     tiling's 3.45, at 8192 x 256 4.28 against 4.44, decode (1 / 8 / 64 tokens x 256) equal within 2%;
-    the fp8 prefill of 8192 tokens (4 layers, two runs each, in both orders) over 16 experts 61.8 / 64.1 ms
-    against 64.5 / 65.0, over 256 70.7 / 69.7 against 69.0 / 70.0 (equal within the runs' spread)."""
+    the fp8 prefill of 8192 tokens (4 layers, two runs each) over 16 experts 61.8 / 64.1 ms against 64.5 /
+    65.0, over 256 70.7 / 69.7 against 69.0 / 70.0: within the runs' order effect (up to 2.5%), where the
+    calls' difference predicts -1.9% and -0.9%."""
     fp8_running_scale: bool = False
     """The fp8 prefill gate_up call keeps each weight's sum in its wgmma accumulator, in units of the
     step's scale (grouped_matmul.Tiling.running_scale; moe.dispatch.expert_tilings), instead of promoting
