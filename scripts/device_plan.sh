@@ -6,8 +6,8 @@
 #
 #   tests   issues 26/28: compiled tests not yet run on the GPU (TESTS_K: others): interleaved
 #           gate/up, chained tiles (experts, fp8 linears), the selection test split one shape a case
-#   moe     issue 26: the dispatch's fp8 expert tilings at 8192x256 and 8192x16, bf16 beside, and in running
-#           scales (`_rs`); MOE_TILINGS: other names
+#   moe     issue 26: the dispatch's fp8 expert tilings at 8192x256 and 8192x16 (MOE_CASES), bf16 beside,
+#           unfenced (`_nf`) and unscaled (`_u`) probes; MOE_TILINGS: other names
 #   sass    issue 26: each fp8 tiling of SASS_TILINGS at 8192x16 (bf16 beside) timed with its kernels' cubins and
 #           ptxas reports kept under $OUT/cubins (sass_summary.py --extract; disassemble them where nvdisasm is)
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
@@ -54,24 +54,15 @@ part_tests() {
 }
 
 part_moe() {
-  # what issue 26 still owes at the kernel level (the promoted, `_u` and most `_rs` tilings were timed on
-  # the H100, docs/perf.md 2026-12-05 twelfth session): the dispatch's tilings and bf16 beside, prefill
-  # gate_up and down in running scales (`_rs`, also chained), on whichever GPU comes (rerun the baseline)
+  # what issue 26 still owes at the kernel level, on the H200 (its device; the fourteenth session's table
+  # is the H100's): the dispatch's tilings (interleaved gate_up, clustered down; decode: clustered gate_up,
+  # clustered joint pairs) with bf16 beside, the old joint gate_up, each fp8 one unfenced (`_nf`) and the
+  # interleaved one unscaled (`_u`: what promotion costs); rerun the baseline on whichever GPU comes
   local names=2wg_n128_s3,2wg_n256_s3,1wg_n128_rm,2wg_n256_c2_rm                              # bf16
-  names+=,2wg_n64_g16_joint,2wg_n128_g16_c2,2wg_n128_c2_rm,2wg_n256_c2_pairs_joint_rm        # fp8, the dispatch's
-  names+=,2wg_n128_g16_c2_rs,2wg_n128_g16_c2_ch_rs,2wg_n128_c2_rm_rs,2wg_n256_c2_pairs_joint_rm_rs
+  names+=,2wg_n128_g16_c2_il,2wg_n64_g16_joint,2wg_n128_g16_c2,2wg_n256_c2_il_rm,2wg_n256_c2_pairs_joint_rm
+  names+=,2wg_n128_g16_c2_il_nf,2wg_n128_g16_c2_nf,2wg_n128_g16_c2_il_u
   run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "${MOE_TILINGS:-$names}" \
     --json "$OUT/moe_tilings${MOE_TAG:-}.json"
-}
-
-part_sass() {
-  local name
-  for name in $(echo "${SASS_TILINGS:-2wg_n128_g16_c2,2wg_n128_g16_c2_u,2wg_n128_g16_c2_nf,2wg_n128_g16_c2_rs}" | tr , ' '); do
-    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 run "sass_$name" "$PY" scripts/bench_moe_tilings.py --cases 8192x16 \
-      --tilings "2wg_n128_s3,$name" --json "$OUT/sass_$name.json"
-    [ -n "${PLAN_DRY_RUN:-}" ] || { "$PY" scripts/sass_summary.py --extract "$OUT/sass_$name.log" --to "$OUT/cubins" \
-      && rm -f "$OUT/sass_$name.log"; }   # the modules' dump: 60 MB a run, the cubins and ptxas lines kept
-  done
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)
