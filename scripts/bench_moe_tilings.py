@@ -37,7 +37,9 @@ def tilings(bm: int, fp8: bool):
     not interleaved as `<name>_rs` (Tiling.running_scale, its products issued one after the other: the
     sums kept in the wgmma accumulators in units of the step's scale; its err, against the group's first
     scaled tiling, is what the tensor cores' accumulation costs in precision), and every scaled warp-specialized
-    fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read)."""
+    fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read), and
+    every interleaved one as `<name>_sp` (Tiling.split_products: two 64-column products a step, gate's added
+    while up's runs) and `<name>_spr` (the same with x loaded into registers: Tiling.a_in_registers)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -82,6 +84,9 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
                      **{f"{n}_rs": with_running_scale(t) for n, t in group.items() if can_run_scale(t)}}
             group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
                                  if t.compute_wgs == 2 and not t.unscaled_probe}}
+            group = {**group, **{f"{n}_sp{'r' * regs}": dataclasses.replace(t, split_products=True, a_in_registers=regs)
+                                 for n, t in group.items() if t.interleaved_gate_up and not t.unscaled_probe
+                                 and not n.endswith("_nf") for regs in (False, True)}}
         out[call] = group
     return out
 

@@ -10,6 +10,9 @@
 #           unfenced (`_nf`) and unscaled (`_u`) probes; MOE_TILINGS: other names
 #   sass    issue 26: each fp8 tiling of SASS_TILINGS at 8192x16 (bf16 beside) timed with its kernels' cubins and
 #           ptxas reports kept under $OUT/cubins (sass_summary.py --extract; disassemble them where nvdisasm is)
+#   split   issue 26: Tiling.split_products (x from shared memory `_sp`, from registers `_spr`) beside the interleaved
+#           default and its unscaled probe at 8192x16, 8192x256 and 64x256, bf16 beside; their compiled test;
+#           their cubins (sass)
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
@@ -63,6 +66,24 @@ part_moe() {
   names+=,2wg_n128_g16_c2_il_nf,2wg_n128_g16_c2_nf,2wg_n128_g16_c2_il_u
   run moe_tilings "$PY" scripts/bench_moe_tilings.py --cases "${MOE_CASES:-8192x256,8192x16}" --tilings "${MOE_TILINGS:-$names}" \
     --json "$OUT/moe_tilings${MOE_TAG:-}.json"
+}
+
+part_sass() {
+  local name
+  for name in $(echo "${SASS_TILINGS:-2wg_n128_g16_c2,2wg_n128_g16_c2_u,2wg_n128_g16_c2_nf,2wg_n128_g16_c2_rs}" | tr , ' '); do
+    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 run "sass_$name" "$PY" scripts/bench_moe_tilings.py --cases 8192x16 \
+      --tilings "2wg_n128_s3,$name" --json "$OUT/sass_$name.json"
+    [ -n "${PLAN_DRY_RUN:-}" ] || { "$PY" scripts/sass_summary.py --extract "$OUT/sass_$name.log" --to "$OUT/cubins" \
+      && rm -f "$OUT/sass_$name.log"; }   # the modules' dump: 60 MB a run, the cubins and ptxas lines kept
+  done
+}
+
+part_split() {
+  TESTS_K=split_products_compiled TESTS_BUDGET=150 part_tests
+  MOE_TAG=_split MOE_TILINGS=2wg_n128_s3,2wg_n128_g16_c2_il,2wg_n128_g16_c2_il_sp,2wg_n128_g16_c2_il_spr,2wg_n128_g16_c2_il_u \
+    part_moe
+  MOE_TAG=_split_decode MOE_CASES=64x256 MOE_TILINGS=2wg_n256_c2_il_rm,2wg_n256_c2_il_rm_sp,2wg_n256_c2_il_rm_spr part_moe
+  SASS_TILINGS=2wg_n128_g16_c2_il,2wg_n128_g16_c2_il_sp,2wg_n128_g16_c2_il_spr part_sass
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)

@@ -1022,3 +1022,95 @@ def test_unfenced_row_scale_read_is_a_race_the_interpreter_reports():
         unfenced = dataclasses.replace(t, fence_row_scales=False)
         jax.block_until_ready(grouped_matmul(xq, gq, tile_expert, tiling=unfenced, interpret=interp, x_scale=xs,
                                              w_scale=gs))
+
+
+def split_products_case(bm: int, seed: int = 53, E: int = 2, K: int = 640, I: int = 256):
+    """A gate_up call for the split_products tests: experts with distinct block scales per step (5 K
+    steps), an unused row tile between two used ones; (interleaved tiling, operands)."""
+    from pallas_kernels.moe import quantize_rows
+    rng = np.random.default_rng(seed)
+    tile_expert = jnp.asarray([1, -1, 0], jnp.int32)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((3 * bm, K)), jnp.float32))
+    (gq, gs), (uq, us) = fp8_experts(rng, K, I, E)[:2]
+    gs = gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)
+    us = us * jnp.asarray(rng.uniform(0.25, 4.0, us.shape), jnp.float32)
+    il = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=2, grid_block_n=1, programs=4,
+                compute_wgs=2, cluster_n=2, interleaved_gate_up=True)
+    return il, (xq, xs, gq, gs, uq, us, tile_expert)
+
+
+def split_products_check(got, ref, operands, bm):
+    """got (a split_products call) against ref (the interleaved kernel's) and float64."""
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    xq, xs, gq, gs, uq, us, tile_expert = operands
+    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
+    gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
+    for i, e in enumerate(np.asarray(tile_expert)):
+        if e < 0:
+            continue
+        rows = slice(i * bm, (i + 1) * bm)
+        a = xd[rows] @ gd[e]
+        want = a / (1 + np.exp(-a)) * (xd[rows] @ ud[e])
+        assert np.abs(got[rows] - want).max() <= 8e-3 * np.abs(want).max()
+        np.testing.assert_allclose(got[rows], ref[rows], rtol=0, atol=1e-2 * np.abs(want).max() / 256)
+
+
+@pytest.mark.parametrize("bm", [128, 64])
+def test_split_products_interpret_equal_the_interleaved_kernel(bm):
+    """Tiling.split_products (probe): a warpgroup's interleaved step as two 64-column products, gate's
+    added while up's runs: the interpreter (races detected) equals the one-product interleaved kernel
+    to fp32 rounding and float64 to bf16 output rounding, over 5 K steps with distinct block scales on 2
+    stages, 128-row tiles and 64 x 256 decode tiles, the unused tile unwritten; refused off the
+    interleaved tiling. (x in registers, a_in_registers, the interpreter cannot load: lowered below,
+    compiled on the GPU.)"""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    il, operands = split_products_case(bm)
+    xq, xs, gq, gs, uq, us, tile_expert = operands
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    call = lambda t: np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, interpret=interp,  # noqa: E731
+                                               x_scale=xs, w_scale=gs, up_scale=us), np.float64)
+    got, ref = call(dataclasses.replace(il, split_products=True)), call(il)
+    list(used_tiles(tile_expert, bm, got, ref))
+    split_products_check(got, ref, operands, bm)
+    sds = jax.ShapeDtypeStruct
+    for bad in (dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True, split_products=True),
+                dict(a_in_registers=True)):
+        assert "split_products" in shape_error(sds((3 * bm, 640), jnp.float8_e4m3fn), sds(gq.shape, jnp.float8_e4m3fn),
+                                               dataclasses.replace(il, **bad), fp8=True)
+
+
+@pytest.mark.parametrize("bm,a_in_registers", [(128, False), (128, True), (64, True)])
+def test_split_products_lower_for_cuda_at_glm5_widths(bm, a_in_registers):
+    """split_products, x from shared memory or loaded into registers (WGMMA_8BIT layout) for both
+    products, lowered for CUDA on this machine at GLM-5's gate_up widths (Mosaic GPU's layout and wgmma
+    checks run here): 8192 tokens x top-8 over 16 experts, the dispatch's interleaved tiles."""
+    from pallas_kernels.moe import grouped_matmul
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 16, 6144, 2048
+    P = 8192 * 8 + E * bm
+    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=4, compute_wgs=2,
+               grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True, split_products=True,
+               a_in_registers=a_in_registers)
+    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                up_scale=us))
+    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32),
+                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm,a_in_registers", [(128, False), (128, True), (64, True)])
+def test_split_products_compiled_equal_the_interleaved_kernel(bm, a_in_registers):
+    """split_products compiled on the GPU (x from shared memory or registers) against the compiled
+    interleaved kernel and float64, on the interpreter test's operands."""
+    from pallas_kernels.moe import grouped_matmul
+    il, operands = split_products_case(bm)
+    xq, xs, gq, gs, uq, us, tile_expert = operands
+    call = lambda t: np.asarray(jax.jit(lambda *a: grouped_matmul(  # noqa: E731
+        a[0], a[2], a[6], up=a[4], tiling=t, x_scale=a[1], w_scale=a[3], up_scale=a[5]))(*operands), np.float64)
+    split = dataclasses.replace(il, split_products=True, a_in_registers=a_in_registers)
+    split_products_check(call(split), call(il), operands, bm)

@@ -66,6 +66,17 @@ class Tiling:
     product holds 64 gate and 64 up columns (the x tile read from shared memory once, not once per
     weight); its halves are summed apart with their own block scales and paired by the epilogue. A
     tile computes block_n / 2 output columns."""
+    split_products: bool = False
+    """Probe, interleaved_gate_up only: a warpgroup's step issues its gate and its up 64 columns as two
+    m64n64 products into two fresh accumulators, waits for the first only (one product in flight) and
+    adds it into gate's sums while up's product runs, then waits for and adds up's: half of the step's
+    promotion under the tensor cores' work, in the same 64 fresh registers as the one m64n128 product
+    (the promoting kernel has no registers for more: docs/perf.md, 2026-12-05 fourteenth session)."""
+    a_in_registers: bool = False
+    """With split_products: the warpgroup's 64 x 128 x tile is loaded from shared memory into registers
+    once a step (16 a thread) and both products take it from there, so the tensor cores read only the
+    weight blocks from shared memory (two 64-column products reading x each would be bound by shared
+    memory bandwidth, as the 64-column joint tiling is)."""
     chained_tiles: bool = False
     """Warp-specialized: a program's tiles run as one continued K pipeline (emit_pipeline_warp_specialized's
     pipeline_state: its first used tile START, the next STEADY, its last STOP), so the producer loads
@@ -145,6 +156,10 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
+    if (tiling.split_products or tiling.a_in_registers) and not (
+            tiling.interleaved_gate_up and tiling.split_products and not tiling.unscaled_probe):
+        return (f"split_products: interleaved gate/up only (a_in_registers with split_products), not the unscaled "
+                f"probe ({tiling})")
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
         return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
                 f"(its products are issued back to back already) ({tiling})")
@@ -430,6 +445,17 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
+                if tiling.split_products:  # gate's product added while up's runs
+                    pair, base = pair_slot(idx), 0 if split_rows else wg * sn
+                    lhs = (plgpu.load(x_smem.at[rows], layout=plgpu.Layout.WGMMA_8BIT)
+                           if tiling.a_in_registers else x_smem.at[rows])
+
+                    def split(gate_acc, up_acc):
+                        for acc_ref, start in ((gate_acc, base), (up_acc, base + half)):
+                            plgpu.wgmma(acc_ref, lhs, pair.at[pl.ds(start, half)].transpose((1, 0)))
+                        gate_sum = _add_scaled(sums[0], plgpu.wgmma_accumulator_load(gate_acc, wait_n=1), scales[0])
+                        return gate_sum, _add_scaled(sums[1], plgpu.wgmma_accumulator_load(up_acc), scales[1])
+                    return pl.run_scoped(split, *[plgpu.ACC((sm, half), jnp.float32)] * 2)
                 if interleaved:           # one product: its gate half into gate's sums, its up half into up's
                     part = products([pair_slot(idx)])[0]
                     halves = (part[:, :out_sn], part[:, out_sn:])
