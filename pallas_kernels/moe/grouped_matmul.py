@@ -433,7 +433,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             def step_fp8(idx, x_smem, xs_smem, *rest):
                 *w_smems, sums = rest
                 row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                if tiling.fence_row_scales:   # the read above ordered before the producer's next TMA write there
+                x_regs = (plgpu.load(x_smem.at[rows], layout=plgpu.Layout.WGMMA_8BIT)   # a_in_registers: x, once
+                          if tiling.a_in_registers else None)
+                if tiling.fence_row_scales:   # the reads above ordered before the producer's next TMA write there
                     plgpu.commit_smem()
 
                 def products(smems):
@@ -447,8 +449,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
                 if tiling.split_products:  # gate's product added while up's runs
                     pair, base = pair_slot(idx), 0 if split_rows else wg * sn
-                    lhs = (plgpu.load(x_smem.at[rows], layout=plgpu.Layout.WGMMA_8BIT)
-                           if tiling.a_in_registers else x_smem.at[rows])
+                    lhs = x_smem.at[rows] if x_regs is None else x_regs
 
                     def split(gate_acc, up_acc):
                         for acc_ref, start in ((gate_acc, base), (up_acc, base + half)):
