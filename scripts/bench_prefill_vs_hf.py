@@ -110,7 +110,8 @@ def main():
     summary = round_means(results) if args.rounds > 1 else []
     for m in summary:
         rows.append((m["experts"], m["prompt_len"], f"{m['runner']}, mean of {len(m['runs_s'])}",
-                     f"{m['mean_s'] * 1e3:.1f} (min {m['min_s'] * 1e3:.1f})", f"{m['prompt_len'] / m['mean_s']:.0f}", "", ""))
+                     f"{m['mean_s'] * 1e3:.1f} (min {m['min_s'] * 1e3:.1f})",
+                     f"{m['prompt_len'] / m['mean_s']:.0f}", "", ""))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)), flush=True)

@@ -135,7 +135,8 @@ def summarize(path: pathlib.Path) -> list[dict]:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="SASS listings or folders of them (with --nvdisasm: cubins too)")
-    p.add_argument("--extract", action="store_true", help="paths are logs: write their cubins and ptxas lines under --to")
+    p.add_argument("--extract", action="store_true",
+                   help="paths are logs: write their cubins and ptxas lines under --to")
     p.add_argument("--to", default="cubins", help="--extract: one folder per log under this one")
     p.add_argument("--nvdisasm", default=None, help="disassemble the cubins found under paths first")
     p.add_argument("--json", default=None)

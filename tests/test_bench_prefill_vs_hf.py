@@ -25,7 +25,8 @@ def test_round_means_average_each_policy_and_skip_errors_and_hf():
            {"experts": 16, "prompt_len": 8192, "runner": "cpkv default", "error": "boom"},
            {"experts": 256, "prompt_len": 8192, "runner": "cpkv default", "prefill": {"seconds": 0.070}}]
     got = bench.round_means(res)
-    assert [(m["experts"], m["runner"]) for m in got] == [(16, "cpkv default"), (16, "cpkv x=true"), (256, "cpkv default")]
+    assert [(m["experts"], m["runner"]) for m in got] == [
+        (16, "cpkv default"), (16, "cpkv x=true"), (256, "cpkv default")]
     assert got[1]["mean_s"] == pytest.approx(0.064) and got[1]["min_s"] == 0.062 and got[1]["runs_s"] == [0.062, 0.066]
     assert got[0]["runs_s"] == [0.064]
 

@@ -122,10 +122,11 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
     call's tiling `chained` where it applies; running (fp8, two compute warpgroups): the prefill gate_up
     call (128-row tiles) with Tiling.running_scale on 128 columns of each weight in clusters of two, in
-    place of the interleaved tiling (running scales sum each weight apart; an explicit opt-in). Measured on the H100 (docs/perf.md, 2026-12-05 twelfth session): 8192 tokens over
-    16 experts 2.73 ms against the promoting joint tiling's 3.47 (bf16 4.40), over 256 3.73 against
-    4.54; down (one weight, nothing to rescale under) ran slower with it (2.44 against 2.30 ms), and the
-    decode tilings were not timed, so they keep promoting."""
+    place of the interleaved tiling (running scales sum each weight apart; an explicit opt-in). Measured
+    on the H100 (docs/perf.md, 2026-12-05 twelfth session): 8192 tokens over 16 experts 2.73 ms against
+    the promoting joint tiling's 3.47 (bf16 4.40), over 256 3.73 against 4.54; down (one weight, nothing
+    to rescale under) ran slower with it (2.44 against 2.30 ms), and the decode tilings were not timed,
+    so they keep promoting."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
