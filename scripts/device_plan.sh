@@ -13,6 +13,8 @@
 #   split   issue 26: Tiling.split_products (x from shared memory `_sp`, from registers `_spr`) beside the interleaved
 #           default and its unscaled probe at 8192x16, 8192x256 and 64x256, bf16 beside; their compiled test;
 #           their cubins (sass)
+#   k2      issue 26: Tiling.step_blocks 2 (`_k2`: half the stages, `_k2s3`: three) beside the interleaved default,
+#           its unscaled and unfenced probes, bf16, at 8192x16, 32768x16, 8192x256 and 64x256; its compiled test; cubins
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
@@ -69,12 +71,17 @@ part_moe() {
 }
 
 part_sass() {
-  local name
+  local name nv
+  # Mosaic prints SASS only where it finds nvdisasm on the PATH (the image has one off it); where it does
+  # not, the printed modules' cubins are kept for sass_summary --nvdisasm here
+  nv=$(command -v nvdisasm || ls /usr/local/cuda*/bin/nvdisasm /opt/nvidia/*/bin/nvdisasm 2>/dev/null | head -n 1)
   for name in $(echo "${SASS_TILINGS:-2wg_n128_g16_c2,2wg_n128_g16_c2_u,2wg_n128_g16_c2_nf,2wg_n128_g16_c2_rs}" | tr , ' '); do
-    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 run "sass_$name" "$PY" scripts/bench_moe_tilings.py --cases 8192x16 \
-      --tilings "2wg_n128_s3,$name" --json "$OUT/sass_$name.json"
-    [ -n "${PLAN_DRY_RUN:-}" ] || { "$PY" scripts/sass_summary.py --extract "$OUT/sass_$name.log" --to "$OUT/cubins" \
-      && rm -f "$OUT/sass_$name.log"; }   # the modules' dump: 60 MB a run, the cubins and ptxas lines kept
+    PATH="${nv:+$(dirname "$nv"):}$PATH" MOSAIC_GPU_DUMP_TO="$OUT/sass/$name" MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 \
+      run "sass_$name" "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "2wg_n128_s3,$name" \
+      --json "$OUT/sass_$name.json"
+    [ -n "${PLAN_DRY_RUN:-}" ] || {   # the modules' dump (60 MB a run): the cubins, ptxas lines and SASS kept
+      "$PY" scripts/sass_summary.py --extract "$OUT/sass_$name.log" --to "$OUT/cubins"
+      find "$OUT/sass_$name.log" "$OUT/sass/$name" -type f -size +4M ! -name '*.sass' -delete 2>/dev/null; }
   done
 }
 
@@ -84,6 +91,15 @@ part_split() {
     part_moe
   MOE_TAG=_split_decode MOE_CASES=64x256 MOE_TILINGS=2wg_n256_c2_il_rm,2wg_n256_c2_il_rm_sp,2wg_n256_c2_il_rm_spr part_moe
   SASS_TILINGS=2wg_n128_g16_c2_il,2wg_n128_g16_c2_il_sp,2wg_n128_g16_c2_il_spr part_sass
+}
+
+part_k2() {   # issue 26: Tiling.step_blocks 2 (the first block's product added while the second's runs)
+  TESTS_K=two_block_steps_compiled TESTS_BUDGET=120 part_tests
+  local il=2wg_n128_g16_c2_il
+  MOE_TAG=_k2 MOE_CASES=8192x16,32768x16,8192x256 \
+    MOE_TILINGS=2wg_n128_s3,$il,${il}_k2,${il}_k2s3,${il}_u,${il}_u_k2,${il}_u_k2s3,${il}_nf,${il}_k2s3_nf part_moe
+  MOE_TAG=_k2_decode MOE_CASES=64x256 MOE_TILINGS=2wg_n256_c2_il_rm,2wg_n256_c2_il_rm_k2,2wg_n256_c2_il_rm_k2s3 part_moe
+  SASS_TILINGS=${il}_k2,${il}_k2s3 part_sass
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)

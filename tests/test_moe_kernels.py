@@ -1114,3 +1114,72 @@ def test_split_products_compiled_equal_the_interleaved_kernel(bm, a_in_registers
         a[0], a[2], a[6], up=a[4], tiling=t, x_scale=a[1], w_scale=a[3], up_scale=a[5]))(*operands), np.float64)
     split = dataclasses.replace(il, split_products=True, a_in_registers=a_in_registers)
     split_products_check(call(split), call(il), operands, bm)
+
+
+def two_block_call(operands, interpret=False):
+    """A gate_up call on the split_products operands under a tiling (interpret: in the interpreter with
+    races detected), as float64."""
+    from pallas_kernels.moe import grouped_matmul
+    xq, xs, gq, gs, uq, us, tile_expert = operands
+
+    def call(t):
+        f = lambda *a: grouped_matmul(a[0], a[2], a[6], up=a[4], tiling=t, x_scale=a[1], w_scale=a[3],  # noqa: E731
+                                      up_scale=a[5], interpret=interpret)
+        return np.asarray((f if interpret else jax.jit(f))(*operands), np.float64)
+    return call
+
+
+@pytest.mark.parametrize("bm", [128, 64])
+def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
+    """Tiling.step_blocks 2 (two K blocks a pipeline step, the first's product added while the second's
+    runs) makes the same additions in the same order as one block a step: the interpreter (races
+    detected) gives bit-equal outputs, scaled and unscaled (the probe), over 6 K steps with distinct block
+    scales, the unused tile unwritten; shape_error refuses an odd number of K steps, tilings that are not
+    interleaved, and split products."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    il, operands = split_products_case(bm, K=768)
+    call = two_block_call(operands, plgpu.InterpretGPUParams(detect_races=True))
+    for base in (il, dataclasses.replace(il, unscaled_probe=True)):
+        got, ref = call(dataclasses.replace(base, step_blocks=2)), call(base)
+        assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
+        np.testing.assert_array_equal(got, ref)
+    split_products_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
+    sds = jax.ShapeDtypeStruct
+    w = sds(operands[2].shape, jnp.float8_e4m3fn)
+    for K, bad in ((640, {}), (768, dict(interleaved_gate_up=False, block_n=64, cluster_n=1)),
+                   (768, dict(split_products=True))):
+        t = dataclasses.replace(il, step_blocks=2, **bad)
+        assert "step_blocks" in shape_error(sds((3 * bm, K), jnp.float8_e4m3fn), sds(w.shape[:2] + (K,), w.dtype), t,
+                                            fp8=True)
+
+
+@pytest.mark.parametrize("bm,stages", [(128, 3), (64, 2)])
+def test_two_block_steps_lower_for_cuda_at_glm5_widths(bm, stages):
+    """step_blocks 2 lowered for CUDA on this machine at GLM-5's gate_up widths (8192 tokens x top-8
+    over 16 experts), the dispatch's interleaved tiles with the shared-memory stages the bench times."""
+    from pallas_kernels.moe import grouped_matmul
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 16, 6144, 2048
+    P = 8192 * 8 + E * bm
+    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=stages, compute_wgs=2,
+               grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True, step_blocks=2)
+    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                up_scale=us))
+    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32),
+                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm", [128, 64])
+def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
+    """step_blocks 2 compiled on the GPU against the compiled one-block interleaved kernel (bit-equal:
+    the same products and additions in the same order) and float64, scaled and the unscaled probe."""
+    il, operands = split_products_case(bm, K=768)
+    call = two_block_call(operands)
+    for base in (il, dataclasses.replace(il, unscaled_probe=True)):
+        np.testing.assert_array_equal(call(dataclasses.replace(base, step_blocks=2)), call(base))
+    split_products_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)

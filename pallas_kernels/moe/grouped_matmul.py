@@ -105,6 +105,13 @@ class Tiling:
     3.14 -> 3.02 (interleaved), down 1.60 -> 1.56, at 256 experts within +-1.4%. Not the default: the
     interpreter's race detector reports the unfenced read against that TMA write, as the PTX memory
     model does (CUTLASS and DeepGEMM release a slot once per warp, after each warp's own reads)."""
+    step_blocks: int = 1
+    """fp8 interleaved gate_up: 128-deep K blocks a pipeline step loads (1 or 2). With 2 a compute
+    warpgroup issues both blocks' products into two fresh accumulators, then adds the first into its
+    sums while the second runs on the tensor cores and the second after it: one product in flight
+    during each promotion but the step's last, and one barrier wait, row-scale read and fence per two
+    blocks. The same additions in the same order as 1 (outputs bit-equal); 64 more fp32 registers a
+    thread (the interleaved kernel holds 64 of sums and 64 fresh, ~156 of the 232 it gets)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -160,6 +167,10 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
             tiling.interleaved_gate_up and tiling.split_products and not tiling.unscaled_probe):
         return (f"split_products: interleaved gate/up only (a_in_registers with split_products), not the unscaled "
                 f"probe ({tiling})")
+    if tiling.step_blocks not in (1, 2) or tiling.step_blocks == 2 and not (
+            tiling.interleaved_gate_up and not tiling.split_products and k_steps % (2 * tiling.k_splits) == 0):
+        return (f"step_blocks {tiling.step_blocks}: 1, or 2 with interleaved gate/up (not split products) and an even "
+                f"number of K steps a split ({tiling})")
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
         return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
                 f"(its products are issued back to back already) ({tiling})")
@@ -177,8 +188,8 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
 
 def can_chain(t: Tiling, K: int) -> bool:
     """Whether t's tiles can run chained (chained_tiles) over K inputs: warp-specialized, each tile's K
-    steps (K / block_k, over its K splits) a multiple of the stages or fewer than them."""
-    steps = K // t.block_k // t.k_splits
+    pipeline steps (K / block_k / step_blocks, over its K splits) a multiple of the stages or fewer."""
+    steps = K // t.block_k // t.k_splits // t.step_blocks
     return t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0)
 
 
@@ -342,7 +353,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     out_sn = sn // 2 if interleaved else sn        # a warpgroup's output columns (and fp32 sums' width)
     # interleaved: the tile's (gate, up) pairs of 64-row blocks, side by side in one buffer of bn rows
     half = 64
-    n_blocks = bn // half if interleaved else n_w
+    n_blocks = bn // half if interleaved else n_w   # weight blocks a K block
+    S = tiling.step_blocks                          # K blocks a pipeline step (each its x, row scales, weights)
     wg = jax.lax.axis_index("wg")
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
@@ -350,17 +362,23 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     shared = dict(collective_axes=("cluster",)) if cn == 2 else {}
 
     def pipeline(body, context, start=0, steps=k_steps, state=None):
-        """The tile's K pipeline of `steps` steps from K block `start` (k_splits: the split's
-        consecutive steps); state: its place in the program's chain of pipelines (chained_tiles)."""
-        kb = lambda k: k + start   # noqa: E731
-        w_block, w_index = ((bn, bk), lambda k: (0, kb(k))) if fp8 else ((bk, bn), lambda k: (kb(k), 0))
-        if interleaved:
-            w_block = (half, bk)
-        specs = ([plgpu.BlockSpec((bm, bk), lambda k: (0, kb(k)), **shared)]
-                 + ([plgpu.BlockSpec((1, bm), lambda k: (kb(k), 0), **shared)] if fp8 else [])
-                 + [plgpu.BlockSpec(w_block, w_index)] * n_blocks)
+        """The tile's K pipeline over `steps` K blocks from block `start` (k_splits: the split's
+        consecutive blocks), step_blocks of them a step; state: its place in the program's chain of
+        pipelines (chained_tiles). A step's refs: its blocks' x, their row scales (fp8), their weights."""
+        def kb(s):
+            return lambda k: S * k + s + start
+
+        def w_spec(s):
+            if interleaved:
+                return plgpu.BlockSpec((half, bk), lambda k: (0, kb(s)(k)))
+            if fp8:
+                return plgpu.BlockSpec((bn, bk), lambda k: (0, kb(s)(k)))
+            return plgpu.BlockSpec((bk, bn), lambda k: (kb(s)(k), 0))
+        specs = ([plgpu.BlockSpec((bm, bk), lambda k, s=s: (0, kb(s)(k)), **shared) for s in range(S)]
+                 + ([plgpu.BlockSpec((1, bm), lambda k, s=s: (kb(s)(k), 0), **shared) for s in range(S)] if fp8 else [])
+                 + [w_spec(s) for s in range(S) for _ in range(n_blocks)])
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            body, grid=(steps // S,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs, pipeline_state=state)
 
     def column(ni, j):
@@ -377,7 +395,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         else:
             ws = [w.at[expert, pl.ds(column(ni, j), bn)] if fp8 else w.at[expert, :, pl.ds(column(ni, j), bn)]
                   for j, w in enumerate(w_refs)]
-        return (x_ref.at[tile_rows], *scales, *ws)
+        return (*[x_ref.at[tile_rows]] * S, *scales * S, *ws * S)
 
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
@@ -386,15 +404,15 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     if interleaved:               # one buffer for the weight blocks, each block a view of it (_scope)
         in_allocs = allocs["flat_in_smem_refs"]   # x's, the row scales', then the weight blocks' (slots first)
         block = in_allocs[-1]
-        allocs = dict(allocs, flat_in_smem_refs=in_allocs[:-n_blocks])
-        pairs_alloc = dict(pairs=plgpu.SMEM((block.shape[0], bn, bk), block.dtype, transforms=block.transforms))
+        allocs = dict(allocs, flat_in_smem_refs=in_allocs[:-S * n_blocks])
+        pairs_alloc = dict(pairs=plgpu.SMEM((block.shape[0], S * bn, bk), block.dtype, transforms=block.transforms))
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((2 * n_out, sm, out_sn), o_ref.dtype),
                        collective_axes="wg", **pairs_alloc)
     def _scope(allocs, o_smem, pairs=None):
         if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
             allocs = dict(allocs, flat_in_smem_refs=[
-                *allocs["flat_in_smem_refs"], *[pairs.at[:, pl.ds(b * half, half)] for b in range(n_blocks)]])
+                *allocs["flat_in_smem_refs"], *[pairs.at[:, pl.ds(b * half, half)] for b in range(S * n_blocks)]])
 
         loop = (grid_m * grid_n // cn * tiling.k_splits,)
 
@@ -426,17 +444,30 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                        else column(ni, j) + (0 if split_rows else wg * sn))
                 return ws_refs[j][expert, col // FP8_BLOCK, i + start]
 
-            def pair_slot(idx):
-                """interleaved: the step's slot of `pairs` (its gate and up blocks side by side)."""
-                return pairs.at[jax.lax.rem(idx[0], pairs.shape[0])]
+            def pair_slot(idx, s=0):
+                """interleaved: the step's slot of `pairs`: K block s's gate and up blocks side by side."""
+                return pairs.at[jax.lax.rem(idx[0], pairs.shape[0]), pl.ds(s * bn, bn)]
 
-            def step_fp8(idx, x_smem, xs_smem, *rest):
-                *w_smems, sums = rest
-                row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+            def step_fp8(idx, *refs):
+                x_smem, xs_smems, (*w_smems, sums) = refs[0], refs[S:2 * S], refs[2 * S:]
+                row_scales = [plgpu.load(xs.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)) for xs in xs_smems]
                 x_regs = (plgpu.load(x_smem.at[rows], layout=plgpu.Layout.WGMMA_8BIT)   # a_in_registers: x, once
                           if tiling.a_in_registers else None)
                 if tiling.fence_row_scales:   # the reads above ordered before the producer's next TMA write there
                     plgpu.commit_smem()
+                if S > 1:                     # interleaved: the blocks' products issued together, added in order
+                    def issue(*acc_refs):
+                        for s, acc_ref in enumerate(acc_refs):
+                            plgpu.wgmma(acc_ref, refs[s].at[rows], pair_slot(idx, s).at[cols].transpose((1, 0)))
+                        out = sums
+                        for s, acc_ref in enumerate(acc_refs):
+                            scales = _step_scales(row_scales[s], load_scale, S * idx[0] + s, len(ws_refs))
+                            part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=S - 1 - s)
+                            out = tuple(_add_scaled(total, h, scale) for total, h, scale
+                                        in zip(out, (part[:, :out_sn], part[:, out_sn:]), scales))
+                        return out
+                    return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * S)
+                row_scale = row_scales[0]
 
                 def products(smems):
                     """This step's products with the weight blocks `smems`, issued together, awaited once."""
@@ -468,14 +499,15 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 return tuple(_add_scaled(total, products([w_smem])[0], scale)
                              for total, w_smem, scale in zip(sums, w_smems, scales))
 
-            def step_in_place(idx, x_smem, *rest):
+            def step_in_place(idx, *refs):
                 """bf16, and fp8's unscaled_probe: the step's products added to accumulators kept across
-                steps (fp8: no scales; its row scales, first of rest, unused)."""
-                *w_smems, accs = rest[1:] if fp8 else rest
-                if interleaved:
-                    w_smems = [pair_slot(idx)]
-                for acc, w_smem in zip(accs, w_smems):
-                    plgpu.wgmma(acc, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)) if fp8 else w_smem.at[:, cols])
+                steps (fp8: no scales; its row scales, after x, unused)."""
+                *w_smems, accs = refs[2 * S:] if fp8 else refs[S:]
+                for s in range(S):
+                    blocks = [pair_slot(idx, s)] if interleaved else w_smems[s * n_w:(s + 1) * n_w]
+                    for acc, w_smem in zip(accs, blocks):
+                        plgpu.wgmma(acc, refs[s].at[rows],
+                                    w_smem.at[cols].transpose((1, 0)) if fp8 else w_smem.at[:, cols])
                 plgpu.wgmma_wait(0)
                 return accs
 
