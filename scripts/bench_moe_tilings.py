@@ -40,7 +40,8 @@ def tilings(bm: int, fp8: bool):
     fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read), and
     every interleaved one as `<name>_sp` (Tiling.split_products: two 64-column products a step, gate's added
     while up's runs) and `<name>_spr` (the same with x loaded into registers: Tiling.a_in_registers), and
-    every interleaved one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2: two K blocks a step, the first's
+    every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
+    two K blocks a step, the first's
     product added while the second's runs; half the stages, so the same bytes in flight) and `<name>_k2s3`
     (three stages of two blocks)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
@@ -86,7 +87,9 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
                                  for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")},
                      **{f"{n}_rs": with_running_scale(t) for n, t in group.items() if can_run_scale(t)}}
             group = {**group, **{f"{n}_k2{tag}": dataclasses.replace(t, step_blocks=2, stages=st)
-                                 for n, t in group.items() if t.interleaved_gate_up and "_ch" not in n
+                                 for n, t in group.items() if "_ch" not in n and not t.running_scale
+                                 and (t.interleaved_gate_up or call == "down" and t.compute_wgs == 2
+                                      and not (t.column_pairs or t.joint_products))
                                  for tag, st in (("", max(1, t.stages // 2)), ("s3", 3))}}
             group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
                                  if t.compute_wgs == 2 and not t.unscaled_probe}}

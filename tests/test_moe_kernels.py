@@ -1133,11 +1133,12 @@ def two_block_call(operands, interpret=False):
 def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     """Tiling.step_blocks 2 (two K blocks a pipeline step, the first's product added while the second's
     runs) makes the same additions in the same order as one block a step: the interpreter (races
-    detected) gives bit-equal outputs, scaled and unscaled (the probe), over 6 K steps with distinct block
-    scales, the unused tile unwritten; shape_error refuses an odd number of K steps, tilings that are not
-    interleaved, and split products."""
+    detected) gives bit-equal outputs, gate_up interleaved scaled and unscaled (the probe) and one weight
+    (down's shape), over 6 K steps with distinct block scales, the unused tile unwritten; an odd number of
+    K steps, joint and split products, and gate and up not interleaved are refused."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import shape_error
     il, operands = split_products_case(bm, K=768)
     call = two_block_call(operands, plgpu.InterpretGPUParams(detect_races=True))
@@ -1146,9 +1147,20 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
         assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
         np.testing.assert_array_equal(got, ref)
     split_products_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
+    # one weight (the down call's shape): each warpgroup's 64 x 128 part, the same bit-equality
+    xq, xs, gq, gs, _, _, tile_expert = operands
+    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
+    down = lambda t: np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs,  # noqa: E731
+                                               interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
+    got, ref = down(dataclasses.replace(one, step_blocks=2)), down(one)
+    assert len(list(used_tiles(tile_expert, bm, got, ref))) == 2
+    np.testing.assert_array_equal(got, ref)
+    with pytest.raises(ValueError, match="interleaved"):
+        grouped_matmul(xq, gq, tile_expert, up=operands[4], tiling=dataclasses.replace(one, step_blocks=2),
+                       x_scale=xs, w_scale=gs, up_scale=operands[5], interpret=True)
     sds = jax.ShapeDtypeStruct
     w = sds(operands[2].shape, jnp.float8_e4m3fn)
-    for K, bad in ((640, {}), (768, dict(interleaved_gate_up=False, block_n=64, cluster_n=1)),
+    for K, bad in ((640, {}), (768, dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True)),
                    (768, dict(split_products=True))):
         t = dataclasses.replace(il, step_blocks=2, **bad)
         assert "step_blocks" in shape_error(sds((3 * bm, K), jnp.float8_e4m3fn), sds(w.shape[:2] + (K,), w.dtype), t,
@@ -1176,10 +1188,43 @@ def test_two_block_steps_lower_for_cuda_at_glm5_widths(bm, stages):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm", [128, 64])
 def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
-    """step_blocks 2 compiled on the GPU against the compiled one-block interleaved kernel (bit-equal:
-    the same products and additions in the same order) and float64, scaled and the unscaled probe."""
+    """step_blocks 2 compiled on the GPU against the compiled one-block kernel (bit-equal: the same
+    products and additions in the same order) and float64: interleaved gate_up scaled and the unscaled
+    probe, and one weight (down's shape)."""
     il, operands = split_products_case(bm, K=768)
     call = two_block_call(operands)
     for base in (il, dataclasses.replace(il, unscaled_probe=True)):
         np.testing.assert_array_equal(call(dataclasses.replace(base, step_blocks=2)), call(base))
     split_products_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
+    from pallas_kernels.moe import grouped_matmul
+    xq, xs, gq, gs, _, _, tile_expert = operands
+    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
+    down = lambda t: np.asarray(jax.jit(lambda *a: grouped_matmul(  # noqa: E731
+        a[0], a[2], a[3], tiling=t, x_scale=a[1], w_scale=a[4]))(xq, xs, gq, tile_expert, gs))
+    np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2)), down(one))
+
+
+def test_step_blocks_policy_picks_the_tilings_that_take_it():
+    """KernelPolicy.fp8_moe_step_blocks 2 (expert_tilings' step_blocks): the interleaved gate_up call at
+    prefill (128-row tiles, 3 stages) and decode (64 x 256 tiles, 2 stages) and the clustered prefill down
+    call take two K blocks a step; decode's joint column-pair down, the joint gate_up (interleaving off),
+    running scales and an odd number of K blocks keep one; each picked tiling passes shape_error."""
+    from pallas_kernels.moe.dispatch import expert_tilings
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    sds = jax.ShapeDtypeStruct
+    D, I = 6144, 2048
+    for E, rows, stages in ((16, 8192 * 8, 3), (256, 64 * 8, 2)):
+        gate = sds((E, I, D), jnp.float8_e4m3fn)
+        one = expert_tilings(rows, gate, True, 2, interleaved=True)
+        up_t, down_t = expert_tilings(rows, gate, True, 2, interleaved=True, step_blocks=2)
+        assert (up_t.step_blocks, up_t.stages) == (2, stages)
+        assert dataclasses.replace(up_t, step_blocks=1, stages=one[0].stages) == one[0]
+        P = padded_rows(rows, E, up_t.block_m)
+        assert shape_error(sds((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True) is None
+        assert down_t.step_blocks == (2 if rows > 64 * 8 else 1)
+        assert shape_error(sds((P, I), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn), down_t, fp8=True) is None
+    E, gate = 16, sds((16, I, D), jnp.float8_e4m3fn)
+    assert expert_tilings(8192 * 8, gate, True, 2, step_blocks=2)[0].step_blocks == 1          # joint gate_up
+    assert expert_tilings(8192 * 8, gate, True, 2, running=True, step_blocks=2)[0].step_blocks == 1
+    odd = sds((E, I, 640), jnp.float8_e4m3fn)
+    assert expert_tilings(8192 * 8, odd, True, 2, interleaved=True, step_blocks=2)[0].step_blocks == 1

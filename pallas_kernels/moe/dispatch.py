@@ -115,8 +115,18 @@ def by_rows(t: Tiling, N: int) -> Tiling:
     return dataclasses.replace(t, grid_block_n=N // tile_columns(t)) if t.block_m == 64 else t
 
 
+def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
+    """fp8 tiling t with two 128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them
+    (one product a block, an even number of blocks over K), in three stages of 128-row tiles (195 KB
+    of shared memory) or two of 64-row ones; else t."""
+    if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k) % 2 == 0 and not (
+            t.joint_products or t.column_pairs or t.running_scale or t.split_products)):
+        return t
+    return dataclasses.replace(t, step_blocks=2, stages=3 if t.block_m == 128 else 2)
+
+
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
-                   chain: bool = False, running: bool = False) -> tuple[Tiling, Tiling]:
+                   chain: bool = False, running: bool = False, step_blocks: int = 1) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
@@ -126,7 +136,8 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     on the H100 (docs/perf.md, 2026-12-05 twelfth session): 8192 tokens over 16 experts 2.73 ms against
     the promoting joint tiling's 3.47 (bf16 4.40), over 256 3.73 against 4.54; down (one weight, nothing
     to rescale under) ran slower with it (2.44 against 2.30 ms), and the decode tilings were not timed,
-    so they keep promoting."""
+    so they keep promoting. step_blocks (fp8): Tiling.step_blocks where the tiling takes it
+    (with_step_blocks)."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
@@ -138,6 +149,9 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     if running:
         up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
+    if fp8:
+        up_t = with_step_blocks(up_t, D, step_blocks if up_t.interleaved_gate_up else 1)   # gate_up: one product
+        down_t = with_step_blocks(down_t, I, step_blocks)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
 
 
@@ -172,12 +186,12 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
-                    chain: bool = False, running: bool = False) -> str | None:
+                    chain: bool = False, running: bool = False, step_blocks: int = 1) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
-    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running)
+    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -190,7 +204,7 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
                                 policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
-                                policy.fp8_running_scale) is None)
+                                policy.fp8_running_scale, policy.fp8_moe_step_blocks) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -234,7 +248,7 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
         if fp8_kernel_applies(x, gate, down, slots, policy):
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
                                           policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
-                                          policy.fp8_running_scale)
+                                          policy.fp8_running_scale, policy.fp8_moe_step_blocks)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

@@ -106,12 +106,13 @@ class Tiling:
     interpreter's race detector reports the unfenced read against that TMA write, as the PTX memory
     model does (CUTLASS and DeepGEMM release a slot once per warp, after each warp's own reads)."""
     step_blocks: int = 1
-    """fp8 interleaved gate_up: 128-deep K blocks a pipeline step loads (1 or 2). With 2 a compute
-    warpgroup issues both blocks' products into two fresh accumulators, then adds the first into its
-    sums while the second runs on the tensor cores and the second after it: one product in flight
-    during each promotion but the step's last, and one barrier wait, row-scale read and fence per two
-    blocks. The same additions in the same order as 1 (outputs bit-equal); 64 more fp32 registers a
-    thread (the interleaved kernel holds 64 of sums and 64 fresh, ~156 of the 232 it gets)."""
+    """fp8, warp-specialized, one product a K block (interleaved gate_up, or one weight: down): 128-deep
+    K blocks a pipeline step loads (1 or 2). With 2 a compute warpgroup issues both blocks' products
+    into two fresh accumulators, then adds the first into its sums while the second runs on the tensor
+    cores and the second after it: one product in flight during each promotion but the step's last,
+    and one barrier wait, row-scale read and fence per two blocks. The same additions in the same order
+    as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and 64 fresh,
+    ~156 of the 232 a compute thread gets)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -168,9 +169,11 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"split_products: interleaved gate/up only (a_in_registers with split_products), not the unscaled "
                 f"probe ({tiling})")
     if tiling.step_blocks not in (1, 2) or tiling.step_blocks == 2 and not (
-            tiling.interleaved_gate_up and not tiling.split_products and k_steps % (2 * tiling.k_splits) == 0):
-        return (f"step_blocks {tiling.step_blocks}: 1, or 2 with interleaved gate/up (not split products) and an even "
-                f"number of K steps a split ({tiling})")
+            fp8 and tiling.compute_wgs == 2 and k_steps % (2 * tiling.k_splits) == 0
+            and not (tiling.split_products or tiling.joint_products or tiling.column_pairs or tiling.running_scale)):
+        return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, two compute warpgroups, one product a K block "
+                f"(no split, joint or column-pair products, no running scales) and an even number of K steps a "
+                f"split ({tiling})")
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
         return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
                 f"(its products are issued back to back already) ({tiling})")
@@ -455,16 +458,17 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                           if tiling.a_in_registers else None)
                 if tiling.fence_row_scales:   # the reads above ordered before the producer's next TMA write there
                     plgpu.commit_smem()
-                if S > 1:                     # interleaved: the blocks' products issued together, added in order
+                if S > 1:                     # one product a block, issued together, added in order
                     def issue(*acc_refs):
                         for s, acc_ref in enumerate(acc_refs):
-                            plgpu.wgmma(acc_ref, refs[s].at[rows], pair_slot(idx, s).at[cols].transpose((1, 0)))
+                            w_smem = pair_slot(idx, s) if interleaved else w_smems[s]
+                            plgpu.wgmma(acc_ref, refs[s].at[rows], w_smem.at[cols].transpose((1, 0)))
                         out = sums
                         for s, acc_ref in enumerate(acc_refs):
                             scales = _step_scales(row_scales[s], load_scale, S * idx[0] + s, len(ws_refs))
                             part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=S - 1 - s)
-                            out = tuple(_add_scaled(total, h, scale) for total, h, scale
-                                        in zip(out, (part[:, :out_sn], part[:, out_sn:]), scales))
+                            parts = (part[:, :out_sn], part[:, out_sn:]) if interleaved else (part,)
+                            out = tuple(_add_scaled(total, h, scale) for total, h, scale in zip(out, parts, scales))
                         return out
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * S)
                 row_scale = row_scales[0]
@@ -639,6 +643,8 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         interpret = plgpu.InterpretGPUParams()
     if tiling.column_pairs and up is not None:
         raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
+    if tiling.step_blocks > 1 and up is not None and not interleaved:
+        raise ValueError("grouped_matmul: step_blocks 2 takes gate and up interleaved (one product a K block)")
     if tiling.k_splits > 1 and up is not None:
         raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
     pair = 2 if tiling.column_pairs else 1
