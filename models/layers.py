@@ -49,7 +49,8 @@ class Dense(nnx.Module):
         if self.fp8_weight is not None:
             w, scale = self.fp8_weight[...], self.scale_inv[...]
             if fp8_linear_applies(x, w, scale, kernels):
-                return fp8_linear(x, w, scale, split_k=kernels.fp8_linear_split_k, chain=kernels.chained_tiles)
+                return fp8_linear(x, w, scale, split_k=kernels.fp8_linear_split_k, chain=kernels.chained_tiles,
+                                  step_blocks=kernels.fp8_step_blocks)
         return jnp.dot(x, self.weight(x.dtype))
 
 

@@ -84,11 +84,11 @@ class KernelPolicy:
     against float64 at K 6144, where promoting stays within bf16 rounding). Off: DeepGEMM's fp32
     promotion is the default arithmetic. On, it takes the prefill gate_up call in place of
     fp8_moe_interleaved_gate_up's tiling."""
-    fp8_moe_step_blocks: int = 1
-    """2: the fp8 expert calls whose tiling takes it (interleaved gate_up, the clustered prefill down)
-    load two 128-deep K blocks a pipeline step and add the first block's product into the fp32 sums
-    while the second's runs (grouped_matmul.Tiling.step_blocks; moe.dispatch.with_step_blocks): bit-equal
-    outputs. 1 until timed end to end."""
+    fp8_step_blocks: int = 1
+    """2: the fp8 expert calls and dense linears whose tiling takes it (interleaved gate_up, the
+    clustered prefill down, the linears' two-warpgroup tiles) load two 128-deep K blocks a pipeline step
+    and add the first block's product into the fp32 sums while the second's runs
+    (grouped_matmul.Tiling.step_blocks, with_step_blocks): bit-equal outputs. 1 until timed end to end."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

@@ -15,7 +15,7 @@
 #           their cubins (sass)
 #   k2      issue 26: Tiling.step_blocks 2 (`_k2`: half the stages, `_k2s3`: three) beside the interleaved gate_up
 #           and clustered down defaults, the unscaled and unfenced probes, bf16, at 8192x16 and 8192x256 (MOE_CASES)
-#           and 64x256; its compiled test; the fp8 prefill with KernelPolicy.fp8_moe_step_blocks=2 beside HF; K2_SASS=1: cubins
+#           and 64x256; its compiled test; the fp8 prefill with KernelPolicy.fp8_step_blocks=2 beside HF; K2_SASS=1: cubins
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
@@ -100,7 +100,7 @@ part_k2() {   # issue 26: Tiling.step_blocks 2 (the first block's product added 
   MOE_TAG=_k2 MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
     MOE_TILINGS=2wg_n128_s3,$il,${il}_k2,${il}_k2s3,${il}_u,${il}_u_k2,${il}_nf,${il}_k2s3_nf,2wg_n256_s3,2wg_n128_g16_c2,2wg_n128_g16_c2_k2,2wg_n128_g16_c2_k2s3 \
     part_moe
-  E2E_POLICIES="default;fp8_moe_step_blocks=2" part_e2e
+  E2E_POLICIES="default;fp8_step_blocks=2" part_e2e
   MOE_TAG=_k2_decode MOE_CASES=64x256 MOE_TILINGS=2wg_n256_c2_il_rm,2wg_n256_c2_il_rm_k2,2wg_n256_c2_il_rm_k2s3 part_moe
   [ -z "${K2_SASS:-}" ] || SASS_TILINGS=${il}_k2,${il}_k2s3 part_sass
 }

@@ -57,6 +57,27 @@ def test_fp8_linear_interpret_equals_the_quantized_reference(lead, N, dtype):
     assert np.abs(ref - want).max() / np.abs(want).max() <= (1e-6 if dtype == jnp.float32 else 8e-3)
 
 
+def test_fp8_linear_two_block_steps_interpret_bit_equal_one_block_steps():
+    """with_step_blocks on the linear's prefill tiling (135 rows: two 128-row tiles, K = 512: four blocks)
+    makes the same additions in the same order: bit-equal in the interpreter with the race detector; the
+    64-wide one-warpgroup tiling (N = 192) does not take it."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe.grouped_matmul import with_step_blocks
+    rng = np.random.default_rng(7)
+    K, N = 512, 256
+    x = jnp.asarray(rng.standard_normal((135, K)), jnp.bfloat16)
+    w, s = fp8_weight(rng, N, K)
+    t = dataclasses.replace(linear_tiling(135, N, K), programs=3, stages=2)
+    t2 = with_step_blocks(t, K, 2)
+    assert t2.step_blocks == 2 and with_step_blocks(linear_tiling(5, 192, K), K, 2) == linear_tiling(5, 192, K)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    got, ref = (np.asarray(fp8_linear(x, w, s, tiling=u, interpret=interp), np.float32) for u in (t2, t))
+    np.testing.assert_array_equal(got, ref)
+    want = reference(x, w, s)
+    assert np.abs(got - want).max() <= 8e-3 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("N", [256, 192])
 def test_fp8_linear_split_k_interpret_equals_the_quantized_reference(N):
     """A decode-sized call (5 rows: one 64-row tile) with K split over programs (split_k: K = 1024 is
@@ -114,13 +135,13 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain: seen.append(
-        (w, s, split_k, chain)) or jnp.zeros((*x.shape[:-1], 192)))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks: seen.append(
+        (w, s, split_k, chain, step_blocks)) or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
-    dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True))
-    assert [a[2:] for a in seen] == [(True, False), (False, True)]   # split K by default, tiles not chained
+    dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True, fp8_step_blocks=2))
+    assert [a[2:] for a in seen] == [(True, False, 1), (False, True, 2)]   # split K by default, tiles not chained
     del seen[1:]
     tilings = []
 
@@ -135,8 +156,10 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     fp8_linear(x[..., :1].repeat(768, -1), w, sc, chain=True)          # 6 K steps over 4 stages: not chained
     w8, sc8 = jnp.zeros((256, 1024), jnp.float8_e4m3fn), jnp.ones((2, 8), jnp.float32)   # 8 K steps: chained
     fp8_linear(x[..., :1].repeat(1024, -1), w8, sc8, chain=True)
+    fp8_linear(x[..., :1].repeat(768, -1), w, sc, step_blocks=2)     # two blocks a step in two stages
     assert tilings == [linear_tiling(21, 256, 768, split_k=True), linear_tiling(21, 256, 768),
-                       linear_tiling(21, 256, 768), dataclasses.replace(linear_tiling(21, 256, 1024), chained_tiles=True)]
+                       linear_tiling(21, 256, 768), dataclasses.replace(linear_tiling(21, 256, 1024), chained_tiles=True),
+                       dataclasses.replace(linear_tiling(21, 256, 768), step_blocks=2, stages=2)]
     assert tilings[0].k_splits > 1 == tilings[1].k_splits
     off = dense(x, KernelPolicy(fp8_linear_kernel=False))
     want = np.asarray(x, np.float32) @ np.asarray(fp8.dequantize(dense.fp8_weight[...], dense.scale_inv[...],

@@ -1205,7 +1205,7 @@ def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
 
 
 def test_step_blocks_policy_picks_the_tilings_that_take_it():
-    """KernelPolicy.fp8_moe_step_blocks 2 (expert_tilings' step_blocks): the interleaved gate_up call at
+    """KernelPolicy.fp8_step_blocks 2 (expert_tilings' step_blocks): the interleaved gate_up call at
     prefill (128-row tiles, 3 stages) and decode (64 x 256 tiles, 2 stages) and the clustered prefill down
     call take two K blocks a step; decode's joint column-pair down, the joint gate_up (interleaving off),
     running scales and an odd number of K blocks keep one; each picked tiling passes shape_error."""

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, shape_error, tile_columns
-from pallas_kernels.moe.grouped_matmul import can_run_scale, with_running_scale
+from pallas_kernels.moe.grouped_matmul import can_run_scale, with_running_scale, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -115,16 +115,6 @@ def by_rows(t: Tiling, N: int) -> Tiling:
     return dataclasses.replace(t, grid_block_n=N // tile_columns(t)) if t.block_m == 64 else t
 
 
-def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
-    """fp8 tiling t with two 128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them
-    (one product a block, an even number of blocks over K), in three stages of 128-row tiles (195 KB
-    of shared memory) or two of 64-row ones; else t."""
-    if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k) % 2 == 0 and not (
-            t.joint_products or t.column_pairs or t.running_scale or t.split_products)):
-        return t
-    return dataclasses.replace(t, step_blocks=2, stages=3 if t.block_m == 128 else 2)
-
-
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False, running: bool = False, step_blocks: int = 1) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
@@ -204,7 +194,7 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
                                 policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
-                                policy.fp8_running_scale, policy.fp8_moe_step_blocks) is None)
+                                policy.fp8_running_scale, policy.fp8_step_blocks) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -248,7 +238,7 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
         if fp8_kernel_applies(x, gate, down, slots, policy):
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
                                           policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
-                                          policy.fp8_running_scale, policy.fp8_moe_step_blocks)
+                                          policy.fp8_running_scale, policy.fp8_step_blocks)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

@@ -214,6 +214,17 @@ def with_running_scale(t: Tiling) -> Tiling:
     return dataclasses.replace(t, running_scale=True, joint_products=False)
 
 
+def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
+    """fp8 tiling t of one product a K block (one weight, or gate and up interleaved) with step_blocks
+    (2) 128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them (two compute
+    warpgroups, an even number of blocks over K a split), in three stages of 128-row tiles (195 KB of
+    shared memory) or two of 64-row ones; else t."""
+    if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % 2 == 0 and not (
+            t.joint_products or t.column_pairs or t.running_scale or t.split_products)):
+        return t
+    return dataclasses.replace(t, step_blocks=2, stages=3 if t.block_m == 128 else 2)
+
+
 def tile_columns(tiling: Tiling) -> int:
     """Output columns of a tile: block_n, or half of it where gate and up share the block
     (interleaved_gate_up)."""
