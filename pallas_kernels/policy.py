@@ -89,6 +89,10 @@ class KernelPolicy:
     clustered prefill down, the linears' two-warpgroup tiles) load two 128-deep K blocks a pipeline step
     and add the first block's product into the fp32 sums while the second's runs
     (grouped_matmul.Tiling.step_blocks, with_step_blocks): bit-equal outputs. 1 until timed end to end."""
+    fp8_row_scales_from_gmem: bool = False
+    """The fp8 expert calls and dense linears with two compute warpgroups read each step's row scales
+    from global memory instead of the step's shared-memory slot (grouped_matmul.Tiling.row_scales_from_gmem,
+    with_gmem_row_scales): no TMA load of them and no fence a step; bit-equal outputs. Off until timed."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

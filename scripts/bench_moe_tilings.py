@@ -43,7 +43,8 @@ def tilings(bm: int, fp8: bool):
     every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
     two K blocks a step, the first's
     product added while the second's runs; half the stages, so the same bytes in flight) and `<name>_k2s3`
-    (three stages of two blocks)."""
+    (three stages of two blocks), and every two-warpgroup one but running scales as `<name>_gs`
+    (Tiling.row_scales_from_gmem: each thread reads its row scales from global memory; no fence)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -93,6 +94,9 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
                                  for tag, st in (("", max(1, t.stages // 2)), ("s3", 3))}}
             group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
                                  if t.compute_wgs == 2 and not t.unscaled_probe}}
+            group = {**group, **{f"{n}_gs": dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
+                                 for n, t in group.items() if t.compute_wgs == 2 and not t.running_scale
+                                 and not n.endswith("_nf")}}
             group = {**group, **{f"{n}_sp{'r' * regs}": dataclasses.replace(t, split_products=True, a_in_registers=regs)
                                  for n, t in group.items() if t.interleaved_gate_up and t.step_blocks == 1 and not t.unscaled_probe
                                  and not n.endswith("_nf") for regs in (False, True)}}

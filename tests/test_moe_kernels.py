@@ -1205,7 +1205,8 @@ def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
 
 
 def test_step_blocks_policy_picks_the_tilings_that_take_it():
-    """KernelPolicy.fp8_step_blocks 2 (expert_tilings' step_blocks): the interleaved gate_up call at
+    """KernelPolicy.fp8_step_blocks 2 (expert_tilings' step_blocks; and fp8_row_scales_from_gmem, its
+    gmem_row_scales, last): the interleaved gate_up call at
     prefill (128-row tiles, 3 stages) and decode (64 x 256 tiles, 2 stages) and the clustered prefill down
     call take two K blocks a step; decode's joint column-pair down, the joint gate_up (interleaving off),
     running scales and an odd number of K blocks keep one; each picked tiling passes shape_error."""
@@ -1228,3 +1229,68 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
     assert expert_tilings(8192 * 8, gate, True, 2, running=True, step_blocks=2)[0].step_blocks == 1
     odd = sds((E, I, 640), jnp.float8_e4m3fn)
     assert expert_tilings(8192 * 8, odd, True, 2, interleaved=True, step_blocks=2)[0].step_blocks == 1
+    # gmem_row_scales: every two-warpgroup tiling but running scales, fence off with it
+    for rows in (8192 * 8, 64 * 8):
+        ts = expert_tilings(rows, sds((256, I, D), jnp.float8_e4m3fn), True, 2, interleaved=True, gmem_row_scales=True)
+        assert all(t.row_scales_from_gmem and not t.fence_row_scales for t in ts)
+    assert not expert_tilings(8192 * 8, gate, True, 2, running=True, gmem_row_scales=True)[0].row_scales_from_gmem
+
+
+@pytest.mark.parametrize("bm", [128, 64])
+def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fence(bm):
+    """Tiling.row_scales_from_gmem (each thread reads its rows' scales from global memory, no TMA load of
+    them, no fence): bit-equal to the row scales read from the step's shared-memory slot in the
+    interpreter, with the race detector on and fence_row_scales off (nothing in shared memory to order):
+    interleaved gate_up with one and two K blocks a step, and one weight; refused with running scales."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    il, operands = split_products_case(bm, K=768)
+    call = two_block_call(operands, plgpu.InterpretGPUParams(detect_races=True))
+    for base in (il, dataclasses.replace(il, step_blocks=2)):
+        got = call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False))
+        ref = call(base)
+        assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
+        np.testing.assert_array_equal(got, ref)
+    xq, xs, gq, gs, _, _, tile_expert = operands
+    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
+    down = lambda t: np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs,  # noqa: E731
+                                               interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
+    np.testing.assert_array_equal(down(dataclasses.replace(one, row_scales_from_gmem=True, fence_row_scales=False)),
+                                  down(one))
+    sds = jax.ShapeDtypeStruct
+    running = Tiling(block_m=128, block_n=128, block_k=128, compute_wgs=2, running_scale=True, row_scales_from_gmem=True)
+    assert "row_scales_from_gmem" in shape_error(sds((256, 768), jnp.float8_e4m3fn), sds((2, 256, 768), jnp.float8_e4m3fn),
+                                                 running, fp8=True)
+
+
+@pytest.mark.parametrize("bm,step_blocks", [(128, 1), (128, 2), (64, 2)])
+def test_row_scales_from_gmem_lower_for_cuda_at_glm5_widths(bm, step_blocks):
+    """row_scales_from_gmem (a WGMMA row-layout load from global memory) lowered for CUDA on this machine
+    at GLM-5's gate_up widths, the dispatch's interleaved tiles, one or two K blocks a step."""
+    from pallas_kernels.moe import grouped_matmul
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 16, 6144, 2048
+    P = 8192 * 8 + E * bm
+    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=3 if bm == 128 else 2,
+               compute_wgs=2, grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
+               step_blocks=step_blocks, row_scales_from_gmem=True, fence_row_scales=False)
+    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                up_scale=us))
+    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32),
+                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm", [128, 64])
+def test_row_scales_from_gmem_compiled_bit_equal(bm):
+    """row_scales_from_gmem (fence off) compiled on the GPU, bit-equal to the compiled kernel reading the
+    row scales from shared memory: interleaved gate_up with one and two K blocks a step."""
+    il, operands = split_products_case(bm, K=768)
+    call = two_block_call(operands)
+    for base in (il, dataclasses.replace(il, step_blocks=2)):
+        np.testing.assert_array_equal(
+            call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False)), call(base))

@@ -113,6 +113,11 @@ class Tiling:
     and one barrier wait, row-scale read and fence per two blocks. The same additions in the same order
     as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and 64 fresh,
     ~156 of the 232 a compute thread gets)."""
+    row_scales_from_gmem: bool = False
+    """fp8, warp-specialized, not running_scale: each compute thread reads its rows' scales of a step from
+    global memory (L2: every column tile of a row tile reads the same) instead of from the step's
+    shared-memory slot, where the producer's TMA wrote them. No TMA load of the scales, and no fence
+    between the read and the slot's release (fence_row_scales has nothing to order)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -174,6 +179,8 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, two compute warpgroups, one product a K block "
                 f"(no split, joint or column-pair products, no running scales) and an even number of K steps a "
                 f"split ({tiling})")
+    if tiling.row_scales_from_gmem and not (fp8 and tiling.compute_wgs == 2 and not tiling.running_scale):
+        return f"row_scales_from_gmem: fp8, two compute warpgroups, not running_scale ({tiling})"
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
         return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
                 f"(its products are issued back to back already) ({tiling})")
@@ -223,6 +230,14 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
             t.joint_products or t.column_pairs or t.running_scale or t.split_products)):
         return t
     return dataclasses.replace(t, step_blocks=2, stages=3 if t.block_m == 128 else 2)
+
+
+def with_gmem_row_scales(t: Tiling, on: bool = True) -> Tiling:
+    """fp8 tiling t reading its row scales from global memory (Tiling.row_scales_from_gmem, no fence)
+    where it can (two compute warpgroups, not running scales); else t."""
+    if not on or t.compute_wgs != 2 or t.running_scale:
+        return t
+    return dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
 
 
 def tile_columns(tiling: Tiling) -> int:
@@ -369,6 +384,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     half = 64
     n_blocks = bn // half if interleaved else n_w   # weight blocks a K block
     S = tiling.step_blocks                          # K blocks a pipeline step (each its x, row scales, weights)
+    n_xs = S if fp8 and not tiling.row_scales_from_gmem else 0   # row-scale blocks a step (in shared memory)
     wg = jax.lax.axis_index("wg")
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
@@ -389,7 +405,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 return plgpu.BlockSpec((bn, bk), lambda k: (0, kb(s)(k)))
             return plgpu.BlockSpec((bk, bn), lambda k: (kb(s)(k), 0))
         specs = ([plgpu.BlockSpec((bm, bk), lambda k, s=s: (0, kb(s)(k)), **shared) for s in range(S)]
-                 + ([plgpu.BlockSpec((1, bm), lambda k, s=s: (kb(s)(k), 0), **shared) for s in range(S)] if fp8 else [])
+                 + [plgpu.BlockSpec((1, bm), lambda k, s=s: (kb(s)(k), 0), **shared) for s in range(n_xs)]
                  + [w_spec(s) for s in range(S) for _ in range(n_blocks)])
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(steps // S,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
@@ -403,7 +419,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     def operands(mi, ni, expert):
         """The pipeline's inputs for the tile (row tile mi, column block ni) of `expert`."""
         tile_rows = pl.ds(mi * bm, bm)
-        scales = [xs_ref.at[:, tile_rows]] if fp8 else []
+        scales = [xs_ref.at[:, tile_rows]] if n_xs else []
         if interleaved:           # gate's and up's blocks of each of the tile's 64-column output chunks
             ws = [w.at[expert, pl.ds(ni * out_n + c * half, half)] for c in range(n_blocks // 2) for w in w_refs]
         else:
@@ -463,12 +479,17 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 return pairs.at[jax.lax.rem(idx[0], pairs.shape[0]), pl.ds(s * bn, bn)]
 
             def step_fp8(idx, *refs):
-                x_smem, xs_smems, (*w_smems, sums) = refs[0], refs[S:2 * S], refs[2 * S:]
-                row_scales = [plgpu.load(xs.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)) for xs in xs_smems]
+                x_smem, xs_smems, (*w_smems, sums) = refs[0], refs[S:S + n_xs], refs[S + n_xs:]
+                if n_xs:
+                    row_scales = [plgpu.load(xs.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)) for xs in xs_smems]
+                else:                     # from global memory: this warpgroup's rows of the tile, each block's
+                    tile_rows = pl.ds(mi * bm + (wg * sm if split_rows else 0), sm)
+                    row_scales = [plgpu.load(xs_ref.at[S * idx[0] + s + start, tile_rows],
+                                             layout=plgpu.Layout.WGMMA.reduce(1)) for s in range(S)]
                 x_regs = (plgpu.load(x_smem.at[rows], layout=plgpu.Layout.WGMMA_8BIT)   # a_in_registers: x, once
                           if tiling.a_in_registers else None)
-                if tiling.fence_row_scales:   # the reads above ordered before the producer's next TMA write there
-                    plgpu.commit_smem()
+                if tiling.fence_row_scales and (n_xs or x_regs is not None):
+                    plgpu.commit_smem()   # the shared-memory reads above ordered before the next TMA write there
                 if S > 1:                     # one product a block, issued together, added in order
                     def issue(*acc_refs):
                         for s, acc_ref in enumerate(acc_refs):
@@ -517,7 +538,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             def step_in_place(idx, *refs):
                 """bf16, and fp8's unscaled_probe: the step's products added to accumulators kept across
                 steps (fp8: no scales; its row scales, after x, unused)."""
-                *w_smems, accs = refs[2 * S:] if fp8 else refs[S:]
+                *w_smems, accs = refs[S + n_xs:]
                 for s in range(S):
                     blocks = [pair_slot(idx, s)] if interleaved else w_smems[s * n_w:(s + 1) * n_w]
                     for acc, w_smem in zip(accs, blocks):
