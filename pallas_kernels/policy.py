@@ -85,10 +85,11 @@ class KernelPolicy:
     promotion is the default arithmetic. On, it takes the prefill gate_up call in place of
     fp8_moe_interleaved_gate_up's tiling."""
     fp8_step_blocks: int = 1
-    """2: the fp8 expert calls and dense linears whose tiling takes it (interleaved gate_up, the
-    clustered prefill down, the linears' two-warpgroup tiles) load two 128-deep K blocks a pipeline step
-    and add the first block's product into the fp32 sums while the second's runs
-    (grouped_matmul.Tiling.step_blocks, with_step_blocks): bit-equal outputs. 1 until timed end to end."""
+    """2 or 3: the fp8 expert calls and dense linears whose tiling takes it (interleaved gate_up, the
+    clustered prefill down, the linears' two-warpgroup tiles) load that many 128-deep K blocks a pipeline
+    step and add each block's product into the fp32 sums while the next one's runs
+    (grouped_matmul.Tiling.step_blocks, with_step_blocks; 64-row tiles two at most): bit-equal outputs.
+    1 until timed end to end."""
     fp8_row_scales_from_gmem: bool = False
     """The fp8 expert calls and dense linears with two compute warpgroups read each step's row scales
     from global memory instead of the step's shared-memory slot (grouped_matmul.Tiling.row_scales_from_gmem,

@@ -13,10 +13,10 @@
 #   split   issue 26: Tiling.split_products (x from shared memory `_sp`, from registers `_spr`) beside the interleaved
 #           default and its unscaled probe at 8192x16, 8192x256 and 64x256, bf16 beside; their compiled test;
 #           their cubins (sass)
-#   k2      issue 26: Tiling.step_blocks 2 (`_k2`: half the stages, `_k2s3`: three) and row_scales_from_gmem (`_gs`)
+#   k2      issue 26: Tiling.step_blocks 2 and 3 (`_k2`: half the stages, `_k2s3`: three; `_k3`) and row_scales_from_gmem (`_gs`)
 #           beside the interleaved gate_up and clustered down defaults, unscaled and unfenced probes, bf16, at
 #           8192x16 and 8192x256 (MOE_CASES) and 64x256; their compiled tests; the fp8 prefill beside HF under
-#           the policies fp8_step_blocks=2 and fp8_row_scales_from_gmem=true (~8 min); K2_SASS=1: cubins
+#           the policies fp8_step_blocks=2 / 3 with fp8_row_scales_from_gmem=true (~8 min); K2_SASS=1: cubins
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
@@ -100,9 +100,10 @@ part_k2() {   # issue 26: Tiling.step_blocks 2 (the first block's product added 
   TESTS_K="two_block_steps_compiled or row_scales_from_gmem_compiled" TESTS_BUDGET=120 part_tests
   local il=2wg_n128_g16_c2_il dn=2wg_n128_g16_c2
   MOE_TAG=_k2 MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
-    MOE_TILINGS=2wg_n128_s3,$il,${il}_k2,${il}_k2s3,${il}_gs,${il}_k2s3_gs,${il}_u,${il}_u_k2,${il}_nf,2wg_n256_s3,$dn,${dn}_k2s3,${dn}_gs,${dn}_k2s3_gs \
+    MOE_TILINGS=2wg_n128_s3,$il,${il}_k2,${il}_k2s3,${il}_k3,${il}_gs,${il}_k2s3_gs,${il}_k3_gs,${il}_u,${il}_u_k2s3,${il}_nf,2wg_n256_s3,$dn,${dn}_k2s3,${dn}_gs,${dn}_k2s3_gs \
     part_moe
-  E2E_POLICIES="${E2E_POLICIES:-default;fp8_step_blocks=2;fp8_step_blocks=2,fp8_row_scales_from_gmem=true}" part_e2e
+  E2E_POLICIES="${E2E_POLICIES:-default;fp8_step_blocks=2,fp8_row_scales_from_gmem=true;fp8_step_blocks=3,fp8_row_scales_from_gmem=true}" \
+    part_e2e
   MOE_TAG=_k2_decode MOE_CASES=64x256 MOE_TILINGS=2wg_n256_c2_il_rm,2wg_n256_c2_il_rm_k2,2wg_n256_c2_il_rm_gs,2wg_n256_c2_il_rm_k2_gs \
     part_moe
   [ -z "${K2_SASS:-}" ] || SASS_TILINGS=${il}_k2s3,${il}_k2s3_gs part_sass

@@ -1131,19 +1131,20 @@ def two_block_call(operands, interpret=False):
 
 @pytest.mark.parametrize("bm", [128, 64])
 def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
-    """Tiling.step_blocks 2 (two K blocks a pipeline step, the first's product added while the second's
-    runs) makes the same additions in the same order as one block a step: the interpreter (races
-    detected) gives bit-equal outputs, gate_up interleaved scaled and unscaled (the probe) and one weight
-    (down's shape), over 6 K steps with distinct block scales, the unused tile unwritten; an odd number of
-    K steps, joint and split products, and gate and up not interleaved are refused."""
+    """Tiling.step_blocks 2 and 3 (K blocks a pipeline step, each block's product added while the next
+    one's runs) make the same additions in the same order as one block a step: the interpreter (races
+    detected) gives bit-equal outputs, gate_up interleaved scaled (2 and 3 blocks) and unscaled (the
+    probe) and one weight (down's shape), over 6 K steps with distinct block scales, the unused tile
+    unwritten; K steps not a multiple of the blocks, 4 blocks, joint and split products, and gate and up
+    not interleaved are refused."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import shape_error
     il, operands = split_products_case(bm, K=768)
     call = two_block_call(operands, plgpu.InterpretGPUParams(detect_races=True))
-    for base in (il, dataclasses.replace(il, unscaled_probe=True)):
-        got, ref = call(dataclasses.replace(base, step_blocks=2)), call(base)
+    for base, blocks in ((il, 2), (il, 3), (dataclasses.replace(il, unscaled_probe=True), 2)):
+        got, ref = call(dataclasses.replace(base, step_blocks=blocks)), call(base)
         assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
         np.testing.assert_array_equal(got, ref)
     split_products_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
@@ -1160,23 +1161,27 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
                        x_scale=xs, w_scale=gs, up_scale=operands[5], interpret=True)
     sds = jax.ShapeDtypeStruct
     w = sds(operands[2].shape, jnp.float8_e4m3fn)
-    for K, bad in ((640, {}), (768, dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True)),
-                   (768, dict(split_products=True))):
-        t = dataclasses.replace(il, step_blocks=2, **bad)
+    for K, blocks, bad in ((640, 2, {}), (512, 3, {}), (768, 4, {}),
+                           (768, 2, dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True)),
+                           (768, 2, dict(split_products=True))):
+        t = dataclasses.replace(il, step_blocks=blocks, **bad)
         assert "step_blocks" in shape_error(sds((3 * bm, K), jnp.float8_e4m3fn), sds(w.shape[:2] + (K,), w.dtype), t,
                                             fp8=True)
 
 
-@pytest.mark.parametrize("bm,stages", [(128, 3), (64, 2)])
-def test_two_block_steps_lower_for_cuda_at_glm5_widths(bm, stages):
-    """step_blocks 2 lowered for CUDA on this machine at GLM-5's gate_up widths (8192 tokens x top-8
-    over 16 experts), the dispatch's interleaved tiles with the shared-memory stages the bench times."""
+@pytest.mark.parametrize("bm,blocks", [(128, 2), (128, 3), (64, 2)])
+def test_two_block_steps_lower_for_cuda_at_glm5_widths(bm, blocks):
+    """step_blocks 2 and 3 lowered for CUDA on this machine at GLM-5's gate_up widths (8192 tokens x top-8
+    over 16 experts), the dispatch's interleaved tiles with STEP_BLOCK_STAGES' stages (shared memory is
+    checked here)."""
+    from pallas_kernels.moe.grouped_matmul import STEP_BLOCK_STAGES
     from pallas_kernels.moe import grouped_matmul
     sds = jax.ShapeDtypeStruct
     E, D, I = 16, 6144, 2048
     P = 8192 * 8 + E * bm
-    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=stages, compute_wgs=2,
-               grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True, step_blocks=2)
+    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=STEP_BLOCK_STAGES[bm, blocks],
+               compute_wgs=2, grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
+               step_blocks=blocks)
     f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
                                                                 up_scale=us))
     w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
@@ -1190,11 +1195,11 @@ def test_two_block_steps_lower_for_cuda_at_glm5_widths(bm, stages):
 def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
     """step_blocks 2 compiled on the GPU against the compiled one-block kernel (bit-equal: the same
     products and additions in the same order) and float64: interleaved gate_up scaled and the unscaled
-    probe, and one weight (down's shape)."""
+    probe (two blocks; three at 128-row tiles), and one weight (down's shape)."""
     il, operands = split_products_case(bm, K=768)
     call = two_block_call(operands)
-    for base in (il, dataclasses.replace(il, unscaled_probe=True)):
-        np.testing.assert_array_equal(call(dataclasses.replace(base, step_blocks=2)), call(base))
+    for base, blocks in ((il, 2), (il, 3 if bm == 128 else 2), (dataclasses.replace(il, unscaled_probe=True), 2)):
+        np.testing.assert_array_equal(call(dataclasses.replace(base, step_blocks=blocks)), call(base))
     split_products_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
     from pallas_kernels.moe import grouped_matmul
     xq, xs, gq, gs, _, _, tile_expert = operands
@@ -1225,6 +1230,10 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
         assert down_t.step_blocks == (2 if rows > 64 * 8 else 1)
         assert shape_error(sds((P, I), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn), down_t, fp8=True) is None
     E, gate = 16, sds((16, I, D), jnp.float8_e4m3fn)
+    up3, down3 = expert_tilings(8192 * 8, gate, True, 2, interleaved=True, step_blocks=3)
+    assert (up3.step_blocks, up3.stages, down3.step_blocks) == (3, 2, 1)   # down's 16 K blocks: not a multiple of 3
+    assert expert_tilings(64 * 8, sds((256, I, D), jnp.float8_e4m3fn), True, 2, interleaved=True,
+                          step_blocks=3)[0].step_blocks == 2                 # 64-row tiles: two at most
     assert expert_tilings(8192 * 8, gate, True, 2, step_blocks=2)[0].step_blocks == 1          # joint gate_up
     assert expert_tilings(8192 * 8, gate, True, 2, running=True, step_blocks=2)[0].step_blocks == 1
     odd = sds((E, I, 640), jnp.float8_e4m3fn)

@@ -107,12 +107,12 @@ class Tiling:
     model does (CUTLASS and DeepGEMM release a slot once per warp, after each warp's own reads)."""
     step_blocks: int = 1
     """fp8, warp-specialized, one product a K block (interleaved gate_up, or one weight: down): 128-deep
-    K blocks a pipeline step loads (1 or 2). With 2 a compute warpgroup issues both blocks' products
-    into two fresh accumulators, then adds the first into its sums while the second runs on the tensor
-    cores and the second after it: one product in flight during each promotion but the step's last,
-    and one barrier wait, row-scale read and fence per two blocks. The same additions in the same order
-    as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and 64 fresh,
-    ~156 of the 232 a compute thread gets)."""
+    K blocks a pipeline step loads (1, 2 or 3). With more than one a compute warpgroup issues each
+    block's product into a fresh accumulator and adds the block before's into its sums while it runs
+    (two products in flight at most), the step's last after its own wait: one exposed promotion, barrier
+    wait, row-scale read and fence a step instead of one a block. The same additions in the same order
+    as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and two
+    fresh 64, where one block a step reaches R155 of the 232 a compute thread gets)."""
     row_scales_from_gmem: bool = False
     """fp8, warp-specialized, not running_scale: each compute thread reads its rows' scales of a step from
     global memory (L2: every column tile of a row tile reads the same) instead of from the step's
@@ -173,12 +173,12 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
             tiling.interleaved_gate_up and tiling.split_products and not tiling.unscaled_probe):
         return (f"split_products: interleaved gate/up only (a_in_registers with split_products), not the unscaled "
                 f"probe ({tiling})")
-    if tiling.step_blocks not in (1, 2) or tiling.step_blocks == 2 and not (
-            fp8 and tiling.compute_wgs == 2 and k_steps % (2 * tiling.k_splits) == 0
+    if tiling.step_blocks not in (1, 2, 3) or tiling.step_blocks > 1 and not (
+            fp8 and tiling.compute_wgs == 2 and k_steps % (tiling.step_blocks * tiling.k_splits) == 0
             and not (tiling.split_products or tiling.joint_products or tiling.column_pairs or tiling.running_scale)):
-        return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, two compute warpgroups, one product a K block "
-                f"(no split, joint or column-pair products, no running scales) and an even number of K steps a "
-                f"split ({tiling})")
+        return (f"step_blocks {tiling.step_blocks}: 1, or 2 or 3 with fp8, two compute warpgroups, one product a K "
+                f"block (no split, joint or column-pair products, no running scales) and the K steps of a split a "
+                f"multiple of it ({tiling})")
     if tiling.row_scales_from_gmem and not (fp8 and tiling.compute_wgs == 2 and not tiling.running_scale):
         return f"row_scales_from_gmem: fp8, two compute warpgroups, not running_scale ({tiling})"
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
@@ -221,15 +221,21 @@ def with_running_scale(t: Tiling) -> Tiling:
     return dataclasses.replace(t, running_scale=True, joint_products=False)
 
 
+STEP_BLOCK_STAGES = {(128, 2): 3, (128, 3): 2, (64, 2): 2}
+"""Shared-memory stages of two- and three-block steps, by block_m: as many as fit beside the output tile
+(128-row fp8 blocks: 32 KB a block with its weights; 64 x 256 tiles: 40 KB)."""
+
+
 def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     """fp8 tiling t of one product a K block (one weight, or gate and up interleaved) with step_blocks
-    (2) 128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them (two compute
-    warpgroups, an even number of blocks over K a split), in three stages of 128-row tiles (195 KB of
-    shared memory) or two of 64-row ones; else t."""
-    if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % 2 == 0 and not (
+    128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them (two compute warpgroups,
+    K's blocks a split a multiple of them), in STEP_BLOCK_STAGES' stages (64-row tiles: two blocks at
+    most); else t."""
+    step_blocks = min(step_blocks, 2) if t.block_m == 64 else step_blocks
+    if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
             t.joint_products or t.column_pairs or t.running_scale or t.split_products)):
         return t
-    return dataclasses.replace(t, step_blocks=2, stages=3 if t.block_m == 128 else 2)
+    return dataclasses.replace(t, step_blocks=step_blocks, stages=STEP_BLOCK_STAGES[t.block_m, step_blocks])
 
 
 def with_gmem_row_scales(t: Tiling, on: bool = True) -> Tiling:
@@ -490,19 +496,27 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                           if tiling.a_in_registers else None)
                 if tiling.fence_row_scales and (n_xs or x_regs is not None):
                     plgpu.commit_smem()   # the shared-memory reads above ordered before the next TMA write there
-                if S > 1:                     # one product a block, issued together, added in order
-                    def issue(*acc_refs):
-                        for s, acc_ref in enumerate(acc_refs):
+                if S > 1:                     # one product a block, two in flight, added in order
+                    def promote(out, s, acc_ref, wait_n):
+                        """out plus block s's product (awaited until wait_n products are in flight) scaled."""
+                        scales = _step_scales(row_scales[s], load_scale, S * idx[0] + s, len(ws_refs))
+                        part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
+                        parts = (part[:, :out_sn], part[:, out_sn:]) if interleaved else (part,)
+                        return tuple(_add_scaled(total, h, scale) for total, h, scale in zip(out, parts, scales))
+
+                    def chain(s, out, in_flight):
+                        """Issue block s's product into a fresh accumulator, then add block s - 1's (in_flight)
+                        while it runs; the last block's is added after its own wait."""
+                        if s == S:
+                            return promote(out, S - 1, in_flight, 0)
+
+                        def issued(acc_ref):
                             w_smem = pair_slot(idx, s) if interleaved else w_smems[s]
                             plgpu.wgmma(acc_ref, refs[s].at[rows], w_smem.at[cols].transpose((1, 0)))
-                        out = sums
-                        for s, acc_ref in enumerate(acc_refs):
-                            scales = _step_scales(row_scales[s], load_scale, S * idx[0] + s, len(ws_refs))
-                            part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=S - 1 - s)
-                            parts = (part[:, :out_sn], part[:, out_sn:]) if interleaved else (part,)
-                            out = tuple(_add_scaled(total, h, scale) for total, h, scale in zip(out, parts, scales))
-                        return out
-                    return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * S)
+                            return chain(s + 1, out if in_flight is None else promote(out, s - 1, in_flight, 1),
+                                         acc_ref)
+                        return pl.run_scoped(issued, plgpu.ACC((sm, sn), jnp.float32))
+                    return chain(0, sums, None)
                 row_scale = row_scales[0]
 
                 def products(smems):
