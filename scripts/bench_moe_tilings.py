@@ -38,12 +38,10 @@ def tilings(bm: int, fp8: bool):
     sums kept in the wgmma accumulators in units of the step's scale; its err, against the group's first
     scaled tiling, is what the tensor cores' accumulation costs in precision), and every scaled warp-specialized
     fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read), and
-    every interleaved one as `<name>_sp` (Tiling.split_products: two 64-column products a step, gate's added
-    while up's runs) and `<name>_spr` (the same with x loaded into registers: Tiling.a_in_registers), and
     every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
-    two K blocks a step, the first's
-    product added while the second's runs; half the stages, so the same bytes in flight) and `<name>_k2s3`
-    (three stages of two blocks) and, at 128-row tiles, `<name>_k3` (two stages of three blocks), and every two-warpgroup one but running scales as `<name>_gs`
+    two K blocks a step, the first's product added while the second's runs; half the stages, so the same
+    bytes in flight), `<name>_k2s3` (three stages of two blocks) and, at 128-row tiles, `<name>_k3` (two
+    stages of three blocks), and every two-warpgroup one but running scales as `<name>_gs`
     (Tiling.row_scales_from_gmem: each thread reads its row scales from global memory; no fence)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
@@ -98,9 +96,6 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
             group = {**group, **{f"{n}_gs": dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
                                  for n, t in group.items() if t.compute_wgs == 2 and not t.running_scale
                                  and not n.endswith("_nf")}}
-            group = {**group, **{f"{n}_sp{'r' * regs}": dataclasses.replace(t, split_products=True, a_in_registers=regs)
-                                 for n, t in group.items() if t.interleaved_gate_up and t.step_blocks == 1 and not t.unscaled_probe
-                                 and not n.endswith("_nf") for regs in (False, True)}}
         out[call] = group
     return out
 

@@ -10,9 +10,6 @@
 #           unfenced (`_nf`) and unscaled (`_u`) probes; MOE_TILINGS: other names
 #   sass    issue 26: each fp8 tiling of SASS_TILINGS at 8192x16 (bf16 beside) timed with its kernels' cubins and
 #           ptxas reports kept under $OUT/cubins (sass_summary.py --extract; disassemble them where nvdisasm is)
-#   split   issue 26: Tiling.split_products (x from shared memory `_sp`, from registers `_spr`) beside the interleaved
-#           default and its unscaled probe at 8192x16, 8192x256 and 64x256, bf16 beside; their compiled test;
-#           their cubins (sass)
 #   k2      issue 26: Tiling.step_blocks 2 and 3 (`_k2`: half the stages, `_k2s3`: three; `_k3`) and row_scales_from_gmem (`_gs`)
 #           beside the interleaved gate_up and clustered down defaults, unscaled and unfenced probes, bf16, at
 #           8192x16 and 8192x256 (MOE_CASES) and 64x256; their compiled tests; the fp8 prefill beside HF under
@@ -85,14 +82,6 @@ part_sass() {
       "$PY" scripts/sass_summary.py --extract "$OUT/sass_$name.log" --to "$OUT/cubins"
       find "$OUT/sass_$name.log" "$OUT/sass/$name" -type f -size +4M ! -name '*.sass' -delete 2>/dev/null; }
   done
-}
-
-part_split() {
-  TESTS_K=split_products_compiled TESTS_BUDGET=150 part_tests
-  MOE_TAG=_split MOE_TILINGS=2wg_n128_s3,2wg_n128_g16_c2_il,2wg_n128_g16_c2_il_sp,2wg_n128_g16_c2_il_spr,2wg_n128_g16_c2_il_u \
-    part_moe
-  MOE_TAG=_split_decode MOE_CASES=64x256 MOE_TILINGS=2wg_n256_c2_il_rm,2wg_n256_c2_il_rm_sp,2wg_n256_c2_il_rm_spr part_moe
-  SASS_TILINGS=2wg_n128_g16_c2_il,2wg_n128_g16_c2_il_sp,2wg_n128_g16_c2_il_spr part_sass
 }
 
 part_k2() {   # issue 26: Tiling.step_blocks 2 (the first block's product added while the second's runs) and

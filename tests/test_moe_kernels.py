@@ -1024,9 +1024,9 @@ def test_unfenced_row_scale_read_is_a_race_the_interpreter_reports():
                                              w_scale=gs))
 
 
-def split_products_case(bm: int, seed: int = 53, E: int = 2, K: int = 640, I: int = 256):
-    """A gate_up call for the split_products tests: experts with distinct block scales per step (5 K
-    steps), an unused row tile between two used ones; (interleaved tiling, operands)."""
+def interleaved_case(bm: int, seed: int = 53, E: int = 2, K: int = 640, I: int = 256):
+    """A gate_up call for the interleaved kernel's variants' tests: experts with distinct block scales
+    per K step, an unused row tile between two used ones; (interleaved tiling, operands)."""
     from pallas_kernels.moe import quantize_rows
     rng = np.random.default_rng(seed)
     tile_expert = jnp.asarray([1, -1, 0], jnp.int32)
@@ -1039,8 +1039,8 @@ def split_products_case(bm: int, seed: int = 53, E: int = 2, K: int = 640, I: in
     return il, (xq, xs, gq, gs, uq, us, tile_expert)
 
 
-def split_products_check(got, ref, operands, bm):
-    """got (a split_products call) against ref (the interleaved kernel's) and float64."""
+def interleaved_check(got, ref, operands, bm):
+    """got (a variant's call) against ref (the interleaved kernel's) and float64."""
     from pallas_kernels.moe.fp8_rows import dequantize_rows
     xq, xs, gq, gs, uq, us, tile_expert = operands
     xd = np.asarray(dequantize_rows(xq, xs), np.float64)
@@ -1055,69 +1055,8 @@ def split_products_check(got, ref, operands, bm):
         np.testing.assert_allclose(got[rows], ref[rows], rtol=0, atol=1e-2 * np.abs(want).max() / 256)
 
 
-@pytest.mark.parametrize("bm", [128, 64])
-def test_split_products_interpret_equal_the_interleaved_kernel(bm):
-    """Tiling.split_products (probe): a warpgroup's interleaved step as two 64-column products, gate's
-    added while up's runs: the interpreter (races detected) equals the one-product interleaved kernel
-    to fp32 rounding and float64 to bf16 output rounding, over 5 K steps with distinct block scales on 2
-    stages, 128-row tiles and 64 x 256 decode tiles, the unused tile unwritten; refused off the
-    interleaved tiling. (x in registers, a_in_registers, the interpreter cannot load: lowered below,
-    compiled on the GPU.)"""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.moe import grouped_matmul
-    from pallas_kernels.moe.grouped_matmul import shape_error
-    il, operands = split_products_case(bm)
-    xq, xs, gq, gs, uq, us, tile_expert = operands
-    interp = plgpu.InterpretGPUParams(detect_races=True)
-    call = lambda t: np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=t, interpret=interp,  # noqa: E731
-                                               x_scale=xs, w_scale=gs, up_scale=us), np.float64)
-    got, ref = call(dataclasses.replace(il, split_products=True)), call(il)
-    assert len(list(used_tiles(tile_expert, bm, got, ref))) == 2   # the unused tile unwritten (NaN) in both
-    split_products_check(got, ref, operands, bm)
-    sds = jax.ShapeDtypeStruct
-    for bad in (dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True, split_products=True),
-                dict(a_in_registers=True)):
-        assert "split_products" in shape_error(sds((3 * bm, 640), jnp.float8_e4m3fn), sds(gq.shape, jnp.float8_e4m3fn),
-                                               dataclasses.replace(il, **bad), fp8=True)
-
-
-@pytest.mark.parametrize("bm,a_in_registers", [(128, False), (128, True), (64, True)])
-def test_split_products_lower_for_cuda_at_glm5_widths(bm, a_in_registers):
-    """split_products, x from shared memory or loaded into registers (WGMMA_8BIT layout) for both
-    products, lowered for CUDA on this machine at GLM-5's gate_up widths (Mosaic GPU's layout and wgmma
-    checks run here): 8192 tokens x top-8 over 16 experts, the dispatch's interleaved tiles."""
-    from pallas_kernels.moe import grouped_matmul
-    sds = jax.ShapeDtypeStruct
-    E, D, I = 16, 6144, 2048
-    P = 8192 * 8 + E * bm
-    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=4, compute_wgs=2,
-               grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True, split_products=True,
-               a_in_registers=a_in_registers)
-    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
-                                                                up_scale=us))
-    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
-    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32),
-                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bm,a_in_registers", [(128, False), (128, True), (64, True)])
-def test_split_products_compiled_equal_the_interleaved_kernel(bm, a_in_registers):
-    """split_products compiled on the GPU (x from shared memory or registers) against the compiled
-    interleaved kernel and float64, on the interpreter test's operands."""
-    from pallas_kernels.moe import grouped_matmul
-    il, operands = split_products_case(bm)
-    xq, xs, gq, gs, uq, us, tile_expert = operands
-    call = lambda t: np.asarray(jax.jit(lambda *a: grouped_matmul(  # noqa: E731
-        a[0], a[2], a[6], up=a[4], tiling=t, x_scale=a[1], w_scale=a[3], up_scale=a[5]))(*operands), np.float64)
-    split = dataclasses.replace(il, split_products=True, a_in_registers=a_in_registers)
-    split_products_check(call(split), call(il), operands, bm)
-
-
 def two_block_call(operands, interpret=False):
-    """A gate_up call on the split_products operands under a tiling (interpret: in the interpreter with
+    """A gate_up call on interleaved_case's operands under a tiling (interpret: in the interpreter with
     races detected), as float64."""
     from pallas_kernels.moe import grouped_matmul
     xq, xs, gq, gs, uq, us, tile_expert = operands
@@ -1135,19 +1074,19 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     one's runs) make the same additions in the same order as one block a step: the interpreter (races
     detected) gives bit-equal outputs, gate_up interleaved scaled (2 and 3 blocks) and unscaled (the
     probe) and one weight (down's shape), over 6 K steps with distinct block scales, the unused tile
-    unwritten; K steps not a multiple of the blocks, 4 blocks, joint and split products, and gate and up
-    not interleaved are refused."""
+    unwritten; K steps not a multiple of the blocks, 4 blocks, joint products, running scales, and gate
+    and up not interleaved are refused."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import shape_error
-    il, operands = split_products_case(bm, K=768)
+    il, operands = interleaved_case(bm, K=768)
     call = two_block_call(operands, plgpu.InterpretGPUParams(detect_races=True))
     for base, blocks in ((il, 2), (il, 3), (dataclasses.replace(il, unscaled_probe=True), 2)):
         got, ref = call(dataclasses.replace(base, step_blocks=blocks)), call(base)
         assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
         np.testing.assert_array_equal(got, ref)
-    split_products_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
+    interleaved_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
     # one weight (the down call's shape): each warpgroup's 64 x 128 part, the same bit-equality
     xq, xs, gq, gs, _, _, tile_expert = operands
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
@@ -1163,7 +1102,7 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     w = sds(operands[2].shape, jnp.float8_e4m3fn)
     for K, blocks, bad in ((640, 2, {}), (512, 3, {}), (768, 4, {}),
                            (768, 2, dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True)),
-                           (768, 2, dict(split_products=True))):
+                           (768, 2, dict(running_scale=True))):
         t = dataclasses.replace(il, step_blocks=blocks, **bad)
         assert "step_blocks" in shape_error(sds((3 * bm, K), jnp.float8_e4m3fn), sds(w.shape[:2] + (K,), w.dtype), t,
                                             fp8=True)
@@ -1196,11 +1135,11 @@ def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
     """step_blocks 2 compiled on the GPU against the compiled one-block kernel (bit-equal: the same
     products and additions in the same order) and float64: interleaved gate_up scaled and the unscaled
     probe (two blocks; three at 128-row tiles), and one weight (down's shape)."""
-    il, operands = split_products_case(bm, K=768)
+    il, operands = interleaved_case(bm, K=768)
     call = two_block_call(operands)
     for base, blocks in ((il, 2), (il, 3 if bm == 128 else 2), (dataclasses.replace(il, unscaled_probe=True), 2)):
         np.testing.assert_array_equal(call(dataclasses.replace(base, step_blocks=blocks)), call(base))
-    split_products_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
+    interleaved_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
     from pallas_kernels.moe import grouped_matmul
     xq, xs, gq, gs, _, _, tile_expert = operands
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
@@ -1256,7 +1195,7 @@ def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fenc
 
     from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import shape_error
-    il, operands = split_products_case(bm, K=768)
+    il, operands = interleaved_case(bm, K=768)
     call = two_block_call(operands, plgpu.InterpretGPUParams(detect_races=True))
     for base in (il, dataclasses.replace(il, step_blocks=2)):
         got = call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False))
@@ -1300,7 +1239,7 @@ def test_row_scales_from_gmem_lower_for_cuda_at_glm5_widths(bm, step_blocks):
 def test_row_scales_from_gmem_compiled_bit_equal(bm):
     """row_scales_from_gmem (fence off) compiled on the GPU, bit-equal to the compiled kernel reading the
     row scales from shared memory: interleaved gate_up with one and two K blocks a step."""
-    il, operands = split_products_case(bm, K=768)
+    il, operands = interleaved_case(bm, K=768)
     call = two_block_call(operands)
     for base in (il, dataclasses.replace(il, step_blocks=2)):
         np.testing.assert_array_equal(

@@ -66,17 +66,6 @@ class Tiling:
     product holds 64 gate and 64 up columns (the x tile read from shared memory once, not once per
     weight); its halves are summed apart with their own block scales and paired by the epilogue. A
     tile computes block_n / 2 output columns."""
-    split_products: bool = False
-    """Probe, interleaved_gate_up only: a warpgroup's step issues its gate and its up 64 columns as two
-    m64n64 products into two fresh accumulators, waits for the first only (one product in flight) and
-    adds it into gate's sums while up's product runs, then waits for and adds up's: half of the step's
-    promotion under the tensor cores' work, in the same 64 fresh registers as the one m64n128 product
-    (the promoting kernel has no registers for more: docs/perf.md, 2026-12-05 fourteenth session)."""
-    a_in_registers: bool = False
-    """With split_products: the warpgroup's 64 x 128 x tile is loaded from shared memory into registers
-    once a step (16 a thread) and both products take it from there, so the tensor cores read only the
-    weight blocks from shared memory (two 64-column products reading x each would be bound by shared
-    memory bandwidth, as the 64-column joint tiling is)."""
     chained_tiles: bool = False
     """Warp-specialized: a program's tiles run as one continued K pipeline (emit_pipeline_warp_specialized's
     pipeline_state: its first used tile START, the next STEADY, its last STOP), so the producer loads
@@ -169,16 +158,12 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
-    if (tiling.split_products or tiling.a_in_registers) and not (
-            tiling.interleaved_gate_up and tiling.split_products and not tiling.unscaled_probe):
-        return (f"split_products: interleaved gate/up only (a_in_registers with split_products), not the unscaled "
-                f"probe ({tiling})")
     if tiling.step_blocks not in (1, 2, 3) or tiling.step_blocks > 1 and not (
             fp8 and tiling.compute_wgs == 2 and k_steps % (tiling.step_blocks * tiling.k_splits) == 0
-            and not (tiling.split_products or tiling.joint_products or tiling.column_pairs or tiling.running_scale)):
+            and not (tiling.joint_products or tiling.column_pairs or tiling.running_scale)):
         return (f"step_blocks {tiling.step_blocks}: 1, or 2 or 3 with fp8, two compute warpgroups, one product a K "
-                f"block (no split, joint or column-pair products, no running scales) and the K steps of a split a "
-                f"multiple of it ({tiling})")
+                f"block (no joint or column-pair products, no running scales) and the K steps of a split a multiple "
+                f"of it ({tiling})")
     if tiling.row_scales_from_gmem and not (fp8 and tiling.compute_wgs == 2 and not tiling.running_scale):
         return f"row_scales_from_gmem: fp8, two compute warpgroups, not running_scale ({tiling})"
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
@@ -233,7 +218,7 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     most); else t."""
     step_blocks = min(step_blocks, 2) if t.block_m == 64 else step_blocks
     if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
-            t.joint_products or t.column_pairs or t.running_scale or t.split_products)):
+            t.joint_products or t.column_pairs or t.running_scale)):
         return t
     return dataclasses.replace(t, step_blocks=step_blocks, stages=STEP_BLOCK_STAGES[t.block_m, step_blocks])
 
@@ -492,9 +477,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     tile_rows = pl.ds(mi * bm + (wg * sm if split_rows else 0), sm)
                     row_scales = [plgpu.load(xs_ref.at[S * idx[0] + s + start, tile_rows],
                                              layout=plgpu.Layout.WGMMA.reduce(1)) for s in range(S)]
-                x_regs = (plgpu.load(x_smem.at[rows], layout=plgpu.Layout.WGMMA_8BIT)   # a_in_registers: x, once
-                          if tiling.a_in_registers else None)
-                if tiling.fence_row_scales and (n_xs or x_regs is not None):
+                if tiling.fence_row_scales and n_xs:
                     plgpu.commit_smem()   # the shared-memory reads above ordered before the next TMA write there
                 if S > 1:                     # one product a block, two in flight, added in order
                     def promote(out, s, acc_ref, wait_n):
@@ -528,16 +511,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
-                if tiling.split_products:  # gate's product added while up's runs
-                    pair, base = pair_slot(idx), 0 if split_rows else wg * sn
-                    lhs = x_smem.at[rows] if x_regs is None else x_regs
-
-                    def split(gate_acc, up_acc):
-                        for acc_ref, start in ((gate_acc, base), (up_acc, base + half)):
-                            plgpu.wgmma(acc_ref, lhs, pair.at[pl.ds(start, half)].transpose((1, 0)))
-                        gate_sum = _add_scaled(sums[0], plgpu.wgmma_accumulator_load(gate_acc, wait_n=1), scales[0])
-                        return gate_sum, _add_scaled(sums[1], plgpu.wgmma_accumulator_load(up_acc), scales[1])
-                    return pl.run_scoped(split, *[plgpu.ACC((sm, half), jnp.float32)] * 2)
                 if interleaved:           # one product: its gate half into gate's sums, its up half into up's
                     part = products([pair_slot(idx)])[0]
                     halves = (part[:, :out_sn], part[:, out_sn:])
