@@ -480,12 +480,16 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 if tiling.fence_row_scales and n_xs:
                     plgpu.commit_smem()   # the shared-memory reads above ordered before the next TMA write there
                 if S > 1:                     # one product a block, two in flight, added in order
+                    # every block's scales first: their block-scale reads in flight before any product
+                    block_scales = [_step_scales(row_scales[s], load_scale, S * idx[0] + s, len(ws_refs))
+                                    for s in range(S)]
+
                     def promote(out, s, acc_ref, wait_n):
                         """out plus block s's product (awaited until wait_n products are in flight) scaled."""
-                        scales = _step_scales(row_scales[s], load_scale, S * idx[0] + s, len(ws_refs))
                         part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
                         parts = (part[:, :out_sn], part[:, out_sn:]) if interleaved else (part,)
-                        return tuple(_add_scaled(total, h, scale) for total, h, scale in zip(out, parts, scales))
+                        return tuple(_add_scaled(total, h, scale)
+                                     for total, h, scale in zip(out, parts, block_scales[s]))
 
                     def chain(s, out, in_flight):
                         """Issue block s's product into a fresh accumulator, then add block s - 1's (in_flight)
