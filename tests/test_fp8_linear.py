@@ -135,14 +135,15 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks, gmem_row_scales: seen.append(
-        (w, s, split_k, chain, step_blocks, gmem_row_scales)) or jnp.zeros((*x.shape[:-1], 192)))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks, gmem_row_scales, in_flight:
+                        seen.append((w, s, split_k, chain, step_blocks, gmem_row_scales, in_flight))
+                        or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
     dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True, fp8_step_blocks=2,
-                          fp8_row_scales_from_gmem=True))
-    assert [a[2:] for a in seen] == [(True, False, 1, False), (False, True, 2, True)]   # by default: split K only
+                          fp8_row_scales_from_gmem=True, fp8_product_in_flight=True))
+    assert [a[2:] for a in seen] == [(True, False, 1, False, False), (False, True, 2, True, True)]   # default: split K
     del seen[1:]
     tilings = []
 

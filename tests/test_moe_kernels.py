@@ -1183,6 +1183,13 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
         ts = expert_tilings(rows, sds((256, I, D), jnp.float8_e4m3fn), True, 2, interleaved=True, gmem_row_scales=True)
         assert all(t.row_scales_from_gmem and not t.fence_row_scales for t in ts)
     assert not expert_tilings(8192 * 8, gate, True, 2, running=True, gmem_row_scales=True)[0].row_scales_from_gmem
+    # in_flight: two-block tilings keep the second product in flight, and are then never chained
+    for chain in (False, True):
+        up_f, down_f = expert_tilings(8192 * 8, gate, True, 2, interleaved=True, chain=chain, step_blocks=2,
+                                      in_flight=True)
+        assert up_f.product_in_flight and down_f.product_in_flight and not (up_f.chained_tiles or down_f.chained_tiles)
+    three = expert_tilings(8192 * 8, gate, True, 2, interleaved=True, step_blocks=3, in_flight=True)
+    assert not three[0].product_in_flight
 
 
 def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fence(bm=128):
@@ -1245,3 +1252,76 @@ def test_row_scales_from_gmem_compiled_bit_equal(bm):
     for base in (il, dataclasses.replace(il, step_blocks=2)):
         np.testing.assert_array_equal(
             call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False)), call(base))
+
+
+@pytest.mark.parametrize("bm", [128, 64])
+def test_product_in_flight_interpret_bit_equal_one_block_steps(bm):
+    """Tiling.product_in_flight (two blocks a step, the second's product added in the next step after
+    that step's first is issued, the last one after the tile's pipeline): in the interpreter (races
+    detected; each product fresh there, the in-flight one carried as a value) bit-equal to one block a
+    step, gate_up interleaved and one weight, 3 steps of 2 blocks with distinct scales, the unused tile
+    unwritten; refused without two blocks a step and with chained tiles, and never chained by `chained`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.grouped_matmul import can_chain, shape_error
+    il, operands = interleaved_case(bm, K=768)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    call = two_block_call(operands, interp)
+    ref = call(il)
+    got = call(dataclasses.replace(il, step_blocks=2, product_in_flight=True))
+    assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
+    np.testing.assert_array_equal(got, ref)
+    xq, xs, gq, gs, _, _, tile_expert = operands
+    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
+    down = lambda t: np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs,  # noqa: E731
+                                               interpret=interp), np.float64)
+    np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, product_in_flight=True)), down(one))
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((3 * bm, 768), jnp.float8_e4m3fn), sds(gq.shape, jnp.float8_e4m3fn)
+    for bad in (dict(step_blocks=1), dict(step_blocks=3), dict(step_blocks=2, chained_tiles=True)):
+        t = dataclasses.replace(il, product_in_flight=True, **bad)
+        assert "product_in_flight" in shape_error(x, w, t, fp8=True)
+    assert not can_chain(dataclasses.replace(il, step_blocks=2, product_in_flight=True), 768)
+
+
+@pytest.mark.parametrize("bm,gmem", [(128, False), (128, True), (64, True)])
+def test_product_in_flight_lowers_for_cuda_at_glm5_widths(bm, gmem):
+    """product_in_flight (accumulators zeroed after each read, slots released a step late) lowered for
+    CUDA on this machine at GLM-5's gate_up widths, the dispatch's interleaved tiles in
+    STEP_BLOCK_STAGES' stages, row scales from shared or global memory."""
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.grouped_matmul import STEP_BLOCK_STAGES
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 16, 6144, 2048
+    P = 8192 * 8 + E * bm
+    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=STEP_BLOCK_STAGES[bm, 2],
+               compute_wgs=2, grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
+               step_blocks=2, product_in_flight=True, row_scales_from_gmem=gmem, fence_row_scales=not gmem)
+    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                up_scale=us))
+    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
+    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32),
+                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm", [128, 64])
+def test_product_in_flight_compiled_bit_equal_one_block_steps(bm):
+    """product_in_flight compiled on the GPU (the accumulators live across steps, zeroed after each read;
+    the in-flight product's slot released a step late) bit-equal to one block a step: gate_up
+    interleaved with row scales from shared and from global memory, and one weight."""
+    il, operands = interleaved_case(bm, K=768)
+    call = two_block_call(operands)
+    ref = call(il)
+    for gmem in (False, True):
+        t = dataclasses.replace(il, step_blocks=2, product_in_flight=True, row_scales_from_gmem=gmem,
+                                fence_row_scales=not gmem)
+        np.testing.assert_array_equal(call(t), ref)
+    from pallas_kernels.moe import grouped_matmul
+    xq, xs, gq, gs, _, _, tile_expert = operands
+    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
+    down = lambda t: np.asarray(jax.jit(lambda *a: grouped_matmul(  # noqa: E731
+        a[0], a[2], a[3], tiling=t, x_scale=a[1], w_scale=a[4]))(xq, xs, gq, tile_expert, gs))
+    np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, product_in_flight=True)), down(one))
