@@ -869,7 +869,6 @@ def test_model_logits_with_the_moe_kernel_are_as_close_to_fp32_as_ragged_dot():
     assert errs["kernel"] <= 1.25 * errs["ragged_dot"]
 
 
-
 def test_clusters_apply_only_where_the_column_blocks_pair_up():
     """A tiling of two-program clusters or of column pairs is kept for an even number of column blocks
     and dropped (to single programs, one block per tile) for an odd one, where the kernel would refuse
@@ -1109,27 +1108,6 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
                                             fp8=True)
 
 
-@pytest.mark.parametrize("bm,blocks", [(128, 2), (128, 3), (64, 2)])
-def test_two_block_steps_lower_for_cuda_at_glm5_widths(bm, blocks):
-    """step_blocks 2 and 3 lowered for CUDA on this machine at GLM-5's gate_up widths (8192 tokens x top-8
-    over 16 experts), the dispatch's interleaved tiles with STEP_BLOCK_STAGES' stages (shared memory is
-    checked here)."""
-    from pallas_kernels.moe.grouped_matmul import STEP_BLOCK_STAGES
-    from pallas_kernels.moe import grouped_matmul
-    sds = jax.ShapeDtypeStruct
-    E, D, I = 16, 6144, 2048
-    P = 8192 * 8 + E * bm
-    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=STEP_BLOCK_STAGES[bm, blocks],
-               compute_wgs=2, grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
-               step_blocks=blocks)
-    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
-                                                                up_scale=us))
-    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
-    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32),
-                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm", [128, 64])
 def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
@@ -1223,25 +1201,6 @@ def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fenc
                                                  sds((2, 256, 768), jnp.float8_e4m3fn), running, fp8=True)
 
 
-@pytest.mark.parametrize("bm,step_blocks", [(128, 1), (128, 2), (64, 2)])
-def test_row_scales_from_gmem_lower_for_cuda_at_glm5_widths(bm, step_blocks):
-    """row_scales_from_gmem (a WGMMA row-layout load from global memory) lowered for CUDA on this machine
-    at GLM-5's gate_up widths, the dispatch's interleaved tiles, one or two K blocks a step."""
-    from pallas_kernels.moe import grouped_matmul
-    sds = jax.ShapeDtypeStruct
-    E, D, I = 16, 6144, 2048
-    P = 8192 * 8 + E * bm
-    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=3 if bm == 128 else 2,
-               compute_wgs=2, grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
-               step_blocks=step_blocks, row_scales_from_gmem=True, fence_row_scales=False)
-    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
-                                                                up_scale=us))
-    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
-    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32),
-                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm", [128, 64])
 def test_row_scales_from_gmem_compiled_bit_equal(bm):
@@ -1285,27 +1244,6 @@ def test_product_in_flight_interpret_bit_equal_one_block_steps(bm):
     assert not can_chain(dataclasses.replace(il, step_blocks=2, product_in_flight=True), 768)
 
 
-@pytest.mark.parametrize("bm,gmem", [(128, False), (128, True), (64, True)])
-def test_product_in_flight_lowers_for_cuda_at_glm5_widths(bm, gmem):
-    """product_in_flight (accumulators zeroed after each read, slots released a step late) lowered for
-    CUDA on this machine at GLM-5's gate_up widths, the dispatch's interleaved tiles in
-    STEP_BLOCK_STAGES' stages, row scales from shared or global memory."""
-    from pallas_kernels.moe import grouped_matmul
-    from pallas_kernels.moe.grouped_matmul import STEP_BLOCK_STAGES
-    sds = jax.ShapeDtypeStruct
-    E, D, I = 16, 6144, 2048
-    P = 8192 * 8 + E * bm
-    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=STEP_BLOCK_STAGES[bm, 2],
-               compute_wgs=2, grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
-               step_blocks=2, product_in_flight=True, row_scales_from_gmem=gmem, fence_row_scales=not gmem)
-    f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
-                                                                up_scale=us))
-    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
-    text = f.trace(sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32),
-                   ws, ws).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm", [128, 64])
 def test_product_in_flight_compiled_bit_equal_one_block_steps(bm):
@@ -1325,3 +1263,38 @@ def test_product_in_flight_compiled_bit_equal_one_block_steps(bm):
     down = lambda t: np.asarray(jax.jit(lambda *a: grouped_matmul(  # noqa: E731
         a[0], a[2], a[3], tiling=t, x_scale=a[1], w_scale=a[4]))(xq, xs, gq, tile_expert, gs))
     np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, product_in_flight=True)), down(one))
+
+
+@pytest.mark.parametrize("bm,variant", [
+    (128, dict(step_blocks=2)), (128, dict(step_blocks=3)), (64, dict(step_blocks=2)),
+    (128, dict(row_scales_from_gmem=True)), (64, dict(step_blocks=2, row_scales_from_gmem=True)),
+    (128, dict(step_blocks=3, row_scales_from_gmem=True)),
+    (128, dict(step_blocks=2, product_in_flight=True)), (64, dict(step_blocks=2, product_in_flight=True)),
+    (128, dict(step_blocks=2, product_in_flight=True, row_scales_from_gmem=True))])
+def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
+    """The interleaved gate_up kernel's variants (step_blocks in STEP_BLOCK_STAGES' stages,
+    row_scales_from_gmem with the fence off, product_in_flight) lowered for CUDA on this machine at
+    GLM-5's gate_up widths (8192 tokens x top-8 over 16 experts), the dispatch's interleaved tiles:
+    Mosaic GPU's layout, wgmma and shared-memory checks run here (an 8-stage three-block tiling is
+    refused for its shared memory)."""
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.grouped_matmul import STEP_BLOCK_STAGES
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 16, 6144, 2048
+    P = 8192 * 8 + E * bm
+    blocks = variant.get("step_blocks", 1)
+    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128,
+               stages=STEP_BLOCK_STAGES.get((bm, blocks), 4), compute_wgs=2, grid_block_n=16 if bm == 128 else 1,
+               cluster_n=2, interleaved_gate_up=True, fence_row_scales=not variant.get("row_scales_from_gmem"),
+               **variant)
+    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
+    args = (sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32), ws, ws)
+
+    def lower(t):
+        f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
+                                                                    up_scale=us))
+        return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in lower(t)
+    if blocks == 3:
+        with pytest.raises(Exception, match="shared memory"):
+            lower(dataclasses.replace(t, stages=8))
