@@ -1298,3 +1298,32 @@ def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
     if blocks == 3:
         with pytest.raises(Exception, match="shared memory"):
             lower(dataclasses.replace(t, stages=8))
+
+
+@pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
+def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
+    """The tilings the policies device_plan's k2 part runs end to end give the fp8 experts and GLM-5's
+    fp8 dense linears (fp8_step_blocks 3 with global row scales; 2 with the product in flight and global
+    row scales), at prefill and decode row counts, lowered for CUDA on this machine: a shared-memory or
+    layout failure shows here, not in the GPU call."""
+    from pallas_kernels.fp8_linear import GLM5_LINEARS, fp8_linear
+    from pallas_kernels.moe.dispatch import expert_tilings
+    from pallas_kernels.policy import KernelPolicy
+    D, I, k = 6144, 2048, 8
+    sds = jax.ShapeDtypeStruct
+    gate = sds((experts, I, D), jnp.float8_e4m3fn)
+    for text in ("fp8_step_blocks=3,fp8_row_scales_from_gmem=true",
+                 "fp8_step_blocks=2,fp8_product_in_flight=true,fp8_row_scales_from_gmem=true"):
+        p = KernelPolicy.parse(text)
+        up_t, down_t = expert_tilings(tokens * k, gate, True, p.fp8_moe_compute_wgs, p.fp8_moe_interleaved_gate_up,
+                                      p.chained_tiles, p.fp8_running_scale, p.fp8_step_blocks,
+                                      p.fp8_row_scales_from_gmem, p.fp8_product_in_flight)
+        assert up_t.row_scales_from_gmem and up_t.step_blocks > 1
+        lower_fp8_experts_for_cuda(tokens, experts, up_t, down_t, D, I, k)
+        if (tokens, experts) not in ((8192, 16), (1, 256)):   # the dense linears at prefill and decode rows
+            continue
+        for name, (K, N) in GLM5_LINEARS.items():
+            f = functools.partial(fp8_linear, step_blocks=p.fp8_step_blocks, gmem_row_scales=p.fp8_row_scales_from_gmem,
+                                  in_flight=p.fp8_product_in_flight)
+            jax.jit(f).trace(sds((tokens, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn),
+                             sds((-(-N // 128), K // 128), jnp.float32)).lower(lowering_platforms=("cuda",))
