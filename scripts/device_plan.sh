@@ -86,8 +86,9 @@ part_sass() {
   done
 }
 
-part_k2() {   # issue 26: Tiling.step_blocks 2 (the first block's product added while the second's runs) and
-  # Tiling.row_scales_from_gmem (`_gs`: no TMA load of the row scales, no fence), kernel calls and end to end
+part_k2() {   # issue 26: Tiling.step_blocks 2 and 3 (each block's product added while the next one's runs),
+  # product_in_flight (`_k2f`) and row_scales_from_gmem (`_gs`: no TMA load of the row scales, no fence): their
+  # compiled tests and kernel calls (end to end: k2_e2e)
   TESTS_K="two_block_steps_compiled or row_scales_from_gmem_compiled or product_in_flight_compiled" TESTS_BUDGET=150 \
     part_tests
   local il=2wg_n128_g16_c2_il dn=2wg_n128_g16_c2

@@ -1054,15 +1054,16 @@ def interleaved_check(got, ref, operands, bm):
         np.testing.assert_allclose(got[rows], ref[rows], rtol=0, atol=1e-2 * np.abs(want).max() / 256)
 
 
-def two_block_call(operands, interpret=False):
-    """A gate_up call on interleaved_case's operands under a tiling (interpret: in the interpreter with
-    races detected), as float64."""
+def variant_call(operands, interpret=False, one_weight=False):
+    """A gate_up call on interleaved_case's operands under a tiling, as float64 (interpret: in the
+    interpreter with these params, else compiled; one_weight: gate's weight alone, the down call's
+    shape)."""
     from pallas_kernels.moe import grouped_matmul
-    xq, xs, gq, gs, uq, us, tile_expert = operands
 
     def call(t):
-        f = lambda *a: grouped_matmul(a[0], a[2], a[6], up=a[4], tiling=t, x_scale=a[1], w_scale=a[3],  # noqa: E731
-                                      up_scale=a[5], interpret=interpret)
+        def f(xq, xs, gq, gs, uq, us, tile_expert):
+            up = {} if one_weight else dict(up=uq, up_scale=us)
+            return grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs, interpret=interpret, **up)
         return np.asarray((f if interpret else jax.jit(f))(*operands), np.float64)
     return call
 
@@ -1080,7 +1081,7 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import shape_error
     il, operands = interleaved_case(bm, K=768)
-    call = two_block_call(operands, plgpu.InterpretGPUParams(detect_races=True))
+    call = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True))
     ref = call(il)
     for blocks in (2, 3) if bm == 128 else (2,):
         got = call(dataclasses.replace(il, step_blocks=blocks))
@@ -1090,8 +1091,7 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     # one weight (the down call's shape): each warpgroup's 64 x 128 part, the same bit-equality
     xq, xs, gq, gs, _, _, tile_expert = operands
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
-    down = lambda t: np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs,  # noqa: E731
-                                               interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
+    down = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True), one_weight=True)
     got, ref = down(dataclasses.replace(one, step_blocks=2)), down(one)
     assert len(list(used_tiles(tile_expert, bm, got, ref))) == 2
     np.testing.assert_array_equal(got, ref)
@@ -1115,15 +1115,12 @@ def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
     products and additions in the same order) and float64: interleaved gate_up scaled and the unscaled
     probe (two blocks; three at 128-row tiles), and one weight (down's shape)."""
     il, operands = interleaved_case(bm, K=768)
-    call = two_block_call(operands)
+    call = variant_call(operands)
     for base, blocks in ((il, 2), (il, 3 if bm == 128 else 2), (dataclasses.replace(il, unscaled_probe=True), 2)):
         np.testing.assert_array_equal(call(dataclasses.replace(base, step_blocks=blocks)), call(base))
     interleaved_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
-    from pallas_kernels.moe import grouped_matmul
-    xq, xs, gq, gs, _, _, tile_expert = operands
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
-    down = lambda t: np.asarray(jax.jit(lambda *a: grouped_matmul(  # noqa: E731
-        a[0], a[2], a[3], tiling=t, x_scale=a[1], w_scale=a[4]))(xq, xs, gq, tile_expert, gs))
+    down = variant_call(operands, one_weight=True)
     np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2)), down(one))
 
 
@@ -1179,19 +1176,16 @@ def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fenc
     refused with running scales."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import shape_error
     il, operands = interleaved_case(bm, K=768)
-    call = two_block_call(operands, plgpu.InterpretGPUParams(detect_races=True))
+    call = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True))
     for base in (il, dataclasses.replace(il, step_blocks=2)):
         got = call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False))
         ref = call(base)
         assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
         np.testing.assert_array_equal(got, ref)
-    xq, xs, gq, gs, _, _, tile_expert = operands
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
-    down = lambda t: np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs,  # noqa: E731
-                                               interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float64)
+    down = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True), one_weight=True)
     np.testing.assert_array_equal(down(dataclasses.replace(one, row_scales_from_gmem=True, fence_row_scales=False)),
                                   down(one))
     sds = jax.ShapeDtypeStruct
@@ -1207,7 +1201,7 @@ def test_row_scales_from_gmem_compiled_bit_equal(bm):
     """row_scales_from_gmem (fence off) compiled on the GPU, bit-equal to the compiled kernel reading the
     row scales from shared memory: interleaved gate_up with one and two K blocks a step."""
     il, operands = interleaved_case(bm, K=768)
-    call = two_block_call(operands)
+    call = variant_call(operands)
     for base in (il, dataclasses.replace(il, step_blocks=2)):
         np.testing.assert_array_equal(
             call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False)), call(base))
@@ -1222,22 +1216,19 @@ def test_product_in_flight_interpret_bit_equal_one_block_steps(bm):
     unwritten; refused without two blocks a step and with chained tiles, and never chained by `chained`."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import can_chain, shape_error
     il, operands = interleaved_case(bm, K=768)
     interp = plgpu.InterpretGPUParams(detect_races=True)
-    call = two_block_call(operands, interp)
+    call = variant_call(operands, interp)
     ref = call(il)
     got = call(dataclasses.replace(il, step_blocks=2, product_in_flight=True))
     assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
     np.testing.assert_array_equal(got, ref)
-    xq, xs, gq, gs, _, _, tile_expert = operands
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
-    down = lambda t: np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs,  # noqa: E731
-                                               interpret=interp), np.float64)
+    down = variant_call(operands, interp, one_weight=True)
     np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, product_in_flight=True)), down(one))
     sds = jax.ShapeDtypeStruct
-    x, w = sds((3 * bm, 768), jnp.float8_e4m3fn), sds(gq.shape, jnp.float8_e4m3fn)
+    x, w = sds((3 * bm, 768), jnp.float8_e4m3fn), sds(operands[2].shape, jnp.float8_e4m3fn)
     for bad in (dict(step_blocks=1), dict(step_blocks=3), dict(step_blocks=2, chained_tiles=True)):
         t = dataclasses.replace(il, product_in_flight=True, **bad)
         assert "product_in_flight" in shape_error(x, w, t, fp8=True)
@@ -1251,17 +1242,14 @@ def test_product_in_flight_compiled_bit_equal_one_block_steps(bm):
     the in-flight product's slot released a step late) bit-equal to one block a step: gate_up
     interleaved with row scales from shared and from global memory, and one weight."""
     il, operands = interleaved_case(bm, K=768)
-    call = two_block_call(operands)
+    call = variant_call(operands)
     ref = call(il)
     for gmem in (False, True):
         t = dataclasses.replace(il, step_blocks=2, product_in_flight=True, row_scales_from_gmem=gmem,
                                 fence_row_scales=not gmem)
         np.testing.assert_array_equal(call(t), ref)
-    from pallas_kernels.moe import grouped_matmul
-    xq, xs, gq, gs, _, _, tile_expert = operands
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
-    down = lambda t: np.asarray(jax.jit(lambda *a: grouped_matmul(  # noqa: E731
-        a[0], a[2], a[3], tiling=t, x_scale=a[1], w_scale=a[4]))(xq, xs, gq, tile_expert, gs))
+    down = variant_call(operands, one_weight=True)
     np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, product_in_flight=True)), down(one))
 
 

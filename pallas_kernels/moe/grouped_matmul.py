@@ -553,9 +553,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
                 if interleaved:           # one product: its gate half into gate's sums, its up half into up's
-                    part = products([pair_slot(idx)])[0]
-                    halves = (part[:, :out_sn], part[:, out_sn:])
-                    return tuple(_add_scaled(total, half, scale) for total, half, scale in zip(sums, halves, scales))
+                    return add_part(sums, products([pair_slot(idx)])[0], scales)
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
                                  for total, part, scale in zip(sums, products(w_smems), scales))
@@ -727,7 +725,7 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     if tiling.column_pairs and up is not None:
         raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
     if tiling.step_blocks > 1 and up is not None and not interleaved:
-        raise ValueError("grouped_matmul: step_blocks 2 takes gate and up interleaved (one product a K block)")
+        raise ValueError("grouped_matmul: step_blocks above 1 takes gate and up interleaved (one product a K block)")
     if tiling.k_splits > 1 and up is not None:
         raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
     pair = 2 if tiling.column_pairs else 1
