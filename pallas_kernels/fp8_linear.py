@@ -96,14 +96,13 @@ def fp8_linear_reference(x, w, scale_inv):
 
 @jax.named_call     # profiles name the ops inside by this scope
 def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, split_k: bool = False, chain: bool = False,
-               step_blocks: int = 1, gmem_row_scales: bool = False, in_flight: bool = False, interpret=False):
+               step_blocks: int = 1, gmem_row_scales: bool = False, interpret=False):
     """x [..., K] @ W^T -> [..., N] in x's dtype, for W = w * scale_inv's blocks (w [N, K] e4m3,
     scale_inv [ceil(N / 128), K / 128] fp32), fp8 x fp8 with the rows quantized per 128 columns.
     split_k: the default tiling splits a decode-sized call's K (linear_tiling; KernelPolicy.fp8_linear_split_k);
     chain: the default tiling `chained` where it fits (KernelPolicy.chained_tiles); step_blocks: the
     default tiling with Tiling.step_blocks where it takes them (KernelPolicy.fp8_step_blocks);
-    gmem_row_scales: with Tiling.row_scales_from_gmem where it applies (KernelPolicy.fp8_row_scales_from_gmem);
-    in_flight: with Tiling.product_in_flight where two blocks a step apply (KernelPolicy.fp8_product_in_flight)."""
+    gmem_row_scales: with Tiling.row_scales_from_gmem where it applies (KernelPolicy.fp8_row_scales_from_gmem)."""
     err = shape_error(x, w, scale_inv, tiling)
     if err is not None:
         raise ValueError(f"fp8_linear: {err}")
@@ -112,7 +111,7 @@ def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, split_k: bool =
     rows = x.reshape(-1, K)
     t = tiling or linear_tiling(rows.shape[0], N, K, split_k=split_k)   # splits divide K's steps: fits too
     if tiling is None:
-        t = with_gmem_row_scales(with_step_blocks(t, K, step_blocks, in_flight), gmem_row_scales)
+        t = with_step_blocks(with_gmem_row_scales(t, gmem_row_scales), K, step_blocks)
     if chain and tiling is None:
         t = chained(t, K)
     P = _tile_rows(rows.shape[0], t)

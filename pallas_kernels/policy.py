@@ -90,10 +90,6 @@ class KernelPolicy:
     step and add each block's product into the fp32 sums while the next one's runs
     (grouped_matmul.Tiling.step_blocks, with_step_blocks; 64-row tiles two at most): bit-equal outputs.
     1 until timed end to end."""
-    fp8_product_in_flight: bool = False
-    """With fp8_step_blocks 2: each step's second product left in flight into the next step and added
-    after that step's first is issued (grouped_matmul.Tiling.product_in_flight): every promotion beside a
-    product of the same warpgroup; bit-equal outputs. Not with chained_tiles. Off until timed."""
     fp8_row_scales_from_gmem: bool = False
     """The fp8 expert calls and dense linears with two compute warpgroups read each step's row scales
     from global memory instead of the step's shared-memory slot (grouped_matmul.Tiling.row_scales_from_gmem,

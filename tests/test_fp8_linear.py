@@ -135,15 +135,15 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks, gmem_row_scales, in_flight:
-                        seen.append((w, s, split_k, chain, step_blocks, gmem_row_scales, in_flight))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks, gmem_row_scales:
+                        seen.append((w, s, split_k, chain, step_blocks, gmem_row_scales))
                         or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
     dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True, fp8_step_blocks=2,
-                          fp8_row_scales_from_gmem=True, fp8_product_in_flight=True))
-    assert [a[2:] for a in seen] == [(True, False, 1, False, False), (False, True, 2, True, True)]   # default: split K
+                          fp8_row_scales_from_gmem=True))
+    assert [a[2:] for a in seen] == [(True, False, 1, False), (False, True, 2, True)]   # default: split K
     del seen[1:]
     tilings = []
 
@@ -158,11 +158,11 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     fp8_linear(x[..., :1].repeat(768, -1), w, sc, chain=True)          # 6 K steps over 4 stages: not chained
     w8, sc8 = jnp.zeros((256, 1024), jnp.float8_e4m3fn), jnp.ones((2, 8), jnp.float32)   # 8 K steps: chained
     fp8_linear(x[..., :1].repeat(1024, -1), w8, sc8, chain=True)
-    fp8_linear(x[..., :1].repeat(768, -1), w, sc, step_blocks=2)     # two blocks a step in two stages
+    fp8_linear(x[..., :1].repeat(768, -1), w, sc, step_blocks=2)     # two blocks a step in three stages
     fp8_linear(x[..., :1].repeat(768, -1), w, sc, gmem_row_scales=True)
     assert tilings == [linear_tiling(21, 256, 768, split_k=True), linear_tiling(21, 256, 768),
                        linear_tiling(21, 256, 768), dataclasses.replace(linear_tiling(21, 256, 1024), chained_tiles=True),
-                       dataclasses.replace(linear_tiling(21, 256, 768), step_blocks=2, stages=2),
+                       dataclasses.replace(linear_tiling(21, 256, 768), step_blocks=2, stages=3),
                        dataclasses.replace(linear_tiling(21, 256, 768), row_scales_from_gmem=True, fence_row_scales=False)]
     assert tilings[0].k_splits > 1 == tilings[1].k_splits
     off = dense(x, KernelPolicy(fp8_linear_kernel=False))

@@ -1158,13 +1158,6 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
         ts = expert_tilings(rows, sds((256, I, D), jnp.float8_e4m3fn), True, 2, interleaved=True, gmem_row_scales=True)
         assert all(t.row_scales_from_gmem and not t.fence_row_scales for t in ts)
     assert not expert_tilings(8192 * 8, gate, True, 2, running=True, gmem_row_scales=True)[0].row_scales_from_gmem
-    # in_flight: two-block tilings keep the second product in flight, and are then never chained
-    for chain in (False, True):
-        up_f, down_f = expert_tilings(8192 * 8, gate, True, 2, interleaved=True, chain=chain, step_blocks=2,
-                                      in_flight=True)
-        assert up_f.product_in_flight and down_f.product_in_flight and not (up_f.chained_tiles or down_f.chained_tiles)
-    three = expert_tilings(8192 * 8, gate, True, 2, interleaved=True, step_blocks=3, in_flight=True)
-    assert not three[0].product_in_flight
 
 
 def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fence(bm=128):
@@ -1199,82 +1192,41 @@ def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fenc
 @pytest.mark.parametrize("bm", [128, 64])
 def test_row_scales_from_gmem_compiled_bit_equal(bm):
     """row_scales_from_gmem (fence off) compiled on the GPU, bit-equal to the compiled kernel reading the
-    row scales from shared memory: interleaved gate_up with one and two K blocks a step."""
+    row scales from shared memory: interleaved gate_up with one and two K blocks a step, and one weight."""
     il, operands = interleaved_case(bm, K=768)
     call = variant_call(operands)
     for base in (il, dataclasses.replace(il, step_blocks=2)):
         np.testing.assert_array_equal(
             call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False)), call(base))
-
-
-@pytest.mark.parametrize("bm", [128, 64])
-def test_product_in_flight_interpret_bit_equal_one_block_steps(bm):
-    """Tiling.product_in_flight (two blocks a step, the second's product added in the next step after
-    that step's first is issued, the last one after the tile's pipeline): in the interpreter (races
-    detected; each product fresh there, the in-flight one carried as a value) bit-equal to one block a
-    step, gate_up interleaved and one weight, 3 steps of 2 blocks with distinct scales, the unused tile
-    unwritten; refused without two blocks a step and with chained tiles, and never chained by `chained`."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.moe.grouped_matmul import can_chain, shape_error
-    il, operands = interleaved_case(bm, K=768)
-    interp = plgpu.InterpretGPUParams(detect_races=True)
-    call = variant_call(operands, interp)
-    ref = call(il)
-    got = call(dataclasses.replace(il, step_blocks=2, product_in_flight=True))
-    assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
-    np.testing.assert_array_equal(got, ref)
-    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
-    down = variant_call(operands, interp, one_weight=True)
-    np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, product_in_flight=True)), down(one))
-    sds = jax.ShapeDtypeStruct
-    x, w = sds((3 * bm, 768), jnp.float8_e4m3fn), sds(operands[2].shape, jnp.float8_e4m3fn)
-    for bad in (dict(step_blocks=1), dict(step_blocks=3), dict(step_blocks=2, chained_tiles=True)):
-        t = dataclasses.replace(il, product_in_flight=True, **bad)
-        assert "product_in_flight" in shape_error(x, w, t, fp8=True)
-    assert not can_chain(dataclasses.replace(il, step_blocks=2, product_in_flight=True), 768)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bm", [128, 64])
-def test_product_in_flight_compiled_bit_equal_one_block_steps(bm):
-    """product_in_flight compiled on the GPU (the accumulators live across steps, zeroed after each read;
-    the in-flight product's slot released a step late) bit-equal to one block a step: gate_up
-    interleaved with row scales from shared and from global memory, and one weight."""
-    il, operands = interleaved_case(bm, K=768)
-    call = variant_call(operands)
-    ref = call(il)
-    for gmem in (False, True):
-        t = dataclasses.replace(il, step_blocks=2, product_in_flight=True, row_scales_from_gmem=gmem,
-                                fence_row_scales=not gmem)
-        np.testing.assert_array_equal(call(t), ref)
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
     down = variant_call(operands, one_weight=True)
-    np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, product_in_flight=True)), down(one))
+    np.testing.assert_array_equal(down(dataclasses.replace(one, row_scales_from_gmem=True, fence_row_scales=False)),
+                                  down(one))
 
 
 @pytest.mark.parametrize("bm,variant", [
     (128, dict(step_blocks=2)), (128, dict(step_blocks=3)), (64, dict(step_blocks=2)),
     (128, dict(row_scales_from_gmem=True)), (64, dict(step_blocks=2, row_scales_from_gmem=True)),
     (128, dict(step_blocks=3, row_scales_from_gmem=True)),
-    (128, dict(step_blocks=2, product_in_flight=True)), (64, dict(step_blocks=2, product_in_flight=True)),
-    (128, dict(step_blocks=2, product_in_flight=True, row_scales_from_gmem=True))])
+    (128, dict(step_blocks=2, row_scales_from_gmem=True))])
 def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
-    """The interleaved gate_up kernel's variants (step_blocks in STEP_BLOCK_STAGES' stages,
-    row_scales_from_gmem with the fence off, product_in_flight) lowered for CUDA on this machine at
+    """The interleaved gate_up kernel's variants (step_blocks in with_step_blocks' stages,
+    row_scales_from_gmem with the fence off) lowered for CUDA on this machine at
     GLM-5's gate_up widths (8192 tokens x top-8 over 16 experts), the dispatch's interleaved tiles:
     Mosaic GPU's layout, wgmma and shared-memory checks run here (an 8-stage three-block tiling is
     refused for its shared memory)."""
     from pallas_kernels.moe import grouped_matmul
-    from pallas_kernels.moe.grouped_matmul import STEP_BLOCK_STAGES
+    from pallas_kernels.moe.grouped_matmul import with_step_blocks
     sds = jax.ShapeDtypeStruct
     E, D, I = 16, 6144, 2048
     P = 8192 * 8 + E * bm
     blocks = variant.get("step_blocks", 1)
-    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128,
-               stages=STEP_BLOCK_STAGES.get((bm, blocks), 4), compute_wgs=2, grid_block_n=16 if bm == 128 else 1,
-               cluster_n=2, interleaved_gate_up=True, fence_row_scales=not variant.get("row_scales_from_gmem"),
-               **variant)
+    t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=4, compute_wgs=2,
+               grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
+               fence_row_scales=not variant.get("row_scales_from_gmem"),
+               **{k: v for k, v in variant.items() if k != "step_blocks"})
+    t = with_step_blocks(t, 6144, blocks)
+    assert t.step_blocks == blocks
     w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
     args = (sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32), ws, ws)
 
@@ -1288,11 +1240,39 @@ def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
             lower(dataclasses.replace(t, stages=8))
 
 
+def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
+    """ws_fp8_smem_bytes against Mosaic GPU's own check, lowering for CUDA here at the edge the H100
+    found (8192 x 16, down): two blocks a step in three stages with the row scales in shared memory do
+    not fit (233520 bytes), so with_step_blocks gives that tile two stages; read from global memory
+    they fit in three. The interleaved gate_up tile (half the output tile) fits three either way."""
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.grouped_matmul import SMEM_BYTES, with_gmem_row_scales, with_step_blocks, ws_fp8_smem_bytes
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 16, 6144, 2048
+    P = 8192 * 8 + E * 128
+    down = Tiling(block_m=128, block_n=128, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2)
+    il = dataclasses.replace(down, interleaved_gate_up=True)
+    w, ws = sds((E, D, I), jnp.float8_e4m3fn), sds((E, D // 128, I // 128), jnp.float32)
+
+    def lower(t):
+        f = jax.jit(lambda x, w, te, xs, s: grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=s))
+        return f.trace(sds((P, I), jnp.float8_e4m3fn), w, sds((P // 128,), jnp.int32),
+                       sds((I // 128, P), jnp.float32), ws).lower(lowering_platforms=("cuda",)).as_text()
+    over = dataclasses.replace(down, step_blocks=2, stages=3)
+    assert ws_fp8_smem_bytes(over) > SMEM_BYTES
+    with pytest.raises(Exception, match="shared memory"):
+        lower(over)
+    assert with_step_blocks(down, I, 2).stages == 2 and "mosaic_gpu" in lower(with_step_blocks(down, I, 2))
+    gmem = with_step_blocks(with_gmem_row_scales(down), I, 2)
+    assert gmem.stages == 3 and ws_fp8_smem_bytes(gmem) <= SMEM_BYTES and "mosaic_gpu" in lower(gmem)
+    assert with_step_blocks(il, D, 2).stages == 3 and with_step_blocks(il, D, 3).stages == 2
+
+
 @pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
 def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
     """The tilings the policies device_plan's k2 part runs end to end give the fp8 experts and GLM-5's
-    fp8 dense linears (fp8_step_blocks 3 with global row scales; 2 with the product in flight and global
-    row scales), at prefill and decode row counts, lowered for CUDA on this machine: a shared-memory or
+    fp8 dense linears (fp8_step_blocks 2, with row scales from shared and from global memory), at
+    prefill and decode row counts, lowered for CUDA on this machine: a shared-memory or
     layout failure shows here, not in the GPU call."""
     from pallas_kernels.fp8_linear import GLM5_LINEARS, fp8_linear
     from pallas_kernels.moe.dispatch import expert_tilings
@@ -1300,18 +1280,16 @@ def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
     D, I, k = 6144, 2048, 8
     sds = jax.ShapeDtypeStruct
     gate = sds((experts, I, D), jnp.float8_e4m3fn)
-    for text in ("fp8_step_blocks=3,fp8_row_scales_from_gmem=true",
-                 "fp8_step_blocks=2,fp8_product_in_flight=true,fp8_row_scales_from_gmem=true"):
+    for text in ("fp8_step_blocks=2", "fp8_step_blocks=2,fp8_row_scales_from_gmem=true"):
         p = KernelPolicy.parse(text)
         up_t, down_t = expert_tilings(tokens * k, gate, True, p.fp8_moe_compute_wgs, p.fp8_moe_interleaved_gate_up,
                                       p.chained_tiles, p.fp8_running_scale, p.fp8_step_blocks,
-                                      p.fp8_row_scales_from_gmem, p.fp8_product_in_flight)
-        assert up_t.row_scales_from_gmem and up_t.step_blocks > 1
+                                      p.fp8_row_scales_from_gmem)
+        assert up_t.row_scales_from_gmem == p.fp8_row_scales_from_gmem and up_t.step_blocks > 1
         lower_fp8_experts_for_cuda(tokens, experts, up_t, down_t, D, I, k)
         if (tokens, experts) not in ((8192, 16), (1, 256)):   # the dense linears at prefill and decode rows
             continue
         for name, (K, N) in GLM5_LINEARS.items():
-            f = functools.partial(fp8_linear, step_blocks=p.fp8_step_blocks, gmem_row_scales=p.fp8_row_scales_from_gmem,
-                                  in_flight=p.fp8_product_in_flight)
+            f = functools.partial(fp8_linear, step_blocks=p.fp8_step_blocks, gmem_row_scales=p.fp8_row_scales_from_gmem)
             jax.jit(f).trace(sds((tokens, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn),
                              sds((-(-N // 128), K // 128), jnp.float32)).lower(lowering_platforms=("cuda",))

@@ -102,14 +102,6 @@ class Tiling:
     wait, row-scale read and fence a step instead of one a block. The same additions in the same order
     as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and two
     fresh 64, where one block a step reaches R155 of the 232 a compute thread gets)."""
-    product_in_flight: bool = False
-    """With step_blocks 2: a step's second product is left in flight into the next step and added into
-    the sums after that step's first product is issued, so every promotion runs beside a product of the
-    same warpgroup (not only the step's first). Its slot is released a step late (the pipeline's
-    delay_release 1), and a tile's last step waits for it before ending, since the producer starts the
-    program's next tile once that step is done. The two accumulators live across the tile's steps and
-    are zeroed after each read; the same additions in the same order (bit-equal). Not chained_tiles
-    (delay_release does not chain)."""
     row_scales_from_gmem: bool = False
     """fp8, warp-specialized, not running_scale: each compute thread reads its rows' scales of a step from
     global memory (L2: every column tile of a row tile reads the same) instead of from the step's
@@ -172,8 +164,6 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"step_blocks {tiling.step_blocks}: 1, or 2 or 3 with fp8, two compute warpgroups, one product a K "
                 f"block (no joint or column-pair products, no running scales) and the K steps of a split a multiple "
                 f"of it ({tiling})")
-    if tiling.product_in_flight and not (tiling.step_blocks == 2 and not tiling.chained_tiles):
-        return f"product_in_flight: step_blocks 2, not chained_tiles ({tiling})"
     if tiling.row_scales_from_gmem and not (fp8 and tiling.compute_wgs == 2 and not tiling.running_scale):
         return f"row_scales_from_gmem: fp8, two compute warpgroups, not running_scale ({tiling})"
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
@@ -196,7 +186,7 @@ def can_chain(t: Tiling, K: int) -> bool:
     flight across steps, each tile's K pipeline steps (K / block_k / step_blocks, over its K splits) a
     multiple of the stages or fewer."""
     steps = K // t.block_k // t.k_splits // t.step_blocks
-    return t.compute_wgs == 2 and not t.product_in_flight and (steps <= t.stages or steps % t.stages == 0)
+    return t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0)
 
 
 def chained(t: Tiling, K: int) -> Tiling:
@@ -217,22 +207,43 @@ def with_running_scale(t: Tiling) -> Tiling:
     return dataclasses.replace(t, running_scale=True, joint_products=False)
 
 
-STEP_BLOCK_STAGES = {(128, 2): 3, (128, 3): 2, (64, 2): 2}
-"""Shared-memory stages of two- and three-block steps, by block_m: as many as fit beside the output tile
-(128-row fp8 blocks: 32 KB a block with its weights; 64 x 256 tiles: 40 KB)."""
+SMEM_BYTES = 232448
+"""Shared memory a Hopper thread block may allocate (227 KB; Mosaic GPU refuses a kernel above it)."""
 
 
-def with_step_blocks(t: Tiling, K: int, step_blocks: int, in_flight: bool = False) -> Tiling:
+def ws_fp8_smem_bytes(t: Tiling) -> int:
+    """Shared memory the warp-specialized fp8 kernel allocates for one-product-a-block tiling t
+    (interleaved gate_up or one weight) with 2-byte outputs: each stage's K blocks (x, row scales
+    unless read from global memory, weights) and the double-buffered output tile, plus 2 KB for the
+    pipeline's barriers and alignment (a three-stage two-block down tile: 233520 bytes measured against
+    232448 estimated before that allowance)."""
+    bm, bn, bk = t.block_m, t.block_n, t.block_k
+    block = bm * bk + bn * bk + (0 if t.row_scales_from_gmem else 4 * bm)
+    sm, sn = (bm // 2, bn) if bm == 128 else (bm, bn // 2)
+    out = 2 * sm * (sn // 2 if t.interleaved_gate_up else sn) * 2
+    return t.stages * t.step_blocks * block + out + 2048
+
+
+STEP_BLOCK_MAX_STAGES = {2: 3, 3: 2}
+"""Shared-memory stages of two- and three-block steps at most (fewer where they do not fit,
+ws_fp8_smem_bytes): on the H100 two blocks in three stages beat two stages and three blocks in two
+(docs/perf.md, 2026-12-05 sixteenth session)."""
+
+
+def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     """fp8 tiling t of one product a K block (one weight, or gate and up interleaved) with step_blocks
     128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them (two compute warpgroups,
-    K's blocks a split a multiple of them), in STEP_BLOCK_STAGES' stages (64-row tiles: two blocks at
-    most); in_flight: with Tiling.product_in_flight where it has two blocks and is not chained; else t."""
+    K's blocks a split a multiple of them), in as many stages as fit (STEP_BLOCK_MAX_STAGES at most;
+    row scales from global memory leave more room, so apply with_gmem_row_scales first; 64-row tiles:
+    two blocks at most); else t."""
     step_blocks = min(step_blocks, 2) if t.block_m == 64 else step_blocks
     if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
             t.joint_products or t.column_pairs or t.running_scale)):
         return t
-    return dataclasses.replace(t, step_blocks=step_blocks, stages=STEP_BLOCK_STAGES[t.block_m, step_blocks],
-                               product_in_flight=in_flight and step_blocks == 2 and not t.chained_tiles)
+    fits = [dataclasses.replace(t, step_blocks=step_blocks, stages=s)
+            for s in range(STEP_BLOCK_MAX_STAGES[step_blocks], 1, -1)]
+    fits = [f for f in fits if ws_fp8_smem_bytes(f) <= SMEM_BYTES]
+    return fits[0] if fits else t
 
 
 def with_gmem_row_scales(t: Tiling, on: bool = True) -> Tiling:
@@ -401,16 +412,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         def kb(s):
             return lambda k: S * k + s + start
 
-        late = dict(delay_release=1) if tiling.product_in_flight else {}   # a slot read by a product in flight
-
         def w_spec(s):
             if interleaved:
-                return plgpu.BlockSpec((half, bk), lambda k: (0, kb(s)(k)), **late)
+                return plgpu.BlockSpec((half, bk), lambda k: (0, kb(s)(k)))
             if fp8:
-                return plgpu.BlockSpec((bn, bk), lambda k: (0, kb(s)(k)), **late)
-            return plgpu.BlockSpec((bk, bn), lambda k: (kb(s)(k), 0), **late)
-        specs = ([plgpu.BlockSpec((bm, bk), lambda k, s=s: (0, kb(s)(k)), **shared, **late) for s in range(S)]
-                 + [plgpu.BlockSpec((1, bm), lambda k, s=s: (kb(s)(k), 0), **shared, **late) for s in range(n_xs)]
+                return plgpu.BlockSpec((bn, bk), lambda k: (0, kb(s)(k)))
+            return plgpu.BlockSpec((bk, bn), lambda k: (kb(s)(k), 0))
+        specs = ([plgpu.BlockSpec((bm, bk), lambda k, s=s: (0, kb(s)(k)), **shared) for s in range(S)]
+                 + [plgpu.BlockSpec((1, bm), lambda k, s=s: (kb(s)(k), 0), **shared) for s in range(n_xs)]
                  + [w_spec(s) for s in range(S) for _ in range(n_blocks)])
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(steps // S,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
@@ -489,7 +498,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     row_scales = [plgpu.load(xs.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)) for xs in xs_smems]
                 else:                     # from global memory: this warpgroup's rows of the tile, each block's
                     tile_rows = pl.ds(mi * bm + (wg * sm if split_rows else 0), sm)
-                    row_scales = [plgpu.load(xs_ref.at[S * idx[0] + s + start, tile_rows],
+                    row_scales = [plgpu.load(xs_ref.at[S * idx[0] + s + start, tile_rows], optimized=False,
                                              layout=plgpu.Layout.WGMMA.reduce(1)) for s in range(S)]
                 if tiling.fence_row_scales and n_xs:
                     plgpu.commit_smem()   # the shared-memory reads above ordered before the next TMA write there
@@ -505,29 +514,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     def issue(acc_ref, s):
                         w_smem = pair_slot(idx, s) if interleaved else w_smems[s]
                         plgpu.wgmma(acc_ref, refs[s].at[rows], w_smem.at[cols].transpose((1, 0)))
-
-                    if tiling.product_in_flight:   # block 2k - 1's product, issued last step, added first
-                        out, pending = sums
-                        if interpret:          # no accumulator set to a value there: each product fresh,
-                            def fresh(acc_ref, s):   # the in-flight one carried as a value (same arithmetic)
-                                issue(acc_ref, s)
-                                return acc_ref[...]
-                            parts = [pl.run_scoped(functools.partial(fresh, s=s), plgpu.ACC((sm, sn), jnp.float32))
-                                     for s in range(S)]
-                            out = add_part(add_part(out, pending[0], pending[1]), parts[0], block_scales[0])
-                            return out, (parts[1], block_scales[1])
-                        acc_a, acc_b = in_flight_accs
-                        issue(acc_a, 0)
-                        out = promote(out, acc_b, 1, pending)
-                        acc_b[...] = fresh_zeros
-                        issue(acc_b, 1)
-                        out = promote(out, acc_a, 1, block_scales[0])
-                        acc_a[...] = fresh_zeros
-
-                        @pl.when(idx[0] == steps // S - 1)
-                        def _():   # the tile's last step ends after its reads (the producer then moves on)
-                            plgpu.wgmma_wait(0)
-                        return out, block_scales[1]
 
                     def chain(s, out, in_flight):
                         """Issue block s's product into a fresh accumulator, then add block s - 1's (in_flight)
@@ -630,28 +616,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 parts = (part[:, :out_sn], part[:, out_sn:]) if interleaved else (part,)
                 return tuple(_add_scaled(total, h, scale) for total, h, scale in zip(sums, parts, scales))
 
-            fresh_zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-            in_flight_accs = []   # product_in_flight: the tile's two accumulators (context_fp8)
 
             def context_fp8(run):
                 # interleaved: gate's and up's sums, each the [sm, out_sn] half of the step's product
                 zeros = plgpu.layout_cast(jnp.zeros((sm, out_sn), jnp.float32), plgpu.Layout.WGMMA)
-                if not tiling.product_in_flight:
-                    store(outputs(run((zeros,) * len(ws_refs))))
-                    return
-                # "block -1": a zero product at zero scales, adding nothing to the zero sums
-                no_scales = (plgpu.layout_cast(jnp.zeros((sm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                             ) * len(ws_refs)
-                if interpret:
-                    sums, (part, scales) = run(((zeros,) * len(ws_refs), (fresh_zeros, no_scales)))
-                    store(outputs(add_part(sums, part, scales)))
-                    return
-
-                def scoped(acc_a, acc_b):
-                    in_flight_accs[:] = [acc_a, acc_b]
-                    sums, scales = run(((zeros,) * len(ws_refs), no_scales))
-                    store(outputs(add_part(sums, acc_b[...], scales)))   # awaited in the tile's last step
-                pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * 2)
+                store(outputs(run((zeros,) * len(ws_refs))))
 
             def context_in_place(run):
                 def scoped(*accs):
