@@ -89,7 +89,10 @@ class KernelPolicy:
     clustered prefill down, the linears' two-warpgroup tiles) load that many 128-deep K blocks a pipeline
     step and add each block's product into the fp32 sums while the next one's runs
     (grouped_matmul.Tiling.step_blocks, with_step_blocks; 64-row tiles two at most): bit-equal outputs.
-    1 until timed end to end."""
+    On the H100 (docs/perf.md, 2026-12-05 sixteenth session) two blocks in three stages took the
+    interleaved gate_up call from 3.186 to 2.940 ms at 8192 x 16 and 4.312 to 3.936 at 8192 x 256;
+    three blocks were slower (3.241). 1 until the down call's two-stage tiling and the prefill are
+    timed (device_plan.sh k2, k2_e2e)."""
     fp8_row_scales_from_gmem: bool = False
     """The fp8 expert calls and dense linears with two compute warpgroups read each step's row scales
     from global memory instead of the step's shared-memory slot (grouped_matmul.Tiling.row_scales_from_gmem,
