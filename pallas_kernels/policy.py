@@ -85,14 +85,14 @@ class KernelPolicy:
     promotion is the default arithmetic. On, it takes the prefill gate_up call in place of
     fp8_moe_interleaved_gate_up's tiling."""
     fp8_step_blocks: int = 1
-    """2 or 3: the fp8 expert calls and dense linears whose tiling takes it (interleaved gate_up, the
-    clustered prefill down, the linears' two-warpgroup tiles) load that many 128-deep K blocks a pipeline
-    step and add each block's product into the fp32 sums while the next one's runs
-    (grouped_matmul.Tiling.step_blocks, with_step_blocks; 64-row tiles two at most): bit-equal outputs.
-    On the H100 (docs/perf.md, 2026-12-05 sixteenth session) two blocks in three stages took the
-    interleaved gate_up call from 3.186 to 2.940 ms at 8192 x 16 and 4.312 to 3.936 at 8192 x 256;
-    three blocks were slower (3.241). 1 until the down call's two-stage tiling and the prefill are
-    timed (device_plan.sh k2, k2_e2e)."""
+    """2: the fp8 expert calls and dense linears whose tiling takes it (interleaved gate_up, the
+    clustered prefill down, the linears' two-warpgroup tiles) load two 128-deep K blocks a pipeline step
+    and add the first block's product into the fp32 sums while the second's runs
+    (grouped_matmul.Tiling.step_blocks, with_step_blocks): bit-equal outputs. On the H100 (docs/perf.md,
+    2026-12-05 sixteenth session) two blocks in three stages took the interleaved gate_up call from
+    3.186 to 2.940 ms at 8192 x 16 and 4.312 to 3.936 at 8192 x 256; three blocks a step were slower
+    (3.241) and are gone. 1 until the down call's two-stage tiling and the prefill are timed
+    (device_plan.sh k2, k2_e2e)."""
     fp8_row_scales_from_gmem: bool = False
     """The fp8 expert calls and dense linears with two compute warpgroups read each step's row scales
     from global memory instead of the step's shared-memory slot (grouped_matmul.Tiling.row_scales_from_gmem,
@@ -150,6 +150,10 @@ class KernelPolicy:
     """The largest score buffer one indexer call may hold (the kernels' [B, T, S] fp32 scores, or the jnp
     composition's [B, T, H, S]): a longer call runs its query tokens in chunks, so a long prefill's
     memory stays bounded. 4 GiB is T = S = 32768 on the kernels."""
+
+    def __post_init__(self):
+        if self.fp8_step_blocks not in (1, 2):
+            raise ValueError(f"kernel policy: fp8_step_blocks takes 1 or 2, got {self.fp8_step_blocks}")
 
     @classmethod
     def parse(cls, text: str) -> "KernelPolicy":

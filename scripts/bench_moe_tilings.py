@@ -40,8 +40,7 @@ def tilings(bm: int, fp8: bool):
     fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read), and
     every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
     two K blocks a step, the first's product added while the second's runs; half the stages, so the same
-    bytes in flight), `<name>_k2s3` (three stages of two blocks) and, at 128-row tiles,
-    `<name>_k3` (two stages of three blocks), and every two-warpgroup one but running scales as `<name>_gs`
+    bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every two-warpgroup one but running scales as `<name>_gs`
     (Tiling.row_scales_from_gmem: each thread reads its row scales from global memory; no fence)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
@@ -89,9 +88,7 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
                                  for n, t in group.items() if "_ch" not in n and not t.running_scale
                                  and (t.interleaved_gate_up or call == "down" and t.compute_wgs == 2
                                       and not (t.column_pairs or t.joint_products))
-                                 for tag, blocks, st in (("k2", 2, max(1, t.stages // 2)), ("k2s3", 2, 3),
-                                                         ("k3", 3, 2))
-                                 if blocks == 2 or bm == 128}}
+                                 for tag, blocks, st in (("k2", 2, max(1, t.stages // 2)), ("k2s3", 2, 3))}}
             group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
                                  if t.compute_wgs == 2 and not t.unscaled_probe}}
             group = {**group, **{f"{n}_gs": dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)

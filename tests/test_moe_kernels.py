@@ -1070,11 +1070,10 @@ def variant_call(operands, interpret=False, one_weight=False):
 
 @pytest.mark.parametrize("bm", [128, 64])
 def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
-    """Tiling.step_blocks 2 and 3 (K blocks a pipeline step, each block's product added while the next
-    one's runs) make the same additions in the same order as one block a step: the interpreter (races
-    detected) gives bit-equal outputs, gate_up interleaved (2 blocks; 3 at 128-row tiles) and one weight
-    (down's shape), over 6 K steps with distinct block scales, the unused tile unwritten; K steps not a
-    multiple of the blocks, 4 blocks, joint products, running scales, and gate and up not interleaved
+    """Tiling.step_blocks 2 (two K blocks a pipeline step, the first's product added while the second's
+    runs) makes the same additions in the same order as one block a step: the interpreter (races
+    detected) gives bit-equal outputs, gate_up interleaved and one weight (down's shape), over 6 K steps
+    with distinct block scales, the unused tile unwritten; K steps not a multiple of the blocks, 3 blocks, joint products, running scales, and gate and up not interleaved
     are refused. (The unscaled probe's two-block steps: the compiled test and the bench's err.)"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -1083,10 +1082,9 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     il, operands = interleaved_case(bm, K=768)
     call = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True))
     ref = call(il)
-    for blocks in (2, 3) if bm == 128 else (2,):
-        got = call(dataclasses.replace(il, step_blocks=blocks))
-        assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
-        np.testing.assert_array_equal(got, ref)
+    got = call(dataclasses.replace(il, step_blocks=2))
+    assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
+    np.testing.assert_array_equal(got, ref)
     interleaved_check(got, ref, operands, bm)
     # one weight (the down call's shape): each warpgroup's 64 x 128 part, the same bit-equality
     xq, xs, gq, gs, _, _, tile_expert = operands
@@ -1100,7 +1098,7 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
                        x_scale=xs, w_scale=gs, up_scale=operands[5], interpret=True)
     sds = jax.ShapeDtypeStruct
     w = sds(operands[2].shape, jnp.float8_e4m3fn)
-    for K, blocks, bad in ((640, 2, {}), (512, 3, {}), (768, 4, {}),
+    for K, blocks, bad in ((640, 2, {}), (768, 3, {}),
                            (768, 2, dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True)),
                            (768, 2, dict(running_scale=True))):
         t = dataclasses.replace(il, step_blocks=blocks, **bad)
@@ -1113,11 +1111,11 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
 def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
     """step_blocks 2 compiled on the GPU against the compiled one-block kernel (bit-equal: the same
     products and additions in the same order) and float64: interleaved gate_up scaled and the unscaled
-    probe (two blocks; three at 128-row tiles), and one weight (down's shape)."""
+    probe, and one weight (down's shape)."""
     il, operands = interleaved_case(bm, K=768)
     call = variant_call(operands)
-    for base, blocks in ((il, 2), (il, 3 if bm == 128 else 2), (dataclasses.replace(il, unscaled_probe=True), 2)):
-        np.testing.assert_array_equal(call(dataclasses.replace(base, step_blocks=blocks)), call(base))
+    for base in (il, dataclasses.replace(il, unscaled_probe=True)):
+        np.testing.assert_array_equal(call(dataclasses.replace(base, step_blocks=2)), call(base))
     interleaved_check(call(dataclasses.replace(il, step_blocks=2)), call(il), operands, bm)
     one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
     down = variant_call(operands, one_weight=True)
@@ -1145,10 +1143,10 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
         assert down_t.step_blocks == (2 if rows > 64 * 8 else 1)
         assert shape_error(sds((P, I), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn), down_t, fp8=True) is None
     E, gate = 16, sds((16, I, D), jnp.float8_e4m3fn)
-    up3, down3 = expert_tilings(8192 * 8, gate, True, 2, interleaved=True, step_blocks=3)
-    assert (up3.step_blocks, up3.stages, down3.step_blocks) == (3, 2, 1)   # down's 16 K blocks: not a multiple of 3
-    assert expert_tilings(64 * 8, sds((256, I, D), jnp.float8_e4m3fn), True, 2, interleaved=True,
-                          step_blocks=3)[0].step_blocks == 2                 # 64-row tiles: two at most
+    with pytest.raises(ValueError, match="step_blocks 3"):
+        expert_tilings(8192 * 8, gate, True, 2, interleaved=True, step_blocks=3)
+    with pytest.raises(ValueError, match="fp8_step_blocks takes 1 or 2"):
+        KernelPolicy.parse("fp8_step_blocks=3")
     assert expert_tilings(8192 * 8, gate, True, 2, step_blocks=2)[0].step_blocks == 1          # joint gate_up
     assert expert_tilings(8192 * 8, gate, True, 2, running=True, step_blocks=2)[0].step_blocks == 1
     odd = sds((E, I, 640), jnp.float8_e4m3fn)
@@ -1205,16 +1203,14 @@ def test_row_scales_from_gmem_compiled_bit_equal(bm):
 
 
 @pytest.mark.parametrize("bm,variant", [
-    (128, dict(step_blocks=2)), (128, dict(step_blocks=3)), (64, dict(step_blocks=2)),
+    (128, dict(step_blocks=2)), (64, dict(step_blocks=2)),
     (128, dict(row_scales_from_gmem=True)), (64, dict(step_blocks=2, row_scales_from_gmem=True)),
-    (128, dict(step_blocks=3, row_scales_from_gmem=True)),
     (128, dict(step_blocks=2, row_scales_from_gmem=True))])
 def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
     """The interleaved gate_up kernel's variants (step_blocks in with_step_blocks' stages,
     row_scales_from_gmem with the fence off) lowered for CUDA on this machine at
     GLM-5's gate_up widths (8192 tokens x top-8 over 16 experts), the dispatch's interleaved tiles:
-    Mosaic GPU's layout, wgmma and shared-memory checks run here (an 8-stage three-block tiling is
-    refused for its shared memory)."""
+    Mosaic GPU's layout, wgmma and shared-memory checks run here."""
     from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import with_step_blocks
     sds = jax.ShapeDtypeStruct
@@ -1235,9 +1231,6 @@ def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
                                                                     up_scale=us))
         return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in lower(t)
-    if blocks == 3:
-        with pytest.raises(Exception, match="shared memory"):
-            lower(dataclasses.replace(t, stages=8))
 
 
 def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
@@ -1265,7 +1258,7 @@ def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
     assert with_step_blocks(down, I, 2).stages == 2 and "mosaic_gpu" in lower(with_step_blocks(down, I, 2))
     gmem = with_step_blocks(with_gmem_row_scales(down), I, 2)
     assert gmem.stages == 3 and ws_fp8_smem_bytes(gmem) <= SMEM_BYTES and "mosaic_gpu" in lower(gmem)
-    assert with_step_blocks(il, D, 2).stages == 3 and with_step_blocks(il, D, 3).stages == 2
+    assert with_step_blocks(il, D, 2).stages == 3
 
 
 @pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])

@@ -96,9 +96,9 @@ class Tiling:
     model does (CUTLASS and DeepGEMM release a slot once per warp, after each warp's own reads)."""
     step_blocks: int = 1
     """fp8, warp-specialized, one product a K block (interleaved gate_up, or one weight: down): 128-deep
-    K blocks a pipeline step loads (1, 2 or 3). With more than one a compute warpgroup issues each
-    block's product into a fresh accumulator and adds the block before's into its sums while it runs
-    (two products in flight at most), the step's last after its own wait: one exposed promotion, barrier
+    K blocks a pipeline step loads (1 or 2). With two a compute warpgroup issues each block's product
+    into a fresh accumulator and adds the first's into its sums while the second's runs, the second's
+    after its own wait: one exposed promotion, barrier
     wait, row-scale read and fence a step instead of one a block. The same additions in the same order
     as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and two
     fresh 64, where one block a step reaches R155 of the 232 a compute thread gets)."""
@@ -158,10 +158,10 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
                 f"part one 64-row chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
-    if tiling.step_blocks not in (1, 2, 3) or tiling.step_blocks > 1 and not (
+    if tiling.step_blocks not in (1, 2) or tiling.step_blocks > 1 and not (
             fp8 and tiling.compute_wgs == 2 and k_steps % (tiling.step_blocks * tiling.k_splits) == 0
             and not (tiling.joint_products or tiling.column_pairs or tiling.running_scale)):
-        return (f"step_blocks {tiling.step_blocks}: 1, or 2 or 3 with fp8, two compute warpgroups, one product a K "
+        return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, two compute warpgroups, one product a K "
                 f"block (no joint or column-pair products, no running scales) and the K steps of a split a multiple "
                 f"of it ({tiling})")
     if tiling.row_scales_from_gmem and not (fp8 and tiling.compute_wgs == 2 and not tiling.running_scale):
@@ -224,24 +224,24 @@ def ws_fp8_smem_bytes(t: Tiling) -> int:
     return t.stages * t.step_blocks * block + out + 2048
 
 
-STEP_BLOCK_MAX_STAGES = {2: 3, 3: 2}
-"""Shared-memory stages of two- and three-block steps at most (fewer where they do not fit,
-ws_fp8_smem_bytes): on the H100 two blocks in three stages beat two stages and three blocks in two
-(docs/perf.md, 2026-12-05 sixteenth session)."""
+STEP_BLOCK_STAGES = 3
+"""Shared-memory stages of two-block steps at most (two where three do not fit, ws_fp8_smem_bytes): on
+the H100 two blocks in three stages beat one block in four, and three blocks in two stages lost to
+both (docs/perf.md, 2026-12-05 sixteenth session)."""
 
 
 def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     """fp8 tiling t of one product a K block (one weight, or gate and up interleaved) with step_blocks
     128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them (two compute warpgroups,
-    K's blocks a split a multiple of them), in as many stages as fit (STEP_BLOCK_MAX_STAGES at most;
-    row scales from global memory leave more room, so apply with_gmem_row_scales first; 64-row tiles:
-    two blocks at most); else t."""
-    step_blocks = min(step_blocks, 2) if t.block_m == 64 else step_blocks
+    K's blocks a split a multiple of them), in as many stages as fit (STEP_BLOCK_STAGES at most; row
+    scales from global memory leave more room, so apply with_gmem_row_scales first); else t."""
+    if step_blocks not in (1, 2):
+        raise ValueError(f"step_blocks {step_blocks}: 1 or 2 K blocks a pipeline step")
     if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
             t.joint_products or t.column_pairs or t.running_scale)):
         return t
     fits = [dataclasses.replace(t, step_blocks=step_blocks, stages=s)
-            for s in range(STEP_BLOCK_MAX_STAGES[step_blocks], 1, -1)]
+            for s in range(STEP_BLOCK_STAGES, 1, -1)]
     fits = [f for f in fits if ws_fp8_smem_bytes(f) <= SMEM_BYTES]
     return fits[0] if fits else t
 
