@@ -40,8 +40,9 @@ def tilings(bm: int, fp8: bool):
     fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read), and
     every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
     two K blocks a step, the first's product added while the second's runs; half the stages, so the same
-    bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every two-warpgroup one but running scales as `<name>_gs`
-    (Tiling.row_scales_from_gmem: each thread reads its row scales from global memory; no fence)."""
+    bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every two-warpgroup one but
+    running scales as `<name>_gs` (Tiling.row_scales_from_gmem: each thread reads its row scales from
+    global memory; no fence)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,

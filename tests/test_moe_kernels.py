@@ -932,6 +932,20 @@ def lower_fp8_experts_for_cuda(tokens: int, experts: int, up_t, down_t, D: int =
         sds((tokens, D), jnp.bfloat16), sds((tokens * k,), jnp.int32), *q8, *sc).lower(lowering_platforms=("cuda",))
 
 
+def lower_fp8_grouped_for_cuda(t, rows: int, K: int, N: int, E: int, up: bool = False) -> str:
+    """grouped_matmul with fp8 tiling t over `rows` rows of K inputs against E K-major experts [E, N, K]
+    (up: gate and up, both that shape), traced and lowered for CUDA from shapes alone; its text."""
+    from pallas_kernels.moe import grouped_matmul
+    sds = jax.ShapeDtypeStruct
+    w, ws = sds((E, N, K), jnp.float8_e4m3fn), sds((E, N // 128, K // 128), jnp.float32)
+
+    def f(x, te, xs, w, ws, u=None, us=None):
+        return grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=ws, **(dict(up=u, up_scale=us) if up else {}))
+    args = (sds((rows, K), jnp.float8_e4m3fn), sds((rows // t.block_m,), jnp.int32), sds((K // 128, rows), jnp.float32),
+            w, ws, *((w, ws) if up else ()))
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("compute_wgs", [1, 2])
 @pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
 def test_default_tilings_lower_for_cuda_at_glm5_widths(tokens, experts, compute_wgs):
@@ -1073,8 +1087,8 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     """Tiling.step_blocks 2 (two K blocks a pipeline step, the first's product added while the second's
     runs) makes the same additions in the same order as one block a step: the interpreter (races
     detected) gives bit-equal outputs, gate_up interleaved and one weight (down's shape), over 6 K steps
-    with distinct block scales, the unused tile unwritten; K steps not a multiple of the blocks, 3 blocks, joint products, running scales, and gate and up not interleaved
-    are refused. (The unscaled probe's two-block steps: the compiled test and the bench's err.)"""
+    with distinct block scales, the unused tile unwritten; K steps not a multiple of the blocks, 3 blocks,
+    joint products, running scales, and gate and up not interleaved are refused. (The unscaled probe's two-block steps: the compiled test and the bench's err.)"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul
@@ -1211,26 +1225,16 @@ def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
     row_scales_from_gmem with the fence off) lowered for CUDA on this machine at
     GLM-5's gate_up widths (8192 tokens x top-8 over 16 experts), the dispatch's interleaved tiles:
     Mosaic GPU's layout, wgmma and shared-memory checks run here."""
-    from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import with_step_blocks
-    sds = jax.ShapeDtypeStruct
     E, D, I = 16, 6144, 2048
-    P = 8192 * 8 + E * bm
     blocks = variant.get("step_blocks", 1)
     t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=4, compute_wgs=2,
                grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
                fence_row_scales=not variant.get("row_scales_from_gmem"),
                **{k: v for k, v in variant.items() if k != "step_blocks"})
-    t = with_step_blocks(t, 6144, blocks)
+    t = with_step_blocks(t, D, blocks)
     assert t.step_blocks == blocks
-    w, ws = sds((E, I, D), jnp.float8_e4m3fn), sds((E, I // 128, D // 128), jnp.float32)
-    args = (sds((P, D), jnp.float8_e4m3fn), w, w, sds((P // bm,), jnp.int32), sds((D // 128, P), jnp.float32), ws, ws)
-
-    def lower(t):
-        f = jax.jit(lambda x, w, u, te, xs, gs, us: grouped_matmul(x, w, te, up=u, tiling=t, x_scale=xs, w_scale=gs,
-                                                                    up_scale=us))
-        return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in lower(t)
+    assert "mosaic_gpu" in lower_fp8_grouped_for_cuda(t, 8192 * 8 + E * bm, D, I, E, up=True)
 
 
 def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
@@ -1238,19 +1242,11 @@ def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
     found (8192 x 16, down): two blocks a step in three stages with the row scales in shared memory do
     not fit (233520 bytes), so with_step_blocks gives that tile two stages; read from global memory
     they fit in three. The interleaved gate_up tile (half the output tile) fits three either way."""
-    from pallas_kernels.moe import grouped_matmul
     from pallas_kernels.moe.grouped_matmul import SMEM_BYTES, with_gmem_row_scales, with_step_blocks, ws_fp8_smem_bytes
-    sds = jax.ShapeDtypeStruct
     E, D, I = 16, 6144, 2048
-    P = 8192 * 8 + E * 128
     down = Tiling(block_m=128, block_n=128, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2)
     il = dataclasses.replace(down, interleaved_gate_up=True)
-    w, ws = sds((E, D, I), jnp.float8_e4m3fn), sds((E, D // 128, I // 128), jnp.float32)
-
-    def lower(t):
-        f = jax.jit(lambda x, w, te, xs, s: grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=s))
-        return f.trace(sds((P, I), jnp.float8_e4m3fn), w, sds((P // 128,), jnp.int32),
-                       sds((I // 128, P), jnp.float32), ws).lower(lowering_platforms=("cuda",)).as_text()
+    lower = functools.partial(lower_fp8_grouped_for_cuda, rows=8192 * 8 + E * 128, K=I, N=D, E=E)
     over = dataclasses.replace(down, step_blocks=2, stages=3)
     assert ws_fp8_smem_bytes(over) > SMEM_BYTES
     with pytest.raises(Exception, match="shared memory"):

@@ -128,8 +128,7 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     the promoting joint tiling's 3.47 (bf16 4.40), over 256 3.73 against 4.54; down (one weight, nothing
     to rescale under) ran slower with it (2.44 against 2.30 ms), and the decode tilings were not timed,
     so they keep promoting. step_blocks (fp8): Tiling.step_blocks where the tiling takes it
-    (with_step_blocks); gmem_row_scales (fp8):
-    Tiling.row_scales_from_gmem where it applies."""
+    (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)

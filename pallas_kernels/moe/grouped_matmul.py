@@ -182,9 +182,8 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
 
 
 def can_chain(t: Tiling, K: int) -> bool:
-    """Whether t's tiles can run chained (chained_tiles) over K inputs: warp-specialized, no product in
-    flight across steps, each tile's K pipeline steps (K / block_k / step_blocks, over its K splits) a
-    multiple of the stages or fewer."""
+    """Whether t's tiles can run chained (chained_tiles) over K inputs: warp-specialized, each tile's K
+    pipeline steps (K / block_k / step_blocks, over its K splits) a multiple of the stages or fewer."""
     steps = K // t.block_k // t.k_splits // t.step_blocks
     return t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0)
 
@@ -207,6 +206,14 @@ def with_running_scale(t: Tiling) -> Tiling:
     return dataclasses.replace(t, running_scale=True, joint_products=False)
 
 
+def warpgroup_part(t: Tiling) -> tuple[int, int, int]:
+    """(rows, columns, output columns) of the part of a tile one compute warpgroup of the warp-specialized
+    kernel holds: 128-row tiles split by rows, 64-row ones by columns; interleaved gate_up outputs half
+    of its columns (gate's, paired with up's)."""
+    sm, sn = (t.block_m // 2, t.block_n) if t.block_m == 128 else (t.block_m, t.block_n // 2)
+    return sm, sn, sn // 2 if t.interleaved_gate_up else sn
+
+
 SMEM_BYTES = 232448
 """Shared memory a Hopper thread block may allocate (227 KB; Mosaic GPU refuses a kernel above it)."""
 
@@ -219,9 +226,8 @@ def ws_fp8_smem_bytes(t: Tiling) -> int:
     232448 estimated before that allowance)."""
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     block = bm * bk + bn * bk + (0 if t.row_scales_from_gmem else 4 * bm)
-    sm, sn = (bm // 2, bn) if bm == 128 else (bm, bn // 2)
-    out = 2 * sm * (sn // 2 if t.interleaved_gate_up else sn) * 2
-    return t.stages * t.step_blocks * block + out + 2048
+    sm, _, out_sn = warpgroup_part(t)
+    return t.stages * t.step_blocks * block + 2 * sm * out_sn * 2 + 2048
 
 
 STEP_BLOCK_STAGES = 3
@@ -391,9 +397,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     fused = n_w == 2 and not tiling.column_pairs   # gate and up: silu(gate) * up
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
-    sm, sn = (bm // 2, bn) if split_rows else (bm, bn // 2)
+    sm, sn, out_sn = warpgroup_part(tiling)        # a warpgroup's part (out_sn: its output columns, sums' width)
     out_n = tile_columns(tiling)                   # output columns of a tile (interleaved: gate's half of its block)
-    out_sn = sn // 2 if interleaved else sn        # a warpgroup's output columns (and fp32 sums' width)
     # interleaved: the tile's (gate, up) pairs of 64-row blocks, side by side in one buffer of bn rows
     half = 64
     n_blocks = bn // half if interleaved else n_w   # weight blocks a K block
@@ -615,7 +620,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 half into up's)."""
                 parts = (part[:, :out_sn], part[:, out_sn:]) if interleaved else (part,)
                 return tuple(_add_scaled(total, h, scale) for total, h, scale in zip(sums, parts, scales))
-
 
             def context_fp8(run):
                 # interleaved: gate's and up's sums, each the [sm, out_sn] half of the step's product
