@@ -84,19 +84,20 @@ class KernelPolicy:
     against float64 at K 6144, where promoting stays within bf16 rounding). Off: DeepGEMM's fp32
     promotion is the default arithmetic. On, it takes the prefill gate_up call in place of
     fp8_moe_interleaved_gate_up's tiling."""
-    fp8_step_blocks: int = 1
-    """2: the fp8 expert calls and dense linears whose tiling takes it (interleaved gate_up, the
-    clustered prefill down, the linears' two-warpgroup tiles) load two 128-deep K blocks a pipeline step
-    and add the first block's product into the fp32 sums while the second's runs
-    (grouped_matmul.Tiling.step_blocks, with_step_blocks): bit-equal outputs. On the H100 (docs/perf.md,
-    2026-12-05 sixteenth session) two blocks in three stages took the interleaved gate_up call from
-    3.186 to 2.940 ms at 8192 x 16 and 4.312 to 3.936 at 8192 x 256; three blocks a step were slower
-    (3.241) and are gone. 1 until the down call's two-stage tiling and the prefill are timed
-    (device_plan.sh k2, k2_e2e)."""
+    fp8_step_blocks: int = 2
+    """2: the fp8 expert calls and dense linears whose tiling takes it (with_step_blocks: two compute
+    warpgroups, three stages fit or 64-row tiles: the interleaved gate_up calls and decode-sized linears;
+    the prefill down call and prefill linears keep one block a step) load two 128-deep K blocks a
+    pipeline step and add the first block's product into the fp32 sums while the second's runs
+    (grouped_matmul.Tiling.step_blocks): bit-equal outputs. On the H100 (docs/perf.md, 2026-12-06) the
+    interleaved gate_up call 3.167 -> 2.947 ms at 8192 x 16 and 4.295 -> 3.994 at 8192 x 256, decode
+    gate_up 2.093 -> 2.045 at 64 x 256; 1: one block a step."""
     fp8_row_scales_from_gmem: bool = False
     """The fp8 expert calls and dense linears with two compute warpgroups read each step's row scales
     from global memory instead of the step's shared-memory slot (grouped_matmul.Tiling.row_scales_from_gmem,
-    with_gmem_row_scales): no TMA load of them and no fence a step; bit-equal outputs. Off until timed."""
+    with_gmem_row_scales): no TMA load of them and no fence a step; bit-equal outputs. Off: on the H100
+    (docs/perf.md, 2026-12-06) it cost every call 5-16% (gate_up 8192 x 16 3.167 -> 3.325 ms, down 1.603
+    -> 1.856), and with fp8_step_blocks the prefill end to end 64.6 ms against 63.8 without it."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

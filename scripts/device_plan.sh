@@ -13,8 +13,8 @@
 #   k2      issue 26: Tiling.step_blocks 2 (`_k2s3`: three stages, `_k2`: two) and row_scales_from_gmem (`_gs`)
 #           beside the interleaved gate_up and clustered down defaults, the unscaled probe and bf16 at 8192x16
 #           and 8192x256 (MOE_CASES) and 64x256; their compiled tests (~3 min); K2_SASS=1: cubins
-#   k2_e2e  issue 26: the fp8 prefill beside HF under fp8_step_blocks=2, with and without
-#           fp8_row_scales_from_gmem (E2E_POLICIES: others)
+#   k2_default  issue 26: fp8_step_blocks 2 as the default: the linears' compiled test, the fp8 prefill beside HF
+#           and a 256-expert decode step (batch 32 x 2048), each against fp8_step_blocks=1
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
@@ -87,7 +87,7 @@ part_sass() {
 
 part_k2() {   # issue 26: Tiling.step_blocks 2 (each block's product added while the next one's runs; `_k2s3` in
   # three stages, `_k2` two) and row_scales_from_gmem (`_gs`: no TMA load of the row scales, no fence): their
-  # compiled tests and kernel calls (end to end: k2_e2e)
+  # compiled tests and kernel calls (end to end: k2_default)
   TESTS_K="two_block_steps_compiled or row_scales_from_gmem_compiled" TESTS_BUDGET=100 part_tests
   local il=2wg_n128_g16_c2_il dn=2wg_n128_g16_c2
   MOE_TAG=_k2 MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
@@ -98,8 +98,11 @@ part_k2() {   # issue 26: Tiling.step_blocks 2 (each block's product added while
   [ -z "${K2_SASS:-}" ] || SASS_TILINGS=${il}_k2s3,${il}_k2s3_gs part_sass
 }
 
-part_k2_e2e() {   # issue 26: the fp8 prefill beside HF under the k2 part's candidate policies (a call of its own)
-  E2E_POLICIES="${E2E_POLICIES:-default;fp8_step_blocks=2;fp8_step_blocks=2,fp8_row_scales_from_gmem=true}" part_e2e
+part_k2_default() {   # issue 26: two-block steps by default (gate_up, decode linears) against one block a step
+  TESTS_K="linear_two_block_steps_compiled" TESTS_BUDGET=100 part_tests
+  E2E_POLICIES="default;fp8_step_blocks=1" part_e2e
+  run decode_k2 "$PY" scripts/bench_decode_step.py "${GLM[@]}" --num-experts 256 --fp8-weights --batch 32 --context 2048 \
+    --steps 30 --kernels "default;fp8_step_blocks=1;default;fp8_step_blocks=1" --json "$OUT/decode_k2.json"
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)

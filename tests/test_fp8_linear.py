@@ -58,9 +58,10 @@ def test_fp8_linear_interpret_equals_the_quantized_reference(lead, N, dtype):
 
 
 def test_fp8_linear_two_block_steps_interpret_bit_equal_one_block_steps():
-    """with_step_blocks on the linear's prefill tiling (135 rows: two 128-row tiles, K = 512: four blocks)
-    makes the same additions in the same order: bit-equal in the interpreter with the race detector; the
-    64-wide one-warpgroup tiling (N = 192) does not take it."""
+    """Two blocks a step on the linear's prefill tiling (135 rows: two 128-row tiles, K = 512: four
+    blocks) make the same additions in the same order: bit-equal in the interpreter with the race
+    detector. with_step_blocks gives them to the 64-row tiling (three stages fit), not to the 128-row
+    one (three stages do not fit; two lost on the H100) nor the 64-wide one-warpgroup tiling (N = 192)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe.grouped_matmul import with_step_blocks
@@ -69,8 +70,10 @@ def test_fp8_linear_two_block_steps_interpret_bit_equal_one_block_steps():
     x = jnp.asarray(rng.standard_normal((135, K)), jnp.bfloat16)
     w, s = fp8_weight(rng, N, K)
     t = dataclasses.replace(linear_tiling(135, N, K), programs=3, stages=2)
-    t2 = with_step_blocks(t, K, 2)
-    assert t2.step_blocks == 2 and with_step_blocks(linear_tiling(5, 192, K), K, 2) == linear_tiling(5, 192, K)
+    t2 = dataclasses.replace(t, step_blocks=2)
+    assert with_step_blocks(linear_tiling(135, N, K), K, 2) == linear_tiling(135, N, K)
+    assert with_step_blocks(linear_tiling(5, 192, K), K, 2) == linear_tiling(5, 192, K)
+    assert (with_step_blocks(linear_tiling(5, N, K), K, 2).step_blocks, with_step_blocks(linear_tiling(5, N, K), K, 2).stages) == (2, 3)
     interp = plgpu.InterpretGPUParams(detect_races=True)
     got, ref = (np.asarray(fp8_linear(x, w, s, tiling=u, interpret=interp), np.float32) for u in (t2, t))
     np.testing.assert_array_equal(got, ref)
@@ -141,9 +144,9 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
-    dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True, fp8_step_blocks=2,
+    dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True, fp8_step_blocks=1,
                           fp8_row_scales_from_gmem=True))
-    assert [a[2:] for a in seen] == [(True, False, 1, False), (False, True, 2, True)]   # default: split K
+    assert [a[2:] for a in seen] == [(True, False, 2, False), (False, True, 1, True)]   # default: split K
     del seen[1:]
     tilings = []
 
@@ -208,6 +211,26 @@ def test_fp8_linear_compiled_equals_the_quantized_reference():
             got = np.asarray(run(x, w, s), np.float64)
             want = reference(x, w, s)
             assert np.abs(got - want).max() <= 8e-3 * np.abs(want).max(), (rows, name)
+
+
+@pytest.mark.gpu
+def test_fp8_linear_two_block_steps_compiled_bit_equal_one_block_steps():
+    """KernelPolicy.fp8_step_blocks' linears compiled on the GPU at GLM-5's widths: decode-sized calls
+    (64-row tiles in three stages, K split over programs or not) bit-equal to one block a step; a
+    prefill-sized call keeps one block a step where three stages do not fit (with_step_blocks): the same
+    kernel; kv_a_proj_with_mqa (64-wide blocks) takes it at prefill and not at decode."""
+    from pallas_kernels.moe.grouped_matmul import with_step_blocks
+    rng = np.random.default_rng(11)
+    taken = 0
+    for rows, split_k in ((64, False), (3, True), (64, True), (1000, False)):
+        one, two = (jax.jit(functools.partial(fp8_linear, split_k=split_k, step_blocks=b)) for b in (1, 2))
+        for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+            K, N = GLM5_LINEARS[name]
+            x = jnp.asarray(rng.standard_normal((rows, K)), jnp.bfloat16)
+            w, s = fp8_weight(rng, N, K)
+            taken += with_step_blocks(linear_tiling(rows, N, K, split_k=split_k), K, 2).step_blocks == 2
+            np.testing.assert_array_equal(np.asarray(two(x, w, s)), np.asarray(one(x, w, s)), err_msg=f"{rows} {name}")
+    assert taken == 9, taken
 
 
 @pytest.mark.gpu

@@ -729,8 +729,10 @@ def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds)))
     p = KernelPolicy()
     assert tilings == dispatch.expert_tilings(N * k, gq, True, p.fp8_moe_compute_wgs, p.fp8_moe_interleaved_gate_up,
-                                              p.chained_tiles, p.fp8_running_scale)
+                                              p.chained_tiles, p.fp8_running_scale, p.fp8_step_blocks,
+                                              p.fp8_row_scales_from_gmem)
     assert tilings[0].interleaved_gate_up          # the default since the 2026-12-05 H100 timings
+    assert tilings[0].step_blocks == 2             # the default since the 2026-12-06 H100 timings
     odd = jax.ShapeDtypeStruct((8, 192, D), jnp.float8_e4m3fn)   # 16 slots over 8 experts: decode tiles, whose
     #                                                              interleaved form takes 128 columns of 192
     up_t, _ = dispatch.expert_tilings(N * k, odd, True, 2, True)
@@ -1139,8 +1141,9 @@ def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
 def test_step_blocks_policy_picks_the_tilings_that_take_it():
     """KernelPolicy.fp8_step_blocks 2 (expert_tilings' step_blocks; and fp8_row_scales_from_gmem, its
     gmem_row_scales, last): the interleaved gate_up call at
-    prefill (128-row tiles, 3 stages) and decode (64 x 256 tiles, 2 stages) and the clustered prefill down
-    call take two K blocks a step; decode's joint column-pair down, the joint gate_up (interleaving off),
+    prefill (128-row tiles, 3 stages) and decode (64 x 256 tiles, 2 stages) take two K blocks a step; the
+    clustered prefill down call (three stages do not fit with its row scales in shared memory) only with
+    them from global memory; decode's joint column-pair down, the joint gate_up (interleaving off),
     running scales and an odd number of K blocks keep one; each picked tiling passes shape_error."""
     from pallas_kernels.moe.dispatch import expert_tilings
     from pallas_kernels.moe.grouped_matmul import shape_error
@@ -1154,7 +1157,9 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
         assert dataclasses.replace(up_t, step_blocks=1, stages=one[0].stages) == one[0]
         P = padded_rows(rows, E, up_t.block_m)
         assert shape_error(sds((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True) is None
-        assert down_t.step_blocks == (2 if rows > 64 * 8 else 1)
+        assert down_t.step_blocks == 1
+        gmem_down = expert_tilings(rows, gate, True, 2, interleaved=True, step_blocks=2, gmem_row_scales=True)[1]
+        assert (gmem_down.step_blocks, gmem_down.stages) == ((2, 3) if rows > 64 * 8 else (1, 4))
         assert shape_error(sds((P, I), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn), down_t, fp8=True) is None
     E, gate = 16, sds((16, I, D), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="step_blocks 3"):
@@ -1240,8 +1245,9 @@ def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
 def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
     """ws_fp8_smem_bytes against Mosaic GPU's own check, lowering for CUDA here at the edge the H100
     found (8192 x 16, down): two blocks a step in three stages with the row scales in shared memory do
-    not fit (233520 bytes), so with_step_blocks gives that tile two stages; read from global memory
-    they fit in three. The interleaved gate_up tile (half the output tile) fits three either way."""
+    not fit (233520 bytes), and two lower but lost on the H100, so with_step_blocks leaves that tile one
+    block a step; read from global memory they fit in three. The interleaved gate_up tile (half the
+    output tile) fits three either way."""
     from pallas_kernels.moe.grouped_matmul import SMEM_BYTES, with_gmem_row_scales, with_step_blocks, ws_fp8_smem_bytes
     E, D, I = 16, 6144, 2048
     down = Tiling(block_m=128, block_n=128, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2)
@@ -1251,7 +1257,7 @@ def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
     assert ws_fp8_smem_bytes(over) > SMEM_BYTES
     with pytest.raises(Exception, match="shared memory"):
         lower(over)
-    assert with_step_blocks(down, I, 2).stages == 2 and "mosaic_gpu" in lower(with_step_blocks(down, I, 2))
+    assert with_step_blocks(down, I, 2) == down and "mosaic_gpu" in lower(dataclasses.replace(over, stages=2))
     gmem = with_step_blocks(with_gmem_row_scales(down), I, 2)
     assert gmem.stages == 3 and ws_fp8_smem_bytes(gmem) <= SMEM_BYTES and "mosaic_gpu" in lower(gmem)
     assert with_step_blocks(il, D, 2).stages == 3

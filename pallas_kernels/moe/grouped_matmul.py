@@ -231,23 +231,26 @@ def ws_fp8_smem_bytes(t: Tiling) -> int:
 
 
 STEP_BLOCK_STAGES = 3
-"""Shared-memory stages of two-block steps at most (two where three do not fit, ws_fp8_smem_bytes): on
-the H100 two blocks in three stages beat one block in four, and three blocks in two stages lost to
-both (docs/perf.md, 2026-12-05 sixteenth session)."""
+"""Shared-memory stages of two-block steps at most (two where three do not fit, ws_fp8_smem_bytes, for
+64-row tiles only): on the H100 two blocks in three stages beat one block in four, and three blocks in
+two stages lost to both (docs/perf.md, 2026-12-05 sixteenth session); 128-row tiles in two stages lost
+too (down at 8192 x 256: 2.446 ms against 2.268), 64-row ones won (decode gate_up at 64 x 256: 2.045
+against 2.093; 2026-12-06)."""
 
 
 def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     """fp8 tiling t of one product a K block (one weight, or gate and up interleaved) with step_blocks
     128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them (two compute warpgroups,
-    K's blocks a split a multiple of them), in as many stages as fit (STEP_BLOCK_STAGES at most; row
-    scales from global memory leave more room, so apply with_gmem_row_scales first); else t."""
+    K's blocks a split a multiple of them), in as many stages as fit (STEP_BLOCK_STAGES, or two for
+    64-row tiles; row scales from global memory leave more room, so apply with_gmem_row_scales first);
+    else t."""
     if step_blocks not in (1, 2):
         raise ValueError(f"step_blocks {step_blocks}: 1 or 2 K blocks a pipeline step")
     if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
             t.joint_products or t.column_pairs or t.running_scale)):
         return t
     fits = [dataclasses.replace(t, step_blocks=step_blocks, stages=s)
-            for s in range(STEP_BLOCK_STAGES, 1, -1)]
+            for s in range(STEP_BLOCK_STAGES, 2 if t.block_m == 128 else 1, -1)]
     fits = [f for f in fits if ws_fp8_smem_bytes(f) <= SMEM_BYTES]
     return fits[0] if fits else t
 
