@@ -221,16 +221,19 @@ def test_fp8_linear_two_block_steps_compiled_bit_equal_one_block_steps():
     kernel; kv_a_proj_with_mqa (64-wide blocks) takes it at prefill and not at decode."""
     from pallas_kernels.moe.grouped_matmul import with_step_blocks
     rng = np.random.default_rng(11)
-    taken = 0
+    taken = set()
     for rows, split_k in ((64, False), (3, True), (64, True), (1000, False)):
         one, two = (jax.jit(functools.partial(fp8_linear, split_k=split_k, step_blocks=b)) for b in (1, 2))
         for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
             K, N = GLM5_LINEARS[name]
             x = jnp.asarray(rng.standard_normal((rows, K)), jnp.bfloat16)
             w, s = fp8_weight(rng, N, K)
-            taken += with_step_blocks(linear_tiling(rows, N, K, split_k=split_k), K, 2).step_blocks == 2
+            if with_step_blocks(linear_tiling(rows, N, K, split_k=split_k), K, 2).step_blocks == 2:
+                taken.add((rows, split_k, name))
             np.testing.assert_array_equal(np.asarray(two(x, w, s)), np.asarray(one(x, w, s)), err_msg=f"{rows} {name}")
-    assert taken == 9, taken
+    # (K splits follow the device's programs: only the unsplit calls' choices are fixed)
+    assert {(64, False, n) for n in ("q_a_proj", "q_b_proj", "o_proj")} | {(1000, False, "kv_a_proj_with_mqa")} <= taken
+    assert not {(64, False, "kv_a_proj_with_mqa"), (1000, False, "q_a_proj")} & taken
 
 
 @pytest.mark.gpu

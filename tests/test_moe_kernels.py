@@ -1090,7 +1090,9 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     runs) makes the same additions in the same order as one block a step: the interpreter (races
     detected) gives bit-equal outputs, gate_up interleaved and one weight (down's shape), over 6 K steps
     with distinct block scales, the unused tile unwritten; K steps not a multiple of the blocks, 3 blocks,
-    joint products, running scales, and gate and up not interleaved are refused. (The unscaled probe's two-block steps: the compiled test and the bench's err.)"""
+    joint products, running scales, and gate and up not interleaved are refused; chained tiles bit-equal
+    for one weight, refused for interleaved gate_up. (The unscaled probe's two-block steps: the compiled
+    test and the bench's err.)"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul
@@ -1109,6 +1111,13 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     got, ref = down(dataclasses.replace(one, step_blocks=2)), down(one)
     assert len(list(used_tiles(tile_expert, bm, got, ref))) == 2
     np.testing.assert_array_equal(got, ref)
+    # chained (a program's tiles as one pipeline): one weight in two-block steps takes it; interleaved
+    # gate_up in two-block steps is refused (chained, it never finished in the interpreter)
+    np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, stages=3, chained_tiles=True)), ref)
+    chained_k2 = dataclasses.replace(il, step_blocks=2, stages=3, chained_tiles=True)
+    with pytest.raises(ValueError, match="chained_tiles"):
+        grouped_matmul(xq, gq, tile_expert, up=operands[4], tiling=chained_k2, x_scale=xs, w_scale=gs,
+                       up_scale=operands[5], interpret=True)
     with pytest.raises(ValueError, match="interleaved"):
         grouped_matmul(xq, gq, tile_expert, up=operands[4], tiling=dataclasses.replace(one, step_blocks=2),
                        x_scale=xs, w_scale=gs, up_scale=operands[5], interpret=True)
@@ -1167,6 +1176,8 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
     with pytest.raises(ValueError, match="fp8_step_blocks takes 1 or 2"):
         KernelPolicy.parse("fp8_step_blocks=3")
     assert expert_tilings(8192 * 8, gate, True, 2, step_blocks=2)[0].step_blocks == 1          # joint gate_up
+    up_t, down_t = expert_tilings(8192 * 8, gate, True, 2, interleaved=True, chain=True, step_blocks=2)
+    assert (up_t.step_blocks, up_t.chained_tiles, down_t.step_blocks, down_t.chained_tiles) == (2, False, 1, True)
     assert expert_tilings(8192 * 8, gate, True, 2, running=True, step_blocks=2)[0].step_blocks == 1
     odd = sds((E, I, 640), jnp.float8_e4m3fn)
     assert expert_tilings(8192 * 8, odd, True, 2, interleaved=True, step_blocks=2)[0].step_blocks == 1
