@@ -86,10 +86,10 @@ class KernelPolicy:
     fp8_moe_interleaved_gate_up's tiling."""
     fp8_step_blocks: int = 2
     """2: the fp8 expert calls and dense linears whose tiling takes it (with_step_blocks: two compute
-    warpgroups, three stages fit or 64-row tiles: the interleaved gate_up calls and decode-sized linears;
-    the prefill down call and prefill linears keep one block a step) load two 128-deep K blocks a
-    pipeline step and add the first block's product into the fp32 sums while the second's runs
-    (grouped_matmul.Tiling.step_blocks): bit-equal outputs. On the H100 (docs/perf.md, 2026-12-06) the
+    warpgroups, three stages fit or 64-row tiles: the interleaved gate_up calls, decode-sized linears and
+    kv_a_proj's 64-wide prefill tiles; the prefill down call and the 128 x 128 prefill linears keep one
+    block a step) load two 128-deep K blocks a pipeline step and add the first block's product into the
+    fp32 sums while the second's runs (grouped_matmul.Tiling.step_blocks): bit-equal outputs. On the H100 (docs/perf.md, 2026-12-06) the
     interleaved gate_up call 3.167 -> 2.947 ms at 8192 x 16 and 4.295 -> 3.994 at 8192 x 256, decode
     gate_up 2.093 -> 2.045 at 64 x 256; 1: one block a step."""
     fp8_row_scales_from_gmem: bool = False
