@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import GROUP, dequantize_blocks, dequantize_rows, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, with_gmem_row_scales, with_step_blocks
+from pallas_kernels.moe.grouped_matmul import WIDE_TILE, Tiling, chained, grouped_matmul, with_gmem_row_scales
+from pallas_kernels.moe.grouped_matmul import with_step_blocks
 from pallas_kernels.moe.grouped_matmul import shape_error as grouped_shape_error
 from pallas_kernels.policy import KernelPolicy
 
@@ -37,13 +38,18 @@ def decode_k_splits(tiles: int, k_steps: int, programs: int = 132) -> int:
     return max((s for s in range(1, k_steps // 2 + 1) if k_steps % s == 0 and tiles * s <= programs), default=1)
 
 
-def linear_tiling(rows: int, N: int, K: int = GROUP, *, split_k: bool = False) -> Tiling:
+def linear_tiling(rows: int, N: int, K: int = GROUP, *, split_k: bool = False, wide: bool = False) -> Tiling:
     """The kernel's tiling for `rows` rows, K inputs and N outputs: 128-row tiles split over two
     compute warpgroups (as the routed experts' prefill tiling), 64-row tiles for decode-sized calls;
     64-wide column blocks where N is not a multiple of 128 (kv_a_proj_with_mqa: 512 + 64). split_k
     (KernelPolicy.fp8_linear_split_k): a decode-sized call's output tiles split K over programs up to
-    one wave (decode_k_splits: q_a_proj's 16 tiles run as 128 programs of 6 K steps each)."""
+    one wave (decode_k_splits: q_a_proj's 16 tiles run as 128 programs of 6 K steps each). wide
+    (KernelPolicy.fp8_wide_tiles): 128-row calls whose N is a multiple of 384 (128 and WIDE_TILE: o_proj,
+    the dense MLP's projections, the shared experts' down_proj, eh_proj) take WIDE_TILE-column tiles, chained where
+    their K steps allow (fp8_linear)."""
     block_n = 128 if N % 128 == 0 else 64
+    if rows > 64 and wide and N % (2 * WIDE_TILE) == 0:
+        return Tiling(block_m=128, block_n=WIDE_TILE, block_k=GROUP, stages=4, compute_wgs=2, grid_block_n=16)
     if rows > 64:
         return Tiling(block_m=128, block_n=block_n, block_k=GROUP, stages=4, compute_wgs=2, grid_block_n=16)
     if block_n == 128:
@@ -96,23 +102,25 @@ def fp8_linear_reference(x, w, scale_inv):
 
 @jax.named_call     # profiles name the ops inside by this scope
 def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, split_k: bool = False, chain: bool = False,
-               step_blocks: int = 1, gmem_row_scales: bool = False, interpret=False):
+               step_blocks: int = 1, gmem_row_scales: bool = False, wide: bool = False, interpret=False):
     """x [..., K] @ W^T -> [..., N] in x's dtype, for W = w * scale_inv's blocks (w [N, K] e4m3,
     scale_inv [ceil(N / 128), K / 128] fp32), fp8 x fp8 with the rows quantized per 128 columns.
     split_k: the default tiling splits a decode-sized call's K (linear_tiling; KernelPolicy.fp8_linear_split_k);
     chain: the default tiling `chained` where it fits (KernelPolicy.chained_tiles); step_blocks: the
     default tiling with Tiling.step_blocks where it takes them (KernelPolicy.fp8_step_blocks);
-    gmem_row_scales: with Tiling.row_scales_from_gmem where it applies (KernelPolicy.fp8_row_scales_from_gmem)."""
+    gmem_row_scales: with Tiling.row_scales_from_gmem where it applies (KernelPolicy.fp8_row_scales_from_gmem);
+    wide: the default tiling's prefill calls in WIDE_TILE-column tiles where N takes them, chained
+    (KernelPolicy.fp8_wide_tiles)."""
     err = shape_error(x, w, scale_inv, tiling)
     if err is not None:
         raise ValueError(f"fp8_linear: {err}")
     *lead, K = x.shape
     N = w.shape[0]
     rows = x.reshape(-1, K)
-    t = tiling or linear_tiling(rows.shape[0], N, K, split_k=split_k)   # splits divide K's steps: fits too
+    t = tiling or linear_tiling(rows.shape[0], N, K, split_k=split_k, wide=wide)   # splits divide K's steps: fits too
     if tiling is None:
         t = with_step_blocks(with_gmem_row_scales(t, gmem_row_scales), K, step_blocks)
-    if chain and tiling is None:
+    if (chain or t.block_n == WIDE_TILE) and tiling is None:
         t = chained(t, K)
     P = _tile_rows(rows.shape[0], t)
     xq, xs = quantize_rows(jnp.pad(rows, ((0, P - rows.shape[0]), (0, 0))))   # padding: zeros at scale 1

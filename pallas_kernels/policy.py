@@ -98,6 +98,14 @@ class KernelPolicy:
     with_gmem_row_scales): no TMA load of them and no fence a step; bit-equal outputs. Off: on the H100
     (docs/perf.md, 2026-12-06) it cost every call 5-16% (gate_up 8192 x 16 3.167 -> 3.325 ms, down 1.603
     -> 1.856), and with fp8_step_blocks the prefill end to end 64.6 ms against 63.8 without it."""
+    fp8_wide_tiles: bool = True
+    """fp8 one-weight prefill calls (128-row tiles) whose outputs are a multiple of 192 columns (the routed
+    experts' down call; dense linears: a multiple of 384) take 192-column tiles instead of 128 (each
+    warpgroup one m64n192 product a K block, promoted in 64-column slices with their own weight block
+    scales: grouped_matmul.scale_slices), with a program's tiles chained (Tiling.chained_tiles): a third
+    less of x and of the products' A operand read from shared memory per output column (DeepGEMM's
+    widest Hopper tile). On the H100 (docs/perf.md, 2026-12-06 eighteenth session) the down call at
+    8192 x 16 1.565 -> 1.392 ms (fp8 / bf16 1.44x -> 1.62x), at 8192 x 256 2.252 -> 1.996."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

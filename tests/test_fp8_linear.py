@@ -82,6 +82,31 @@ def test_fp8_linear_two_block_steps_interpret_bit_equal_one_block_steps():
     assert np.abs(got - want).max() <= 8e-3 * np.abs(want).max()
 
 
+def test_fp8_linear_wide_tiles_interpret_bit_equal_128_column_tiles():
+    """wide (KernelPolicy.fp8_wide_tiles): a prefill-sized linear of N = 384 (three scale blocks) in
+    192-column tiles, chained and not, is bit-equal to its 128-column tiles in the interpreter (races
+    detected) and within bf16 rounding of float64; linear_tiling gives them only to 128-row calls whose N
+    is a multiple of 384 (o_proj, the dense MLP's, the down projections), not to kv_a_proj (576) nor to decode."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    rng = np.random.default_rng(19)
+    K, N = 384, 384
+    x = jnp.asarray(rng.standard_normal((135, K)), jnp.bfloat16)
+    w, s = fp8_weight(rng, N, K)
+    narrow = dataclasses.replace(linear_tiling(135, N, K), programs=3, stages=2)
+    wide = dataclasses.replace(linear_tiling(135, N, K, wide=True), programs=3, stages=2)
+    assert (narrow.block_n, wide.block_n) == (128, 192)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    ref = np.asarray(fp8_linear(x, w, s, tiling=narrow, interpret=interp), np.float32)
+    for t in (wide, dataclasses.replace(wide, stages=3, chained_tiles=True)):     # 3 K steps: 3 stages chain
+        np.testing.assert_array_equal(np.asarray(fp8_linear(x, w, s, tiling=t, interpret=interp), np.float32), ref)
+    want = reference(x, w, s)
+    assert np.abs(ref - want).max() <= 8e-3 * np.abs(want).max()
+    widths = {name: linear_tiling(8192, N, K, wide=True).block_n for name, (K, N) in GLM5_LINEARS.items()}
+    assert {n for n, b in widths.items() if b == 192} == {"o_proj", "shared_experts.down_proj", "mlp.gate_proj",
+                                                          "mlp.down_proj", "eh_proj"}
+    assert linear_tiling(64, 6144, 2048, wide=True).block_n == 128
+
+
 @pytest.mark.parametrize("N", [256, 192])
 def test_fp8_linear_split_k_interpret_equals_the_quantized_reference(N):
     """A decode-sized call (5 rows: one 64-row tile) with K split over programs (split_k: K = 1024 is
@@ -129,8 +154,8 @@ def test_fp8_linear_refuses_what_it_cannot_take():
 
 def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     """A kept-fp8 Dense stores HF's [out, in] (fp8_weight) and, where the kernel applies, passes it and
-    its scales to fp8_linear as they are, with the policy's fp8_linear_split_k (which fp8_linear
-    passes to its tiling); with the policy's fp8_linear_kernel off (and on CPU) it
+    its scales to fp8_linear as they are, with the policy's fp8_linear_split_k, step blocks, row scales
+    and wide tiles (which fp8_linear passes to its tiling); with the policy's fp8_linear_kernel off (and on CPU) it
     multiplies by the dequantized [in, out] weight."""
     from flax import nnx
 
@@ -139,15 +164,15 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks, gmem_row_scales:
-                        seen.append((w, s, split_k, chain, step_blocks, gmem_row_scales))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks, gmem_row_scales, wide:
+                        seen.append((w, s, split_k, chain, step_blocks, gmem_row_scales, wide))
                         or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
     dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True, fp8_step_blocks=1,
-                          fp8_row_scales_from_gmem=True))
-    assert [a[2:] for a in seen] == [(True, False, 2, False), (False, True, 1, True)]   # default: split K
+                          fp8_row_scales_from_gmem=True, fp8_wide_tiles=False))
+    assert [a[2:] for a in seen] == [(True, False, 2, False, True), (False, True, 1, True, False)]   # default: split K
     del seen[1:]
     tilings = []
 
@@ -164,6 +189,12 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     fp8_linear(x[..., :1].repeat(1024, -1), w8, sc8, chain=True)
     fp8_linear(x[..., :1].repeat(768, -1), w, sc, step_blocks=2)     # two blocks a step in three stages
     fp8_linear(x[..., :1].repeat(768, -1), w, sc, gmem_row_scales=True)
+    w384, sc384 = jnp.zeros((384, 1024), jnp.float8_e4m3fn), jnp.ones((3, 8), jnp.float32)
+    fp8_linear(jnp.zeros((200, 1024), jnp.bfloat16), w384, sc384, wide=True)   # prefill rows: wide, chained
+    fp8_linear(x[..., :1].repeat(1024, -1), w384, sc384, wide=True)             # 21 rows: a 64-row tile
+    assert tilings[-2:] == [dataclasses.replace(linear_tiling(200, 384, 1024, wide=True), chained_tiles=True),
+                            linear_tiling(21, 384, 1024)] and tilings[-2].block_n == 192
+    del tilings[-2:]
     assert tilings == [linear_tiling(21, 256, 768, split_k=True), linear_tiling(21, 256, 768),
                        linear_tiling(21, 256, 768), dataclasses.replace(linear_tiling(21, 256, 1024), chained_tiles=True),
                        dataclasses.replace(linear_tiling(21, 256, 768), step_blocks=2, stages=3),
@@ -176,18 +207,19 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     np.testing.assert_allclose(np.asarray(off, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("rows,split_k,chain", [(8192, False, False), (64, False, False), (1, False, False),
-                                                (64, True, False), (1, True, False), (8192, False, True),
-                                                (64, True, True)])
-def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows, split_k, chain):
+@pytest.mark.parametrize("rows,split_k,chain,wide", [
+    (8192, False, False, False), (64, False, False, False), (1, False, False, False), (64, True, False, False),
+    (1, True, False, False), (8192, False, True, False), (64, True, True, False), (8192, False, False, True)])
+def test_glm5_linears_lower_for_cuda_with_the_default_tilings(rows, split_k, chain, wide):
     """Each of GLM-5's fp8 dense linears at prefill and decode row counts (decode also with K split; tiles
-    chained or not), traced and lowered for CUDA on this machine from shapes alone (Mosaic GPU checks
-    shared memory while lowering): one kernel call, the weight argument reaching it untransposed."""
+    chained or not; prefill in wide tiles where N takes them), traced and lowered for CUDA on this machine
+    from shapes alone (Mosaic GPU checks shared memory while lowering): one kernel call, the weight
+    argument reaching it untransposed."""
     sds = jax.ShapeDtypeStruct
     for name, (K, N) in GLM5_LINEARS.items():
         x, w, s = sds((rows, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn), sds((-(-N // 128), K // 128), jnp.float32)
         assert shape_error(x, w, s) is None, name
-        text = jax.jit(functools.partial(fp8_linear, split_k=split_k, chain=chain)).trace(x, w, s).lower(
+        text = jax.jit(functools.partial(fp8_linear, split_k=split_k, chain=chain, wide=wide)).trace(x, w, s).lower(
             lowering_platforms=("cuda",)).as_text()
         lines = text.splitlines()
         assert sum("custom_call @mosaic_gpu" in line for line in lines) == 1, name
@@ -212,6 +244,19 @@ def test_fp8_linear_compiled_equals_the_quantized_reference():
             got = np.asarray(run(x, w, s), np.float64)
             want = reference(x, w, s)
             assert np.abs(got - want).max() <= 8e-3 * np.abs(want).max(), (rows, name)
+
+
+@pytest.mark.gpu
+def test_fp8_linear_wide_tiles_compiled_bit_equal_128_column_tiles():
+    """KernelPolicy.fp8_wide_tiles' linears compiled on the GPU at GLM-5's widths (1000 rows: 192-column
+    tiles, chained) bit-equal to the 128-column tiles."""
+    rng = np.random.default_rng(13)
+    narrow, wide = (jax.jit(functools.partial(fp8_linear, wide=b)) for b in (False, True))
+    for name in ("o_proj", "shared_experts.down_proj"):
+        K, N = GLM5_LINEARS[name]
+        x = jnp.asarray(rng.standard_normal((1000, K)), jnp.bfloat16)
+        w, s = fp8_weight(rng, N, K)
+        np.testing.assert_array_equal(np.asarray(wide(x, w, s)), np.asarray(narrow(x, w, s)), err_msg=name)
 
 
 @pytest.mark.gpu

@@ -1131,6 +1131,103 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
                                             fp8=True)
 
 
+def wide_tile_case(K: int = 384):
+    """One weight of N = 384 (three 128-wide scale blocks, each K step's scale its own) for 192-column
+    tiles: tile 0 straddles blocks 0 and 1 at column 128, tile 1 blocks 1 and 2 at column 256 (its
+    first slice in block 1); (the 128-column tiling, the 192-column one, operands)."""
+    il, operands = interleaved_case(128, K=K, I=384)
+    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128, cluster_n=1)
+    return one, dataclasses.replace(one, block_n=192, cluster_n=2), operands
+
+
+def test_wide_tiles_interpret_bit_equal_128_column_tiles():
+    """192-column fp8 tiles (scale_slices: each warpgroup promotes its product's 64-column slices with
+    their own weight block scales) give the 128-column tiles' outputs bit for bit in the interpreter
+    (races detected), in clusters of two and without, scaled and as the unscaled probe, and float64's
+    within bf16 rounding; gate and up, two-block steps, 64-row tiles, joint products and running scales
+    are refused with them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.fp8_rows import dequantize_rows
+    from pallas_kernels.moe.grouped_matmul import scale_slices, shape_error
+    one, wide, operands = wide_tile_case()
+    assert scale_slices(one) == 1 and scale_slices(wide) == 3
+    down = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True), one_weight=True)
+    ref = down(one)
+    for t in (wide, dataclasses.replace(wide, cluster_n=1)):
+        got = down(t)
+        assert len(list(used_tiles(operands[-1], 128, got, ref))) == 2
+        np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(down(dataclasses.replace(wide, unscaled_probe=True)),
+                                  down(dataclasses.replace(one, unscaled_probe=True)))
+    xq, xs, gq, gs, uq, us, tile_expert = operands
+    xd, gd = np.asarray(dequantize_rows(xq, xs), np.float64), np.asarray(plain_f32(gq, gs), np.float64)
+    for rows, e in used_tiles(tile_expert, 128, ref):
+        a = xd[rows] @ gd[e]
+        assert np.abs(ref[rows] - a).max() <= 8e-3 * np.abs(a).max()
+    with pytest.raises(ValueError, match="straddle"):
+        grouped_matmul(xq, gq, tile_expert, up=uq, tiling=wide, x_scale=xs, w_scale=gs, up_scale=us, interpret=True)
+    sds = jax.ShapeDtypeStruct
+    for bad in (dict(step_blocks=2), dict(block_m=64), dict(joint_products=True), dict(running_scale=True)):
+        t = dataclasses.replace(wide, **bad)
+        assert scale_slices(t) == 0
+        assert shape_error(sds((256, 384), jnp.float8_e4m3fn), sds((2, 384, 384), jnp.float8_e4m3fn), t, fp8=True)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(unscaled_probe=True), dict(chained_tiles=True),
+                                     dict(row_scales_from_gmem=True, fence_row_scales=False)])
+def test_wide_tiles_lower_for_cuda_at_glm5_down_widths(variant):
+    """The 192-column down tiles (clusters of two, four stages) and their variants lowered for CUDA here
+    at GLM-5's down widths (8192 tokens x top-8 over 16 experts: K 2048, N 6144): Mosaic GPU's wgmma
+    (m64n192), layout and shared-memory checks run on this machine."""
+    from pallas_kernels.moe.grouped_matmul import ws_fp8_smem_bytes, SMEM_BYTES
+    E = 16
+    t = Tiling(block_m=128, block_n=192, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2, **variant)
+    assert ws_fp8_smem_bytes(t) <= SMEM_BYTES
+    assert "mosaic_gpu" in lower_fp8_grouped_for_cuda(t, 8192 * 8 + E * 128, K=2048, N=6144, E=E)
+
+
+def test_wide_down_tiles_policy():
+    """KernelPolicy.fp8_wide_tiles gives the prefill down call 192-column tiles in clusters of two,
+    chained, one K block a step (two-block steps and running scales leave it alone), the gate_up call and the
+    decode tiles unchanged; a hidden size not a multiple of 192 keeps 128."""
+    from pallas_kernels.moe.dispatch import expert_tilings, fp8_shape_error
+    from pallas_kernels.policy import KernelPolicy
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 16, 6144, 2048
+    gate, down = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn)
+    for slots in (8192 * 8, 8):          # prefill; one token (64-row tiles)
+        base = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2)
+        up_t, down_t = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2, running=True,
+                                      wide_down=True)
+        assert up_t.block_m == base[0].block_m
+        if slots == 8:
+            assert down_t == base[1]
+            continue
+        assert (down_t.block_n, down_t.cluster_n, down_t.step_blocks, down_t.running_scale) == (192, 2, 1, False)
+        assert down_t == dataclasses.replace(base[1], block_n=192, chained_tiles=True)
+        assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, False, 2, False,
+                               True) is None
+    odd = sds((E, I, 6016), jnp.float8_e4m3fn)       # 47 x 128: not a multiple of 192
+    assert expert_tilings(8192 * 8, odd, True, 2, wide_down=True)[1].block_n == 128
+    assert KernelPolicy().fp8_wide_tiles and not KernelPolicy.parse("fp8_wide_tiles=false").fp8_wide_tiles
+
+
+@pytest.mark.gpu
+def test_wide_tiles_compiled_bit_equal_128_column_tiles():
+    """The 192-column fp8 tiles compiled on the GPU: bit-equal to the compiled 128-column tiles, scaled
+    (clusters of two and without, chained and not) and as the unscaled probe."""
+    one, wide, operands = wide_tile_case(K=768)
+    down = variant_call(operands, one_weight=True)
+    ref = down(one)
+    for t in (wide, dataclasses.replace(wide, cluster_n=1), dataclasses.replace(wide, chained_tiles=True),
+              dataclasses.replace(wide, cluster_n=1, chained_tiles=True)):
+        np.testing.assert_array_equal(down(t), ref)
+    np.testing.assert_array_equal(down(dataclasses.replace(wide, unscaled_probe=True)),
+                                  down(dataclasses.replace(one, unscaled_probe=True)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm", [128, 64])
 def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):

@@ -24,7 +24,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, shape_error, tile_columns
-from pallas_kernels.moe.grouped_matmul import can_run_scale, with_gmem_row_scales, with_running_scale, with_step_blocks
+from pallas_kernels.moe.grouped_matmul import WIDE_TILE, can_run_scale, scale_slices, with_gmem_row_scales
+from pallas_kernels.moe.grouped_matmul import with_running_scale
+from pallas_kernels.moe.grouped_matmul import with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -117,7 +119,7 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False, running: bool = False, step_blocks: int = 1,
-                   gmem_row_scales: bool = False) -> tuple[Tiling, Tiling]:
+                   gmem_row_scales: bool = False, wide_down: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
@@ -128,7 +130,9 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     the promoting joint tiling's 3.47 (bf16 4.40), over 256 3.73 against 4.54; down (one weight, nothing
     to rescale under) ran slower with it (2.44 against 2.30 ms), and the decode tilings were not timed,
     so they keep promoting. step_blocks (fp8): Tiling.step_blocks where the tiling takes it
-    (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies."""
+    (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies; wide_down (fp8):
+    the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
+    scale_slices; one block a step), chained where it can be (so they were timed fastest)."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
@@ -139,11 +143,17 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
         up_t = il if I % tile_columns(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
     if running:
         up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
+    wide = (fp8 and wide_down and down_t.block_m == 128 and D % WIDE_TILE == 0
+            and scale_slices(dataclasses.replace(down_t, block_n=WIDE_TILE)) > 1)
+    if wide:
+        down_t = dataclasses.replace(down_t, block_n=WIDE_TILE)
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
     if fp8:
         up_t, down_t = with_gmem_row_scales(up_t, gmem_row_scales), with_gmem_row_scales(down_t, gmem_row_scales)
         up_t = with_step_blocks(up_t, D, step_blocks if up_t.interleaved_gate_up else 1)  # one product
         down_t = with_step_blocks(down_t, I, step_blocks)
+    if wide:
+        down_t = chained(down_t, I)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
 
 
@@ -179,13 +189,13 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
                     chain: bool = False, running: bool = False, step_blocks: int = 1,
-                    gmem_row_scales: bool = False) -> str | None:
+                    gmem_row_scales: bool = False, wide_down: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
     up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks,
-                                  gmem_row_scales)
+                                  gmem_row_scales, wide_down)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -199,7 +209,7 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
                                 policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
                                 policy.fp8_running_scale, policy.fp8_step_blocks,
-                                policy.fp8_row_scales_from_gmem) is None)
+                                policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -244,7 +254,7 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
                                           policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
                                           policy.fp8_running_scale, policy.fp8_step_blocks,
-                                          policy.fp8_row_scales_from_gmem)
+                                          policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

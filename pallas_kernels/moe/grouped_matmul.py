@@ -121,8 +121,9 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         _, N, K2 = w.shape
         if x.dtype != jnp.float8_e4m3fn or w.dtype != jnp.float8_e4m3fn:
             return f"fp8 operands must be float8_e4m3fn (got {x.dtype}, {w.dtype})"
-        if tiling.block_k != FP8_BLOCK or FP8_BLOCK % tile_columns(tiling):
-            return f"fp8 needs block_k {FP8_BLOCK} (one scale block per step) and a tile's output columns dividing it"
+        if tiling.block_k != FP8_BLOCK or FP8_BLOCK % tile_columns(tiling) and scale_slices(tiling) < 2:
+            return (f"fp8 needs block_k {FP8_BLOCK} (one scale block per step) and a tile's output columns dividing "
+                    f"it, or 64-column slices of one weight's 128-row tiles in two compute warpgroups ({tiling})")
     else:
         _, K2, N = w.shape
     if not fp8 and (jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -181,6 +182,28 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     return None
 
 
+SCALE_SLICE = 64
+"""Columns of a slice of a warpgroup's product that takes one weight block scale (scale_slices)."""
+WIDE_TILE = 192
+"""Output columns of the wide fp8 tiles (KernelPolicy.fp8_wide_tiles): one m64n192 product a warpgroup,
+its fresh accumulator and its sums 96 fp32 registers each, within the 232 a compute thread gets."""
+
+
+def scale_slices(t: Tiling) -> int:
+    """Slices of SCALE_SLICE columns, each with its own weight block scale, in which a warpgroup of fp8
+    tiling t promotes its product: 1 where its columns lie in one 128-wide scale block (they divide
+    it), else its part's columns / 64 (a 192-wide tile straddles two blocks: DeepGEMM's widest Hopper
+    tile with 128 x 128 weight blocks). Only one weight's 128-row tiles in two compute warpgroups, one K block a
+    step, neither joint, paired, interleaved nor in running scales, take slices (0: t cannot)."""
+    _, sn, _ = warpgroup_part(t)
+    if FP8_BLOCK % sn == 0:
+        return 1
+    if (sn % SCALE_SLICE or t.compute_wgs != 2 or t.block_m != 128 or t.step_blocks != 1
+            or t.interleaved_gate_up or t.joint_products or t.column_pairs or t.running_scale):
+        return 0
+    return sn // SCALE_SLICE
+
+
 def can_chain(t: Tiling, K: int) -> bool:
     """Whether t's tiles can run chained (chained_tiles) over K inputs: warp-specialized, each tile's K
     pipeline steps (K / block_k / step_blocks, over its K splits) a multiple of the stages or fewer, and
@@ -198,8 +221,9 @@ def chained(t: Tiling, K: int) -> Tiling:
 
 def can_run_scale(t: Tiling) -> bool:
     """Whether fp8 tiling t can keep its sums in running scales (running_scale, its products issued one
-    after the other): two compute warpgroups, gate and up not interleaved, not the unscaled probe."""
-    return t.compute_wgs == 2 and not (t.interleaved_gate_up or t.unscaled_probe)
+    after the other): two compute warpgroups, gate and up not interleaved, not the unscaled probe, its
+    columns in one scale block."""
+    return t.compute_wgs == 2 and not (t.interleaved_gate_up or t.unscaled_probe or scale_slices(t) > 1)
 
 
 def with_running_scale(t: Tiling) -> Tiling:
@@ -250,7 +274,7 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     if step_blocks not in (1, 2):
         raise ValueError(f"step_blocks {step_blocks}: 1 or 2 K blocks a pipeline step")
     if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
-            t.joint_products or t.column_pairs or t.running_scale)):
+            t.joint_products or t.column_pairs or t.running_scale or scale_slices(t) > 1)):
         return t
     fits = [dataclasses.replace(t, step_blocks=step_blocks, stages=s)
             for s in range(STEP_BLOCK_STAGES, 2 if t.block_m == 128 else 1, -1)]
@@ -404,6 +428,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn, out_sn = warpgroup_part(tiling)        # a warpgroup's part (out_sn: its output columns, sums' width)
+    n_slices = scale_slices(tiling) if fp8 else 1  # its 64-column slices, each with its own block scale
+    slice_n = out_sn // n_slices                   # columns of a sum (and of an output block in o_smem)
     out_n = tile_columns(tiling)                   # output columns of a tile (interleaved: gate's half of its block)
     # interleaved: the tile's (gate, up) pairs of 64-row blocks, side by side in one buffer of bn rows
     half = 64
@@ -462,7 +488,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         allocs = dict(allocs, flat_in_smem_refs=in_allocs[:-S * n_blocks])
         pairs_alloc = dict(pairs=plgpu.SMEM((block.shape[0], S * bn, bk), block.dtype, transforms=block.transforms))
 
-    @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((2 * n_out, sm, out_sn), o_ref.dtype),
+    @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((2 * n_out * n_slices, sm, slice_n), o_ref.dtype),
                        collective_axes="wg", **pairs_alloc)
     def _scope(allocs, o_smem, pairs=None):
         if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
@@ -492,11 +518,12 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
 
-            def load_scale(j, i):
+            def load_scale(j, i, c=0):
                 """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile
-                (interleaved: j 0 gate's, 1 up's, for the warpgroup's 64 rows of each)."""
+                (interleaved: j 0 gate's, 1 up's, for the warpgroup's 64 rows of each), of its slice c
+                (n_slices)."""
                 col = (ni * out_n + (0 if split_rows else wg * out_sn) if interleaved
-                       else column(ni, j) + (0 if split_rows else wg * sn))
+                       else column(ni, j) + (0 if split_rows else wg * sn) + c * SCALE_SLICE)
                 return ws_refs[j][expert, col // FP8_BLOCK, i + start]
 
             def pair_slot(idx, s=0):
@@ -548,6 +575,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
+                if n_slices > 1:          # one weight: each 64-column slice of its product by its block's scale
+                    scales = [row_scale * load_scale(0, idx[0], c) for c in range(n_slices)]
+                    part = products(w_smems)[0]
+                    return tuple(_add_scaled(total, part[:, c * slice_n:(c + 1) * slice_n], scale)
+                                 for c, (total, scale) in enumerate(zip(sums, scales)))
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
                 if interleaved:           # one product: its gate half into gate's sums, its up half into up's
                     return add_part(sums, products([pair_slot(idx)])[0], scales)
@@ -607,16 +639,20 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             def store(outs):
                 """This warpgroup's part of each of the tile's output column blocks, through shared memory."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                n_blocks_out = len(outs)
                 for j, out in enumerate(outs):
-                    o_smem[wg * n_out + j] = out.astype(o_smem.dtype)
+                    o_smem[wg * n_blocks_out + j] = out.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                for j in range(len(outs)):
+                for j in range(n_blocks_out):
                     if interleaved:
                         out_cols = pl.ds(0, out_n) if split_rows else pl.ds(wg * out_sn, out_sn)
                         block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * out_n, out_n)].at[rows, out_cols]
+                    elif n_slices > 1:    # slice j of the warpgroup's columns (all of the tile's: 128-row tiles)
+                        block = _out_block(o_ref, split, pl.ds(mi * bm, bm),
+                                           pl.ds(column(ni, 0) + j * slice_n, slice_n)).at[rows]
                     else:
                         block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn)).at[rows, cols]
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg * n_out + j], block)
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg * n_blocks_out + j], block)
 
             def outputs(vals):
                 return [_silu_mul(*vals)] if fused else list(vals)
@@ -629,8 +665,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def context_fp8(run):
                 # interleaved: gate's and up's sums, each the [sm, out_sn] half of the step's product
-                zeros = plgpu.layout_cast(jnp.zeros((sm, out_sn), jnp.float32), plgpu.Layout.WGMMA)
-                store(outputs(run((zeros,) * len(ws_refs))))
+                zeros = plgpu.layout_cast(jnp.zeros((sm, slice_n), jnp.float32), plgpu.Layout.WGMMA)
+                store(outputs(run((zeros,) * (len(ws_refs) * n_slices))))
 
             def context_in_place(run):
                 def scoped(*accs):
@@ -638,6 +674,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     vals = [acc[...] for acc in accs]
                     if interleaved:   # unscaled_probe: gate's and up's halves of the one product
                         vals = [vals[0][:, :out_sn], vals[0][:, out_sn:]]
+                    elif n_slices > 1:   # stored as the scaled tiling stores its sums
+                        vals = [vals[0][:, c * slice_n:(c + 1) * slice_n] for c in range(n_slices)]
                     store(outputs(vals))
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * (1 if interleaved else n_w))
 
@@ -705,6 +743,8 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
     if tiling.step_blocks > 1 and up is not None and not interleaved:
         raise ValueError("grouped_matmul: step_blocks above 1 takes gate and up interleaved (one product a K block)")
+    if fp8 and up is not None and scale_slices(tiling) > 1:
+        raise ValueError(f"grouped_matmul: tiles of {tile_columns(tiling)} columns straddle scale blocks: fp8, one weight")
     if tiling.k_splits > 1 and up is not None:
         raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
     pair = 2 if tiling.column_pairs else 1
