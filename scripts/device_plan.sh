@@ -15,8 +15,8 @@
 #           and 8192x256 (MOE_CASES) and 64x256; their compiled tests (~3 min); K2_SASS=1: cubins
 #   k2_default  issue 26: fp8_step_blocks 2 as the default: the linears' compiled test, the fp8 prefill beside HF
 #           and a 256-expert decode step (batch 32 x 2048), each against fp8_step_blocks=1
-#   wide    issue 26: 192-column fp8 down tiles (scale_slices) against 128: their compiled test, the down calls
-#           (unscaled too) at 8192 x 16 / 256, the fp8 prefill beside HF without them (WIDE_SASS=1: ptxas)
+#   wide    issue 26: 192-column fp8 tiles (scale_slices) against 128: their compiled tests, the expert calls over
+#           issue 26's grid with bf16 beside, the fp8 prefill beside HF without them (WIDE_SASS=1: ptxas)
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
@@ -109,8 +109,10 @@ part_k2_default() {   # issue 26: two-block steps by default (gate_up, decode li
 
 part_wide() {   # issue 26: each warpgroup one m64n192 product a K block, promoted in 64-column slices
   TESTS_K="wide_tiles_compiled" TESTS_BUDGET=100 part_tests
-  MOE_TAG=_wide MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
-    MOE_TILINGS=${MOE_TILINGS:-2wg_n256_s3,2wg_n128_g16_c2,2wg_n192_g16_c2,2wg_n192_g16,2wg_n192_g16_c2_ch,2wg_n128_g16_c2_u,2wg_n192_g16_c2_u} \
+  # issue 26's grid: bf16 (gate_up, down), the fp8 defaults (interleaved gate_up in two-block steps, down
+  # in wide chained tiles) and the 128-column down they replace
+  MOE_TAG=_wide MOE_CASES=${MOE_CASES:-8192x16,32768x16,8192x64,8192x256} \
+    MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n256_s3,2wg_n128_g16_c2_il_k2s3,2wg_n128_g16_c2,2wg_n192_g16_c2_ch,2wg_n192_g16_ch} \
     part_moe
   E2E_POLICIES="${E2E_POLICIES:-default;fp8_wide_tiles=false}" part_e2e
   [ -z "${WIDE_SASS:-}" ] || SASS_TILINGS=2wg_n192_g16_c2 part_sass
