@@ -45,8 +45,8 @@ def linear_tiling(rows: int, N: int, K: int = GROUP, *, split_k: bool = False, w
     (KernelPolicy.fp8_linear_split_k): a decode-sized call's output tiles split K over programs up to
     one wave (decode_k_splits: q_a_proj's 16 tiles run as 128 programs of 6 K steps each). wide
     (KernelPolicy.fp8_wide_tiles): 128-row calls whose N is a multiple of 384 (128 and WIDE_TILE: o_proj,
-    the dense MLP's projections, the shared experts' down_proj, eh_proj) take WIDE_TILE-column tiles, chained where
-    their K steps allow (fp8_linear)."""
+    the dense MLP's projections, the shared experts' down_proj, eh_proj) take WIDE_TILE-column tiles,
+    chained where their K steps allow (fp8_linear)."""
     block_n = 128 if N % 128 == 0 else 64
     if rows > 64 and wide and N % (2 * WIDE_TILE) == 0:
         return Tiling(block_m=128, block_n=WIDE_TILE, block_k=GROUP, stages=4, compute_wgs=2, grid_block_n=16)

@@ -17,7 +17,8 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, report, save_results
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, can_run_scale, chained, scale_slices, with_running_scale
+from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, can_run_scale, chained, scale_slices
+from pallas_kernels.moe.grouped_matmul import with_running_scale
 from pallas_kernels.moe.plan import block_plan
 
 

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, shape_error, tile_columns
 from pallas_kernels.moe.grouped_matmul import WIDE_TILE, can_run_scale, scale_slices, with_gmem_row_scales
-from pallas_kernels.moe.grouped_matmul import with_running_scale
-from pallas_kernels.moe.grouped_matmul import with_step_blocks
+from pallas_kernels.moe.grouped_matmul import with_running_scale, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -132,7 +131,7 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     so they keep promoting. step_blocks (fp8): Tiling.step_blocks where the tiling takes it
     (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies; wide_down (fp8):
     the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
-    scale_slices; one block a step), chained where it can be (so they were timed fastest)."""
+    scale_slices; one block a step), chained where it can be (as they were timed fastest)."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)

@@ -193,8 +193,8 @@ def scale_slices(t: Tiling) -> int:
     """Slices of SCALE_SLICE columns, each with its own weight block scale, in which a warpgroup of fp8
     tiling t promotes its product: 1 where its columns lie in one 128-wide scale block (they divide
     it), else its part's columns / 64 (a 192-wide tile straddles two blocks: DeepGEMM's widest Hopper
-    tile with 128 x 128 weight blocks). Only one weight's 128-row tiles in two compute warpgroups, one K block a
-    step, neither joint, paired, interleaved nor in running scales, take slices (0: t cannot)."""
+    tile with 128 x 128 weight blocks). Only one weight's 128-row tiles in two compute warpgroups, one K
+    block a step, neither joint, paired, interleaved nor in running scales, take slices (0: t cannot)."""
     _, sn, _ = warpgroup_part(t)
     if FP8_BLOCK % sn == 0:
         return 1
@@ -488,7 +488,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         allocs = dict(allocs, flat_in_smem_refs=in_allocs[:-S * n_blocks])
         pairs_alloc = dict(pairs=plgpu.SMEM((block.shape[0], S * bn, bk), block.dtype, transforms=block.transforms))
 
-    @functools.partial(pl.run_scoped, allocs=allocs, o_smem=plgpu.SMEM((2 * n_out * n_slices, sm, slice_n), o_ref.dtype),
+    o_smem = plgpu.SMEM((2 * n_out * n_slices, sm, slice_n), o_ref.dtype)   # each warpgroup's output blocks
+
+    @functools.partial(pl.run_scoped, allocs=allocs, o_smem=o_smem,
                        collective_axes="wg", **pairs_alloc)
     def _scope(allocs, o_smem, pairs=None):
         if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
@@ -744,7 +746,8 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     if tiling.step_blocks > 1 and up is not None and not interleaved:
         raise ValueError("grouped_matmul: step_blocks above 1 takes gate and up interleaved (one product a K block)")
     if fp8 and up is not None and scale_slices(tiling) > 1:
-        raise ValueError(f"grouped_matmul: tiles of {tile_columns(tiling)} columns straddle scale blocks: fp8, one weight")
+        raise ValueError(f"grouped_matmul: tiles of {tile_columns(tiling)} columns straddle scale blocks: "
+                         f"fp8 with one weight only")
     if tiling.k_splits > 1 and up is not None:
         raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
     pair = 2 if tiling.column_pairs else 1
