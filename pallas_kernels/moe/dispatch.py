@@ -142,10 +142,10 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
         up_t = il if I % tile_columns(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
     if running:
         up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
-    wide = (fp8 and wide_down and down_t.block_m == 128 and D % WIDE_TILE == 0
-            and scale_slices(dataclasses.replace(down_t, block_n=WIDE_TILE)) > 1)
+    wide_t = dataclasses.replace(down_t, block_n=WIDE_TILE)     # scale_slices: 128-row tiles only
+    wide = fp8 and wide_down and D % WIDE_TILE == 0 and scale_slices(wide_t) > 1
     if wide:
-        down_t = dataclasses.replace(down_t, block_n=WIDE_TILE)
+        down_t = wide_t
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
     if fp8:
         up_t, down_t = with_gmem_row_scales(up_t, gmem_row_scales), with_gmem_row_scales(down_t, gmem_row_scales)
