@@ -17,6 +17,8 @@
 #           and a 256-expert decode step (batch 32 x 2048), each against fp8_step_blocks=1
 #   wide    issue 26: 192-column fp8 tiles (scale_slices) against 128: their compiled tests, the expert calls over
 #           issue 26's grid with bf16 beside, the fp8 prefill beside HF without them (WIDE_SASS=1: ptxas)
+#   wide_gate_up  issue 26: interleaved gate_up in 128 x 192 tiles (KernelPolicy.fp8_wide_gate_up): compiled tests,
+#           the gate_up calls at 8192x16 and 8192x256 (MOE_CASES) against the default and bf16, unscaled beside
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
@@ -118,6 +120,14 @@ part_wide() {   # issue 26: each warpgroup one m64n192 product a K block, promot
   [ -z "${WIDE_SASS:-}" ] || SASS_TILINGS=2wg_n192_g16_c2 part_sass
 }
 
+part_wide_gate_up() {   # issue 26: gate_up interleaved in 128 x 192 tiles (96 rows of gate and of up a warpgroup)
+  TESTS_K="wide_gate_up_compiled or wide_tiles_compiled" TESTS_BUDGET=120 part_tests
+  local w=2wg_n192_g16_c2_il
+  MOE_TAG=_wide_gate_up MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
+    MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n128_g16_c2_il_k2s3,$w,${w}_ch,2wg_n192_g16_il_ch,${w}_nf,${w}_u,2wg_n128_g16_c2_il_u_k2s3} \
+    part_moe
+}
+
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)
   MOE_CASES=64x256 MOE_TAG=_decode part_moe
 }
@@ -192,7 +202,7 @@ part_pd() {   # transfer paths, then serving: prefill on half the GPUs and decod
     --pd-prefill-devices $((n / 2)) --pd-decode-replicas $((n - n / 2)) --json "$OUT/serve_pd.json"
 }
 
-[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set /{/^set /!p}' "$0"; exit 2; }
 for part in "$@"; do
   declare -F "part_$part" > /dev/null || { echo "unknown part: $part" >&2; exit 2; }
   "part_$part"

@@ -1228,6 +1228,105 @@ def test_wide_tiles_compiled_bit_equal_128_column_tiles():
                                   down(dataclasses.replace(one, unscaled_probe=True)))
 
 
+def wide_gate_up_case(I: int, K: int = 512):
+    """A gate_up call of expert width I for interleaved 128 x 192 tiles (96 columns of gate and of up a
+    tile, promoted in 32-column slices with their block scales); (the 128 x 192 interleaved tiling, a
+    two-weight reference tiling of 32-column blocks (one scale block each), operands)."""
+    il, operands = interleaved_case(128, K=K, I=I)
+    wide = dataclasses.replace(il, block_n=192)
+    return wide, dataclasses.replace(il, interleaved_gate_up=False, block_n=32, cluster_n=1), operands
+
+
+@pytest.mark.parametrize("I,cluster_n", [(320, 2), (352, 1)])
+def test_interleaved_wide_gate_up_interpret_bit_equal(I, cluster_n):
+    """Interleaved gate_up in 128 x 192 tiles gives, in the interpreter (races detected), the two-weight
+    kernel's outputs bit for bit (32-column blocks: one scale block each) and float64's within bf16
+    rounding, scaled (clustered or not, chained) and as the unscaled probe, the unused tile unwritten.
+    Expert widths 320 (4 tiles, the last starting at 224: 64 columns over the third, which straddles
+    scale blocks 1 and 2 at 256) and 352 (the last at 256, 32 columns over): the ragged last tile
+    computes its neighbour's columns again and stores only its own (a store of them would show in the
+    race detector as two writes)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe.grouped_matmul import column_step, column_tiles, scale_slices, shape_error
+    wide, ref_t, operands = wide_gate_up_case(I)
+    wide = dataclasses.replace(wide, cluster_n=cluster_n)
+    assert (scale_slices(wide), column_step(wide), column_tiles(wide, I)) == (3, 32, 4)
+    call = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True))
+    ref = call(ref_t)
+    for t in (wide, dataclasses.replace(wide, chained_tiles=True)):
+        got = call(t)
+        assert len(list(used_tiles(operands[-1], 128, got, ref))) == 2
+        np.testing.assert_array_equal(got, ref)
+    interleaved_check(got, ref, operands, 128)
+    np.testing.assert_array_equal(call(dataclasses.replace(wide, unscaled_probe=True)),
+                                  call(dataclasses.replace(ref_t, unscaled_probe=True)))
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((256, 384), jnp.float8_e4m3fn), sds((2, I, 384), jnp.float8_e4m3fn)
+    for bad in (dict(step_blocks=2), dict(running_scale=True), dict(joint_products=True), dict(cluster_n=1, k_splits=3)):
+        assert shape_error(x, w, dataclasses.replace(wide, **bad), fp8=True)
+    assert "column_step" in shape_error(x, sds((2, 336, 384), jnp.float8_e4m3fn), wide, fp8=True)   # 336 % 32
+
+
+def test_interleaved_wide_gate_up_lowers_for_cuda_at_glm5_widths():
+    """The interleaved 128 x 192 gate_up tiles at GLM-5's widths (hidden 6144, expert width 2048: 22 column
+    tiles, the last over the one before) lowered for CUDA here: scaled in clusters of two, chained, and as
+    the unscaled probe, within the shared memory."""
+    from pallas_kernels.moe.grouped_matmul import SMEM_BYTES, ws_fp8_smem_bytes
+    E = 16
+    t = Tiling(block_m=128, block_n=192, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2,
+               interleaved_gate_up=True)
+    assert ws_fp8_smem_bytes(t) <= SMEM_BYTES
+    for v in (t, dataclasses.replace(t, chained_tiles=True), dataclasses.replace(t, unscaled_probe=True)):
+        assert "mosaic_gpu" in lower_fp8_grouped_for_cuda(v, 8192 * 8 + E * 128, K=6144, N=2048, E=E, up=True)
+
+
+def test_wide_gate_up_policy():
+    """KernelPolicy.fp8_wide_gate_up gives the prefill gate_up call interleaved 128 x 192 tiles in clusters
+    of two, chained, one K block a step (two-block steps leave it alone), and leaves decode's 64 x 256
+    tiles, the down call and the policy without it unchanged; widths it cannot take (not a multiple of
+    32) keep the tiling they had."""
+    from pallas_kernels.moe.dispatch import expert_tilings, fp8_shape_error
+    from pallas_kernels.policy import KernelPolicy
+    sds = jax.ShapeDtypeStruct
+    E, D, I = 16, 6144, 2048
+    gate, down = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn)
+    for slots in (8192 * 8, 8):
+        base = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2, wide_down=True)
+        up_t, down_t = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2, wide_down=True,
+                                      wide_gate_up=True)
+        assert down_t == base[1]
+        if slots == 8:
+            assert up_t == base[0]
+            continue
+        assert up_t == dataclasses.replace(base[0], block_n=192, step_blocks=1, stages=4, chained_tiles=True)
+        assert (up_t.interleaved_gate_up, up_t.cluster_n) == (True, 2)
+        assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, False, 2, False,
+                               True, True) is None
+    odd = sds((E, 2064, D), jnp.float8_e4m3fn)       # 2064 % 32 = 16: the tiling without it
+    assert (expert_tilings(8192 * 8, odd, True, 2, interleaved=True, wide_gate_up=True)
+            == expert_tilings(8192 * 8, odd, True, 2, interleaved=True))
+    assert not KernelPolicy().fp8_wide_gate_up and KernelPolicy.parse("fp8_wide_gate_up=true").fp8_wide_gate_up
+
+
+@pytest.mark.gpu
+def test_interleaved_wide_gate_up_compiled_bit_equal():
+    """The interleaved 128 x 192 gate_up tiles compiled on the GPU: bit-equal to the compiled two-weight
+    kernel (32-column blocks), scaled (clusters of two and without, chained) and unscaled, at expert widths
+    320 and 352 (ragged last tiles), and within bf16 rounding of float64."""
+    for I, clusters in ((320, (1, 2)), (352, (1,))):
+        wide, ref_t, operands = wide_gate_up_case(I, K=768)
+        call = variant_call(operands)
+        ref = call(ref_t)
+        for c in clusters:
+            for chain in (False, True):
+                got = call(dataclasses.replace(wide, cluster_n=c, chained_tiles=chain))
+                np.testing.assert_array_equal(got, ref)
+        interleaved_check(got, ref, operands, 128)
+        np.testing.assert_array_equal(call(dataclasses.replace(wide, cluster_n=1, unscaled_probe=True)),
+                                      call(dataclasses.replace(ref_t, unscaled_probe=True)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm", [128, 64])
 def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, chained, grouped_matmul, shape_error, tile_columns
+from pallas_kernels.moe.grouped_matmul import Tiling, chained, column_step, column_tiles, grouped_matmul, shape_error
 from pallas_kernels.moe.grouped_matmul import WIDE_TILE, can_run_scale, scale_slices, with_gmem_row_scales
 from pallas_kernels.moe.grouped_matmul import with_running_scale, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
@@ -82,7 +82,7 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
 def paired(t: Tiling, N: int) -> Tiling:
     """t, or t without its cluster of two programs or its column pairs where N's column blocks do not
     pair up (the kernel refuses both there)."""
-    if (t.cluster_n == 2 or t.column_pairs) and (N // tile_columns(t)) % 2:
+    if (t.cluster_n == 2 or t.column_pairs) and column_tiles(t, N) % 2:
         return dataclasses.replace(t, cluster_n=1, column_pairs=False)
     return t
 
@@ -113,12 +113,13 @@ def by_rows(t: Tiling, N: int) -> Tiling:
     used tiles into a second round of a few programs (1 token x 256 experts: 128 used tiles of 144
     on 132 programs; H200, docs/perf.md 2026-12-04 fifth session: fp8 gate_up 0.083 -> 0.067 ms, bf16
     0.132 -> 0.106, 64 tokens 1.558 -> 1.434 and 3.387 -> 2.689)."""
-    return dataclasses.replace(t, grid_block_n=N // tile_columns(t)) if t.block_m == 64 else t
+    return dataclasses.replace(t, grid_block_n=column_tiles(t, N)) if t.block_m == 64 else t
 
 
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False, running: bool = False, step_blocks: int = 1,
-                   gmem_row_scales: bool = False, wide_down: bool = False) -> tuple[Tiling, Tiling]:
+                   gmem_row_scales: bool = False, wide_down: bool = False,
+                   wide_gate_up: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
@@ -131,7 +132,10 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     so they keep promoting. step_blocks (fp8): Tiling.step_blocks where the tiling takes it
     (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies; wide_down (fp8):
     the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
-    scale_slices; one block a step), chained where it can be (as they were timed fastest)."""
+    scale_slices; one block a step), chained where it can be (as they were timed fastest); wide_gate_up
+    (fp8, interleaved): the prefill gate_up call interleaved in 128 x WIDE_TILE tiles (96 columns of gate
+    and of up a tile, the last tile over the one before where 96 does not divide I: column_step),
+    chained."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
@@ -139,7 +143,13 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     if fp8 and interleaved and compute_wgs == 2 and not running:
         il = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
                                  joint_products=False, interleaved_gate_up=True)
-        up_t = il if I % tile_columns(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
+        wide_il = dataclasses.replace(il, block_n=WIDE_TILE)
+        wide_gate_up = wide_gate_up and up_t.block_m == 128 and shape_error(
+            jax.ShapeDtypeStruct((128, D), jnp.float8_e4m3fn), gate, wide_il, fp8=True) is None
+        il = wide_il if wide_gate_up else il
+        up_t = il if I % column_step(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
+    else:
+        wide_gate_up = False
     if running:
         up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
     wide_t = dataclasses.replace(down_t, block_n=WIDE_TILE)     # scale_slices: 128-row tiles only
@@ -153,6 +163,8 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
         down_t = with_step_blocks(down_t, I, step_blocks)
     if wide:
         down_t = chained(down_t, I)
+    if wide_gate_up:
+        up_t = chained(up_t, D)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
 
 
@@ -188,13 +200,13 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
                     chain: bool = False, running: bool = False, step_blocks: int = 1,
-                    gmem_row_scales: bool = False, wide_down: bool = False) -> str | None:
+                    gmem_row_scales: bool = False, wide_down: bool = False, wide_gate_up: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
     up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks,
-                                  gmem_row_scales, wide_down)
+                                  gmem_row_scales, wide_down, wide_gate_up)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -208,7 +220,8 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
                                 policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
                                 policy.fp8_running_scale, policy.fp8_step_blocks,
-                                policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles) is None)
+                                policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles,
+                                policy.fp8_wide_gate_up) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -253,7 +266,8 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
                                           policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
                                           policy.fp8_running_scale, policy.fp8_step_blocks,
-                                          policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles)
+                                          policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles,
+                                          policy.fp8_wide_gate_up)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +124,7 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
             return f"fp8 operands must be float8_e4m3fn (got {x.dtype}, {w.dtype})"
         if tiling.block_k != FP8_BLOCK or FP8_BLOCK % tile_columns(tiling) and scale_slices(tiling) < 2:
             return (f"fp8 needs block_k {FP8_BLOCK} (one scale block per step) and a tile's output columns dividing "
-                    f"it, or 64-column slices of one weight's 128-row tiles in two compute warpgroups ({tiling})")
+                    f"it, or slices of a 128-row tile's columns in two compute warpgroups (scale_slices; {tiling})")
     else:
         _, K2, N = w.shape
     if not fp8 and (jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -131,9 +132,9 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"operands must be bf16 or f16 of one dtype (got {x.dtype}, {w.dtype})"
     if K != K2:
         return f"x has {K} columns, the weights {K2} rows"
-    if K % tiling.block_k or N % tile_columns(tiling):
-        return (f"K {K} and N {N} must be multiples of block_k {tiling.block_k} and of a tile's output columns "
-                f"{tile_columns(tiling)}")
+    if K % tiling.block_k or N % column_step(tiling) or N < tile_columns(tiling):
+        return (f"K {K} and N {N} must be multiples of block_k {tiling.block_k} and of {column_step(tiling)} "
+                f"(column_step), N at least a tile's output columns {tile_columns(tiling)}")
     if P % tiling.block_m:
         return f"rows {P} must be a multiple of block_m {tiling.block_m} (the padded layout)"
     if tiling.block_m % 64 or tiling.block_n % 8 or tiling.block_k * x.dtype.itemsize != 128:
@@ -154,10 +155,10 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     if tiling.k_splits < 1 or k_steps % tiling.k_splits:
         return f"k_splits {tiling.k_splits}: a divisor of the {k_steps} K steps"
     if tiling.interleaved_gate_up and not (
-            fp8 and tiling.compute_wgs == 2 and (tiling.block_m, tiling.block_n) in ((128, 128), (64, 256))
+            fp8 and tiling.compute_wgs == 2 and (tiling.block_m, tiling.block_n) in INTERLEAVED_TILES
             and not (tiling.column_pairs or tiling.joint_products or tiling.k_splits > 1)):
-        return (f"interleaved_gate_up: fp8, two compute warpgroups on 128 x 128 or 64 x 256 tiles (a warpgroup's "
-                f"part one 64-row chunk of each), without column pairs, joint products or K splits "
+        return (f"interleaved_gate_up: fp8, two compute warpgroups on {' or '.join(f'{m} x {n}' for m, n in INTERLEAVED_TILES)}"
+                f" tiles (a warpgroup's part one chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
     if tiling.step_blocks not in (1, 2) or tiling.step_blocks > 1 and not (
             fp8 and tiling.compute_wgs == 2 and k_steps % (tiling.step_blocks * tiling.k_splits) == 0
@@ -176,32 +177,59 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"chained_tiles: two compute warpgroups, each tile's {k_steps // tiling.k_splits} K steps a "
                 f"multiple of the {tiling.stages} stages, and not interleaved gate_up with step_blocks 2 ({tiling})")
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
-            tiling.compute_wgs != 2 or (N // tile_columns(tiling) // pair) % 2 or tiling.programs % 2):
+            tiling.compute_wgs != 2 or (column_tiles(tiling, N) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
-                f"blocks ({N // tile_columns(tiling) // pair}) and of programs")
+                f"blocks ({column_tiles(tiling, N) // pair}) and of programs")
     return None
 
 
-SCALE_SLICE = 64
-"""Columns of a slice of a warpgroup's product that takes one weight block scale (scale_slices)."""
 WIDE_TILE = 192
-"""Output columns of the wide fp8 tiles (KernelPolicy.fp8_wide_tiles): one m64n192 product a warpgroup,
-its fresh accumulator and its sums 96 fp32 registers each, within the 232 a compute thread gets."""
+"""Weight rows of the wide fp8 tiles (KernelPolicy.fp8_wide_tiles): one m64n192 product a warpgroup,
+its fresh accumulator and its sums 96 fp32 registers each, within the 232 a compute thread gets. One
+weight's tile outputs 192 columns, gate and up interleaved 96 (a 96-row chunk of each)."""
+INTERLEAVED_TILES = ((128, 128), (64, 256), (128, WIDE_TILE))
+"""(block_m, block_n) of Tiling.interleaved_gate_up: a warpgroup's part holds one chunk of gate's rows and
+one of up's, 64 each (128 x 128 prefill, 64 x 256 decode tiles) or 96 (wide prefill tiles)."""
 
 
 def scale_slices(t: Tiling) -> int:
-    """Slices of SCALE_SLICE columns, each with its own weight block scale, in which a warpgroup of fp8
-    tiling t promotes its product: 1 where its columns lie in one 128-wide scale block (they divide
-    it), else its part's columns / 64 (a 192-wide tile straddles two blocks: DeepGEMM's widest Hopper
-    tile with 128 x 128 weight blocks). Only one weight's 128-row tiles in two compute warpgroups, one K
-    block a step, neither joint, paired, interleaved nor in running scales, take slices (0: t cannot)."""
-    _, sn, _ = warpgroup_part(t)
-    if FP8_BLOCK % sn == 0:
+    """Slices of slice_columns(t) columns, each with its own weight block scale, in which a warpgroup of
+    fp8 tiling t promotes its product (of each weight, interleaved): 1 where its output columns lie in one
+    128-wide scale block (they divide it), else 3: a 192-column tile of one weight straddles two blocks
+    (DeepGEMM's widest Hopper tile with 128 x 128 weight blocks) in 64-column slices, a 96-column chunk
+    of gate or up (interleaved wide tiles) in 32-column ones. Only 128-row tiles in two compute
+    warpgroups, one K block a step, neither joint, paired nor in running scales, take slices (0: t
+    cannot)."""
+    _, _, out_sn = warpgroup_part(t)
+    if FP8_BLOCK % out_sn == 0:
         return 1
-    if (sn % SCALE_SLICE or t.compute_wgs != 2 or t.block_m != 128 or t.step_blocks != 1
-            or t.interleaved_gate_up or t.joint_products or t.column_pairs or t.running_scale):
+    if (out_sn % 32 or t.compute_wgs != 2 or t.block_m != 128 or t.step_blocks != 1
+            or t.joint_products or t.column_pairs or t.running_scale):
         return 0
-    return sn // SCALE_SLICE
+    return out_sn // slice_columns(t)
+
+
+def slice_columns(t: Tiling) -> int:
+    """Columns of a slice of a warpgroup's output columns that takes one weight block scale
+    (scale_slices): the largest that divides both them and the 128-wide scale block."""
+    return math.gcd(warpgroup_part(t)[2], FP8_BLOCK)
+
+
+def column_step(t: Tiling) -> int:
+    """What N must be a multiple of: a tile's output columns, or where scale slices take a ragged last
+    tile (interleaved wide tiles: 2048 / 96 is not whole) the slice's: that tile starts at N minus its
+    columns, over columns of the one before it (tile_start), and stores only its new slices."""
+    return slice_columns(t) if t.interleaved_gate_up and scale_slices(t) > 1 else tile_columns(t)
+
+
+def column_tiles(t: Tiling, N: int) -> int:
+    """Column tiles of tiling t over N output columns (the last may overlap the one before: column_step)."""
+    return -(-N // tile_columns(t))
+
+
+def tile_start(t: Tiling, N: int, ni):
+    """First output column of column tile ni: ni x its columns, the last one's clamped within N."""
+    return jnp.minimum(ni * tile_columns(t), N - tile_columns(t)) if N % tile_columns(t) else ni * tile_columns(t)
 
 
 def can_chain(t: Tiling, K: int) -> bool:
@@ -428,12 +456,15 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
     split_rows = bm == 128
     sm, sn, out_sn = warpgroup_part(tiling)        # a warpgroup's part (out_sn: its output columns, sums' width)
-    n_slices = scale_slices(tiling) if fp8 else 1  # its 64-column slices, each with its own block scale
+    n_slices = scale_slices(tiling) if fp8 else 1  # its slices, each with its own block scale (of each weight)
     slice_n = out_sn // n_slices                   # columns of a sum (and of an output block in o_smem)
     out_n = tile_columns(tiling)                   # output columns of a tile (interleaved: gate's half of its block)
-    # interleaved: the tile's (gate, up) pairs of 64-row blocks, side by side in one buffer of bn rows
-    half = 64
+    N = o_ref.shape[-1]
+    # interleaved: the tile's (gate, up) pairs of out_sn-row chunks, side by side in one buffer of bn rows
+    half = out_sn
     n_blocks = bn // half if interleaved else n_w   # weight blocks a K block
+    # a ragged last column tile (column_step) overlaps the one before by this many columns: not stored again
+    overlap = column_tiles(tiling, N) * out_n - N
     S = tiling.step_blocks                          # K blocks a pipeline step (each its x, row scales, weights)
     n_xs = S if fp8 and not tiling.row_scales_from_gmem else 0   # row-scale blocks a step (in shared memory)
     wg = jax.lax.axis_index("wg")
@@ -464,15 +495,17 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
     def column(ni, j):
         """First output column of weight j's block in tile column ni (gate and up share one block; column
-        pairs take two neighbouring ones)."""
+        pairs take two neighbouring ones; interleaved: the tile's first output column, tile_start)."""
+        if interleaved:
+            return tile_start(tiling, N, ni)
         return (ni * n_out + min(j, n_out - 1)) * bn
 
     def operands(mi, ni, expert):
         """The pipeline's inputs for the tile (row tile mi, column block ni) of `expert`."""
         tile_rows = pl.ds(mi * bm, bm)
         scales = [xs_ref.at[:, tile_rows]] if n_xs else []
-        if interleaved:           # gate's and up's blocks of each of the tile's 64-column output chunks
-            ws = [w.at[expert, pl.ds(ni * out_n + c * half, half)] for c in range(n_blocks // 2) for w in w_refs]
+        if interleaved:           # gate's and up's blocks of each of the tile's output chunks
+            ws = [w.at[expert, pl.ds(column(ni, 0) + c * half, half)] for c in range(n_blocks // 2) for w in w_refs]
         else:
             ws = [w.at[expert, pl.ds(column(ni, j), bn)] if fp8 else w.at[expert, :, pl.ds(column(ni, j), bn)]
                   for j, w in enumerate(w_refs)]
@@ -522,10 +555,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def load_scale(j, i, c=0):
                 """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile
-                (interleaved: j 0 gate's, 1 up's, for the warpgroup's 64 rows of each), of its slice c
+                (interleaved: j 0 gate's, 1 up's, for the warpgroup's chunk of each), of its slice c
                 (n_slices)."""
-                col = (ni * out_n + (0 if split_rows else wg * out_sn) if interleaved
-                       else column(ni, j) + (0 if split_rows else wg * sn) + c * SCALE_SLICE)
+                col = column(ni, j) + (0 if split_rows else wg * out_sn) + c * slice_n
                 return ws_refs[j][expert, col // FP8_BLOCK, i + start]
 
             def pair_slot(idx, s=0):
@@ -577,14 +609,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
-                if n_slices > 1:          # one weight: each 64-column slice of its product by its block's scale
-                    scales = [row_scale * load_scale(0, idx[0], c) for c in range(n_slices)]
-                    part = products(w_smems)[0]
-                    return tuple(_add_scaled(total, part[:, c * slice_n:(c + 1) * slice_n], scale)
-                                 for c, (total, scale) in enumerate(zip(sums, scales)))
+                if interleaved or n_slices > 1:   # one product: each slice of each weight's part by its scale
+                    scales = [row_scale * load_scale(j, idx[0], c) for j in range(len(ws_refs))
+                              for c in range(n_slices)]
+                    return add_part(sums, products([pair_slot(idx)] if interleaved else w_smems)[0], scales)
                 scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
-                if interleaved:           # one product: its gate half into gate's sums, its up half into up's
-                    return add_part(sums, products([pair_slot(idx)])[0], scales)
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
                                  for total, part, scale in zip(sums, products(w_smems), scales))
@@ -646,24 +675,35 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     o_smem[wg * n_blocks_out + j] = out.astype(o_smem.dtype)
                 plgpu.commit_smem()
                 for j in range(n_blocks_out):
-                    if interleaved:
+                    if interleaved and n_slices == 1:
                         out_cols = pl.ds(0, out_n) if split_rows else pl.ds(wg * out_sn, out_sn)
-                        block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(ni * out_n, out_n)].at[rows, out_cols]
+                        block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(column(ni, 0), out_n)].at[rows, out_cols]
                     elif n_slices > 1:    # slice j of the warpgroup's columns (all of the tile's: 128-row tiles)
                         block = _out_block(o_ref, split, pl.ds(mi * bm, bm),
                                            pl.ds(column(ni, 0) + j * slice_n, slice_n)).at[rows]
                     else:
                         block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn)).at[rows, cols]
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg * n_blocks_out + j], block)
+                    copy = functools.partial(plgpu.copy_smem_to_gmem, o_smem.at[wg * n_blocks_out + j], block)
+                    if (j + 1) * slice_n <= overlap:   # the ragged last tile's columns its neighbour stored
+                        pl.when(ni != column_tiles(tiling, N) - 1)(copy)
+                    else:
+                        copy()
 
             def outputs(vals):
-                return [_silu_mul(*vals)] if fused else list(vals)
+                """The output blocks of sums vals (fused: gate's slices, then up's)."""
+                vals = list(vals)
+                return [_silu_mul(g, u) for g, u in zip(vals[:n_slices], vals[n_slices:])] if fused else vals
+
+            def parts(part):
+                """A [sm, sn] product's parts, as the sums hold them: interleaved, its gate half then its up
+                half; each in its slices (scale_slices)."""
+                halves = (part[:, :out_sn], part[:, out_sn:]) if interleaved else (part,)
+                return [h[:, c * slice_n:(c + 1) * slice_n] if n_slices > 1 else h
+                        for h in halves for c in range(n_slices)]
 
             def add_part(sums, part, scales):
-                """sums plus a [sm, sn] product scaled (interleaved: its gate half into gate's sums, its up
-                half into up's)."""
-                parts = (part[:, :out_sn], part[:, out_sn:]) if interleaved else (part,)
-                return tuple(_add_scaled(total, h, scale) for total, h, scale in zip(sums, parts, scales))
+                """sums plus a [sm, sn] product's parts scaled."""
+                return tuple(_add_scaled(total, h, scale) for total, h, scale in zip(sums, parts(part), scales))
 
             def context_fp8(run):
                 # interleaved: gate's and up's sums, each the [sm, out_sn] half of the step's product
@@ -674,10 +714,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 def scoped(*accs):
                     run(accs)
                     vals = [acc[...] for acc in accs]
-                    if interleaved:   # unscaled_probe: gate's and up's halves of the one product
-                        vals = [vals[0][:, :out_sn], vals[0][:, out_sn:]]
-                    elif n_slices > 1:   # stored as the scaled tiling stores its sums
-                        vals = [vals[0][:, c * slice_n:(c + 1) * slice_n] for c in range(n_slices)]
+                    if interleaved or n_slices > 1:   # stored as the scaled tiling stores its sums
+                        vals = parts(vals[0])
                     store(outputs(vals))
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * (1 if interleaved else n_w))
 
@@ -745,16 +783,16 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         raise ValueError("grouped_matmul: column_pairs takes no up (gate_up already holds two accumulators)")
     if tiling.step_blocks > 1 and up is not None and not interleaved:
         raise ValueError("grouped_matmul: step_blocks above 1 takes gate and up interleaved (one product a K block)")
-    if fp8 and up is not None and scale_slices(tiling) > 1:
+    if fp8 and up is not None and scale_slices(tiling) > 1 and not interleaved:
         raise ValueError(f"grouped_matmul: tiles of {tile_columns(tiling)} columns straddle scale blocks: "
-                         f"fp8 with one weight only")
+                         f"fp8 with one weight, or gate and up interleaved")
     if tiling.k_splits > 1 and up is not None:
         raise ValueError("grouped_matmul: k_splits takes no up (silu(gate) * up needs whole sums)")
     pair = 2 if tiling.column_pairs else 1
     weights = (w,) * pair if up is None else (w, up)
     if fp8:
         weights = (x_scale,) + weights + ((w_scale,) * pair if up is None else (w_scale, up_scale))
-    grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=N // tile_columns(tiling) // pair,
+    grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=column_tiles(tiling, N) // pair,
                 k_steps=K // tiling.block_k)
     if tiling.compute_wgs == 2:
         body = functools.partial(_kernel_ws, fp8=fp8, interpret=bool(interpret), **grid)
