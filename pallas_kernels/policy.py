@@ -106,12 +106,6 @@ class KernelPolicy:
     less of x and of the products' A operand read from shared memory per output column (DeepGEMM's
     widest Hopper tile). On the H100 (docs/perf.md, 2026-12-06 eighteenth session) the down call at
     8192 x 16 1.565 -> 1.392 ms (fp8 / bf16 1.44x -> 1.62x), at 8192 x 256 2.252 -> 1.996."""
-    fp8_wide_gate_up: bool = False
-    """The fp8 prefill gate_up call interleaved in 128 x 192 tiles (each warpgroup one m64n192 product a K
-    block: 96 rows of gate's and 96 of up's, promoted in 32-column slices with their own block scales;
-    moe.dispatch.expert_tilings) instead of 128 x 128 in two-block steps: per MAC a third less of x read
-    from shared memory, at the price of the expert width's last 96-column tile overlapping the one before
-    (2048 = 21 x 96 + 32: 3% more products). Off until timed on the GPU."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

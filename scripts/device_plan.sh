@@ -17,7 +17,7 @@
 #           and a 256-expert decode step (batch 32 x 2048), each against fp8_step_blocks=1
 #   wide    issue 26: 192-column fp8 tiles (scale_slices) against 128: their compiled tests, the expert calls over
 #           issue 26's grid with bf16 beside, the fp8 prefill beside HF without them (WIDE_SASS=1: ptxas)
-#   wide_gate_up  issue 26: interleaved gate_up in 128 x 192 tiles (KernelPolicy.fp8_wide_gate_up): compiled tests,
+#   wide_gate_up  issue 26: interleaved gate_up in 128 x 192 tiles (a probe, no policy takes it): compiled tests,
 #           the gate_up calls at 8192x16 and 8192x256 (MOE_CASES) against the default and bf16, unscaled beside
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in

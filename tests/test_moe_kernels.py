@@ -1281,34 +1281,6 @@ def test_interleaved_wide_gate_up_lowers_for_cuda_at_glm5_widths():
         assert "mosaic_gpu" in lower_fp8_grouped_for_cuda(v, 8192 * 8 + E * 128, K=6144, N=2048, E=E, up=True)
 
 
-def test_wide_gate_up_policy():
-    """KernelPolicy.fp8_wide_gate_up gives the prefill gate_up call interleaved 128 x 192 tiles in clusters
-    of two, chained, one K block a step (two-block steps leave it alone), and leaves decode's 64 x 256
-    tiles, the down call and the policy without it unchanged; widths it cannot take (not a multiple of
-    32) keep the tiling they had."""
-    from pallas_kernels.moe.dispatch import expert_tilings, fp8_shape_error
-    from pallas_kernels.policy import KernelPolicy
-    sds = jax.ShapeDtypeStruct
-    E, D, I = 16, 6144, 2048
-    gate, down = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn)
-    for slots in (8192 * 8, 8):
-        base = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2, wide_down=True)
-        up_t, down_t = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2, wide_down=True,
-                                      wide_gate_up=True)
-        assert down_t == base[1]
-        if slots == 8:
-            assert up_t == base[0]
-            continue
-        assert up_t == dataclasses.replace(base[0], block_n=192, step_blocks=1, stages=4, chained_tiles=True)
-        assert (up_t.interleaved_gate_up, up_t.cluster_n) == (True, 2)
-        assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, False, 2, False,
-                               True, True) is None
-    odd = sds((E, 2064, D), jnp.float8_e4m3fn)       # 2064 % 32 = 16: the tiling without it
-    assert (expert_tilings(8192 * 8, odd, True, 2, interleaved=True, wide_gate_up=True)
-            == expert_tilings(8192 * 8, odd, True, 2, interleaved=True))
-    assert not KernelPolicy().fp8_wide_gate_up and KernelPolicy.parse("fp8_wide_gate_up=true").fp8_wide_gate_up
-
-
 @pytest.mark.gpu
 def test_interleaved_wide_gate_up_compiled_bit_equal():
     """The interleaved 128 x 192 gate_up tiles compiled on the GPU: bit-equal to the compiled two-weight

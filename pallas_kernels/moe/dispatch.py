@@ -118,8 +118,7 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False, running: bool = False, step_blocks: int = 1,
-                   gmem_row_scales: bool = False, wide_down: bool = False,
-                   wide_gate_up: bool = False) -> tuple[Tiling, Tiling]:
+                   gmem_row_scales: bool = False, wide_down: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
@@ -132,10 +131,9 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     so they keep promoting. step_blocks (fp8): Tiling.step_blocks where the tiling takes it
     (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies; wide_down (fp8):
     the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
-    scale_slices; one block a step), chained where it can be (as they were timed fastest); wide_gate_up
-    (fp8, interleaved): the prefill gate_up call interleaved in 128 x WIDE_TILE tiles (96 columns of gate
-    and of up a tile, the last tile over the one before where 96 does not divide I: column_step),
-    chained."""
+    scale_slices; one block a step), chained where it can be (as they were timed fastest). The prefill
+    gate_up call stays in 128 x 128 interleaved tiles: interleaved 128 x WIDE_TILE ones ran slower
+    (docs/perf.md, 2026-12-06 nineteenth session)."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
@@ -143,13 +141,7 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     if fp8 and interleaved and compute_wgs == 2 and not running:
         il = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
                                  joint_products=False, interleaved_gate_up=True)
-        wide_il = dataclasses.replace(il, block_n=WIDE_TILE)
-        wide_gate_up = wide_gate_up and up_t.block_m == 128 and shape_error(
-            jax.ShapeDtypeStruct((128, D), jnp.float8_e4m3fn), gate, wide_il, fp8=True) is None
-        il = wide_il if wide_gate_up else il
         up_t = il if I % column_step(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
-    else:
-        wide_gate_up = False
     if running:
         up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
     wide_t = dataclasses.replace(down_t, block_n=WIDE_TILE)     # scale_slices: 128-row tiles only
@@ -163,8 +155,6 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
         down_t = with_step_blocks(down_t, I, step_blocks)
     if wide:
         down_t = chained(down_t, I)
-    if wide_gate_up:
-        up_t = chained(up_t, D)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
 
 
@@ -200,13 +190,13 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
                     chain: bool = False, running: bool = False, step_blocks: int = 1,
-                    gmem_row_scales: bool = False, wide_down: bool = False, wide_gate_up: bool = False) -> str | None:
+                    gmem_row_scales: bool = False, wide_down: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
     up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks,
-                                  gmem_row_scales, wide_down, wide_gate_up)
+                                  gmem_row_scales, wide_down)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -220,8 +210,7 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
                                 policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
                                 policy.fp8_running_scale, policy.fp8_step_blocks,
-                                policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles,
-                                policy.fp8_wide_gate_up) is None)
+                                policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -266,8 +255,7 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
                                           policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
                                           policy.fp8_running_scale, policy.fp8_step_blocks,
-                                          policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles,
-                                          policy.fp8_wide_gate_up)
+                                          policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

@@ -66,7 +66,9 @@ class Tiling:
     one shared-memory buffer (gate, up, gate, up: the tile's block_n rows), so a warpgroup's one m64n128
     product holds 64 gate and 64 up columns (the x tile read from shared memory once, not once per
     weight); its halves are summed apart with their own block scales and paired by the epilogue. A
-    tile computes block_n / 2 output columns."""
+    tile computes block_n / 2 output columns. 128 x 192 tiles (96-row chunks of gate and up, promoted
+    in 32-column slices, scale_slices) are a probe: slower than 128 x 128 on the H200 (docs/perf.md,
+    2026-12-06 nineteenth session), so no policy takes them."""
     chained_tiles: bool = False
     """Warp-specialized: a program's tiles run as one continued K pipeline (emit_pipeline_warp_specialized's
     pipeline_state: its first used tile START, the next STEADY, its last STOP), so the producer loads
