@@ -45,7 +45,8 @@ def tilings(bm: int, fp8: bool):
     two K blocks a step, the first's product added while the second's runs; half the stages, so the same
     bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every two-warpgroup one but
     running scales as `<name>_gs` (Tiling.row_scales_from_gmem: each thread reads its row scales from
-    global memory; no fence)."""
+    global memory; no fence), those in two-block steps chained too (`<name>_gs_ch`: interleaved gate_up
+    in two-block steps chains only so, can_chain)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -101,6 +102,9 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
             group = {**group, **{f"{n}_gs": dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
                                  for n, t in group.items() if t.compute_wgs == 2 and not t.running_scale
                                  and not n.endswith("_nf")}}
+            group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items()   # chained once they can be
+                                 if t.row_scales_from_gmem and t.step_blocks > 1 and not t.chained_tiles
+                                 and can_chain(t, K)}}
         out[call] = group
     return out
 

@@ -1091,8 +1091,9 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     detected) gives bit-equal outputs, gate_up interleaved and one weight (down's shape), over 6 K steps
     with distinct block scales, the unused tile unwritten; K steps not a multiple of the blocks, 3 blocks,
     joint products, running scales, and gate and up not interleaved are refused; chained tiles bit-equal
-    for one weight, refused for interleaved gate_up. (The unscaled probe's two-block steps: the compiled
-    test and the bench's err.)"""
+    for one weight and for interleaved gate_up with its row scales from global memory, refused for it
+    with them in shared memory. (The unscaled probe's two-block steps: the compiled test and the bench's
+    err.)"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul
@@ -1115,6 +1116,8 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     # gate_up in two-block steps is refused (chained, it never finished in the interpreter)
     np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, stages=3, chained_tiles=True)), ref)
     chained_k2 = dataclasses.replace(il, step_blocks=2, stages=3, chained_tiles=True)
+    gmem_k2 = dataclasses.replace(il, step_blocks=2, stages=3, row_scales_from_gmem=True, fence_row_scales=False)
+    np.testing.assert_array_equal(call(dataclasses.replace(gmem_k2, chained_tiles=True)), call(gmem_k2))
     with pytest.raises(ValueError, match="chained_tiles"):
         grouped_matmul(xq, gq, tile_expert, up=operands[4], tiling=chained_k2, x_scale=xs, w_scale=gs,
                        up_scale=operands[5], interpret=True)

@@ -177,7 +177,8 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"unscaled_probe: fp8 with two compute warpgroups ({tiling})"
     if tiling.chained_tiles and not can_chain(tiling, K):
         return (f"chained_tiles: two compute warpgroups, each tile's {k_steps // tiling.k_splits} K steps a "
-                f"multiple of the {tiling.stages} stages, and not interleaved gate_up with step_blocks 2 ({tiling})")
+                f"multiple of the {tiling.stages} stages, and not interleaved gate_up with step_blocks 2 and row scales "
+                f"in shared memory ({tiling})")
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
             tiling.compute_wgs != 2 or (column_tiles(tiling, N) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
@@ -237,11 +238,13 @@ def tile_start(t: Tiling, N: int, ni):
 def can_chain(t: Tiling, K: int) -> bool:
     """Whether t's tiles can run chained (chained_tiles) over K inputs: warp-specialized, each tile's K
     pipeline steps (K / block_k / step_blocks, over its K splits) a multiple of the stages or fewer, and
-    not interleaved gate_up in two-block steps (its weight slots are views of one shared buffer; chained,
-    that kernel never finishes in the interpreter, one weight in two-block steps does)."""
+    not interleaved gate_up in two-block steps with its row scales in shared memory (its weight slots
+    are views of one shared buffer; chained, that kernel never finishes in the interpreter: its compute
+    warpgroups wait on a produced barrier the producer never fills. With the row scales read from
+    global memory, or one weight in two-block steps, it finishes, bit-equal)."""
     steps = K // t.block_k // t.k_splits // t.step_blocks
     return (t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0)
-            and not (t.interleaved_gate_up and t.step_blocks > 1))
+            and not (t.interleaved_gate_up and t.step_blocks > 1 and not t.row_scales_from_gmem))
 
 
 def chained(t: Tiling, K: int) -> Tiling:
