@@ -31,7 +31,8 @@ def tilings(bm: int, fp8: bool):
     bytes in flight per SM); `_il`: each step's 64-row gate and up blocks side by side in shared memory,
     one m64n128 product a step (Tiling.interleaved_gate_up); `_n192` (fp8): 192-column tiles promoted
     in slices with their own block scales (scale_slices: down's 64 columns; interleaved gate_up's 96-row
-    chunks of gate and up in 32); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
+    chunks of gate and up in 32); `3wg` (where 128-row tiles are timed): 192-row tiles in three compute
+    warpgroups, over the rows laid out in 192-row tiles (each output compared in slot order); `_rm`: 64-row tiles walked row by row (grid_block_n over all column
     blocks: the padded buffer's unused row tiles last, as the dispatch does) instead of column by column.
     Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
     (Tiling.chained_tiles: a program's tiles as one continued pipeline), and every fp8 one as `<name>_u`
@@ -49,8 +50,13 @@ def tilings(bm: int, fp8: bool):
     in two-block steps chains only so, can_chain)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
-        grid_block_n=g if bm == 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
+        grid_block_n=g if bm >= 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
         interleaved_gate_up=il)
+    if bm == 192:     # three compute warpgroups, 64 rows each (fp8; bf16 keeps 128-row tiles)
+        if not fp8:
+            return {}, {}
+        return ({"3wg_n128_g16_il": T(128, 4, 3, 16, il=True), "3wg_n128_g16_c2_il": T(128, 4, 3, 16, 2, il=True)},
+                {"3wg_n128_g16": T(128, 4, 3, 16), "3wg_n128_g16_c2": T(128, 4, 3, 16, 2)})
     if fp8 and bm == 128:
         return ({"1wg_n64": T(64, 3, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n128_g8_c2": T(128, 4, 2, 8, 2),
@@ -89,18 +95,18 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
         group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if can_chain(t, K)}}
         if fp8:
             group = {**group, **{f"{n}_u": dataclasses.replace(t, unscaled_probe=True)
-                                 for n, t in group.items() if t.compute_wgs == 2 and not n.endswith("_ch")},
+                                 for n, t in group.items() if t.compute_wgs >= 2 and not n.endswith("_ch")},
                      **{f"{n}_rs": with_running_scale(t) for n, t in group.items() if can_run_scale(t)}}
             group = {**group, **{f"{n}_{tag}": dataclasses.replace(t, step_blocks=blocks, stages=st)
                                  for n, t in group.items() if "_ch" not in n and not t.running_scale
                                  and scale_slices(t) == 1
-                                 and (t.interleaved_gate_up or call == "down" and t.compute_wgs == 2
+                                 and (t.interleaved_gate_up or call == "down" and t.compute_wgs >= 2
                                       and not (t.column_pairs or t.joint_products))
                                  for tag, blocks, st in (("k2", 2, max(1, t.stages // 2)), ("k2s3", 2, 3))}}
             group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
-                                 if t.compute_wgs == 2 and not t.unscaled_probe}}
+                                 if t.compute_wgs >= 2 and not t.unscaled_probe}}
             group = {**group, **{f"{n}_gs": dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
-                                 for n, t in group.items() if t.compute_wgs == 2 and not t.running_scale
+                                 for n, t in group.items() if t.compute_wgs >= 2 and not t.running_scale
                                  and not n.endswith("_nf")}}
             group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items()   # chained once they can be
                                  if t.row_scales_from_gmem and t.step_blocks > 1 and not t.chained_tiles
@@ -111,7 +117,8 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
 
 def tiling_names(D: int, I: int) -> set[str]:
     """Every name --tilings can select, over both row tiles and dtypes."""
-    return {n for bm in (64, 128) for fp8 in (False, True) for g in timed_groups(bm, fp8, D, I).values() for n in g}
+    return {n for bm in (64, 128, 192) for fp8 in (False, True) for g in timed_groups(bm, fp8, D, I).values()
+            for n in g}
 
 
 def main():
@@ -140,51 +147,60 @@ def main():
         x = jax.random.normal(key[6], (tokens, D), jnp.bfloat16)
         fe = jax.random.randint(key[7], (tokens * k,), 0, E, jnp.int32)
         slots = tokens * k
-        bm = 64 if slots < 4 * E else 128
-        _, row_slot, te = block_plan(fe, E, bm)
-        xp = jnp.where((row_slot >= 0)[:, None], x[jnp.maximum(row_slot, 0) // k], 0)
-        h = jax.random.normal(key[6], (xp.shape[0], I), jnp.bfloat16)
-        used = np.repeat(np.asarray(te) >= 0, bm)
         flops = {"gate_up": 4.0 * slots * D * I, "down": 2.0 * slots * D * I}
         touched = len(np.unique(np.asarray(fe)))
         weights = {"gate_up": 2.0 * touched * D * I, "down": 1.0 * touched * D * I}   # elements
-        for fp8 in (False, True):
-            if fp8:
-                (xq, xs), (hq, hs) = quantize_rows(xp), quantize_rows(h)
-                calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(
-                                         a[0], b[0], te, up=c[0], tiling=t, x_scale=a[1], w_scale=b[1], up_scale=c[1]),
-                                     ((xq, xs), (g, gs), (u, us))),
-                         "down": (lambda t: lambda a, b: grouped_matmul(a[0], b[0], te, tiling=t, x_scale=a[1], w_scale=b[1]),
-                                  ((hq, hs), (d, ds)))}
-            else:
-                gb, ub, db = (jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16) for w in (g, u, d))   # [E, K, N]
-                calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a, b, te, up=c, tiling=t), (xp, gb, ub)),
-                         "down": (lambda t: lambda a, b: grouped_matmul(a, b, te, tiling=t), (h, db))}
-            for call, group in timed_groups(bm, fp8, D, I).items():
-                make, operands = calls[call]
-                refs = {}                                # the first timed of each kind: scaled, unscaled
-                for name, t in group.items():
-                    if keep is not None and name not in keep:
-                        continue
-                    entry = dict(tokens=tokens, experts=E, dtype="fp8" if fp8 else "bf16", call=call, tiling=name,
-                                 config=dataclasses.asdict(t))
-                    try:
-                        f = jax.jit(make(t))
-                        s = fitted_pipelined_time(f, *operands)
-                        out = np.asarray(f(*operands).astype(jnp.float32))[used]
-                        ref = refs.setdefault(t.unscaled_probe, out)
-                        entry.update(s=s, tflops=flops[call] / s / 1e12,
-                                     weight_gbps=weights[call] * (1 if fp8 else 2) / s / 1e9,
-                                     err=float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)))
-                        rows.append([case, entry["dtype"], call, name, f"{s * 1e3:.3f}", f"{entry['tflops']:.0f}",
-                                     f"{entry['weight_gbps']:.0f}", f"{entry['err']:.1e}"])
-                    except Exception as e:          # a tiling over the shared memory, say: a row, not a stop
-                        entry["error"] = str(e)[:300]
-                        rows.append([case, entry["dtype"], call, name, entry["error"][:60], "", "", ""])
-                    res.append(entry)
-                    save_results(res, args.json)
-            if not fp8:
-                del gb, ub, db
+        h_slot = jax.random.normal(key[6], (slots, I), jnp.bfloat16)    # the down call's input, a row a slot
+        refs = {}         # (dtype, call, unscaled): the first timed output in slot order, over the row tiles
+        for bm in (64,) if slots < 4 * E else (128, 192):
+            if keep is not None and not any(n in keep for fp8 in (False, True)
+                                            for grp in timed_groups(bm, fp8, D, I).values() for n in grp):
+                continue
+            _, row_slot, te = block_plan(fe, E, bm)
+            xp = jnp.where((row_slot >= 0)[:, None], x[jnp.maximum(row_slot, 0) // k], 0)
+            h = jnp.where((row_slot >= 0)[:, None], h_slot[jnp.maximum(row_slot, 0)], 0)
+            rs = np.asarray(row_slot)
+            by_slot = np.argsort(np.where(rs >= 0, rs, rs.size + slots))[:slots]   # each slot's row
+            for fp8 in (False, True):
+                groups = timed_groups(bm, fp8, D, I)
+                if keep is not None and not any(n in keep for grp in groups.values() for n in grp):
+                    continue
+                if fp8:
+                    (xq, xs), (hq, hs) = quantize_rows(xp), quantize_rows(h)
+                    calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(
+                                             a[0], b[0], te, up=c[0], tiling=t, x_scale=a[1], w_scale=b[1],
+                                             up_scale=c[1]), ((xq, xs), (g, gs), (u, us))),
+                             "down": (lambda t: lambda a, b: grouped_matmul(a[0], b[0], te, tiling=t, x_scale=a[1],
+                                                                            w_scale=b[1]), ((hq, hs), (d, ds)))}
+                else:
+                    gb, ub, db = (jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16) for w in (g, u, d))   # [E, K, N]
+                    calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a, b, te, up=c, tiling=t),
+                                         (xp, gb, ub)),
+                             "down": (lambda t: lambda a, b: grouped_matmul(a, b, te, tiling=t), (h, db))}
+                for call, group in groups.items():
+                    make, operands = calls[call]
+                    for name, t in group.items():
+                        if keep is not None and name not in keep:
+                            continue
+                        entry = dict(tokens=tokens, experts=E, dtype="fp8" if fp8 else "bf16", call=call, tiling=name,
+                                     config=dataclasses.asdict(t))
+                        try:
+                            f = jax.jit(make(t))
+                            s = fitted_pipelined_time(f, *operands)
+                            out = np.asarray(f(*operands).astype(jnp.float32))[by_slot]
+                            ref = refs.setdefault((entry["dtype"], call, t.unscaled_probe), out)
+                            entry.update(s=s, tflops=flops[call] / s / 1e12,
+                                         weight_gbps=weights[call] * (1 if fp8 else 2) / s / 1e9,
+                                         err=float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)))
+                            rows.append([case, entry["dtype"], call, name, f"{s * 1e3:.3f}", f"{entry['tflops']:.0f}",
+                                         f"{entry['weight_gbps']:.0f}", f"{entry['err']:.1e}"])
+                        except Exception as e:          # a tiling over the shared memory, say: a row, not a stop
+                            entry["error"] = str(e)[:300]
+                            rows.append([case, entry["dtype"], call, name, entry["error"][:60], "", "", ""])
+                        res.append(entry)
+                        save_results(res, args.json)
+                if not fp8:
+                    del gb, ub, db
     report(rows, res, args.json)
 
 

@@ -19,6 +19,8 @@
 #           issue 26's grid with bf16 beside, the fp8 prefill beside HF without them (WIDE_SASS=1: ptxas)
 #   wide_gate_up  issue 26: interleaved gate_up in 128 x 192 tiles (a probe, no policy takes it): compiled tests,
 #           the gate_up calls at 8192x16 and 8192x256 (MOE_CASES) against the default and bf16, unscaled beside
+#   three_wgs  issue 26: 192-row tiles in three compute warpgroups (gate_up interleaved, down) against the defaults
+#           and bf16 at 8192x16 and 8192x256 (MOE_CASES), their compiled test first
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
@@ -125,6 +127,14 @@ part_wide_gate_up() {   # issue 26: gate_up interleaved in 128 x 192 tiles (96 r
   local w=2wg_n192_g16_c2_il
   MOE_TAG=_wide_gate_up MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
     MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n128_g16_c2_il_k2s3,$w,${w}_ch,2wg_n192_g16_il_ch,${w}_nf,${w}_u,2wg_n128_g16_c2_il_u_k2s3} \
+    part_moe
+}
+
+part_three_wgs() {   # issue 26: three compute warpgroups on 192-row tiles (one promotes while two multiply)
+  TESTS_K="three_compute_warpgroups_compiled" TESTS_BUDGET=100 part_tests
+  local g=3wg_n128_g16
+  MOE_TAG=_three_wgs MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
+    MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n128_g16_c2_il_k2s3,${g}_c2_il,${g}_il,${g}_c2_il_ch,${g}_c2_il_u,2wg_n128_g16_c2_il_u_k2s3,2wg_n256_s3,2wg_n192_g16_c2_ch,${g}_c2,${g}_c2_ch} \
     part_moe
 }
 

@@ -1302,6 +1302,86 @@ def test_interleaved_wide_gate_up_compiled_bit_equal():
                                       call(dataclasses.replace(ref_t, unscaled_probe=True)))
 
 
+def three_wg_case(K: int = 512):
+    """Operands for 192-row tiles in three compute warpgroups laid out so that 128-row tiles cover the same
+    rows: 1152 rows, expert 1's then an unused stretch then expert 0's, 384 rows each (192-row tiles
+    [1, 1, -1, -1, 0, 0], 128-row ones [1, 1, 1, -1, -1, -1, 0, 0, 0]); (the 192-row tiles' expert, the
+    128-row ones', interleaved_case's operands with x over the 1152 rows)."""
+    from pallas_kernels.moe import quantize_rows
+    _, (_, _, gq, gs, uq, us, _) = interleaved_case(128, K=K)
+    xq, xs = quantize_rows(jnp.asarray(np.random.default_rng(71).standard_normal((1152, K)), jnp.float32))
+    te192, te128 = (jnp.asarray(np.repeat([1, -1, 0], n), jnp.int32) for n in (2, 3))
+    return te192, te128, (xq, xs, gq, gs, uq, us)
+
+
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_three_compute_warpgroups_interpret_bit_equal_two(cluster_n):
+    """192-row tiles in three compute warpgroups (64 rows each) give, in the interpreter (races detected),
+    the two-warpgroup kernel's outputs on 128-row tiles over the same rows bit for bit: interleaved gate_up
+    (and float64's within bf16 rounding) and one weight (down's shape), the unused rows unwritten;
+    192 rows in two warpgroups and 128 in three are refused."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    te192, te128, (xq, xs, gq, gs, uq, us) = three_wg_case()
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    two = Tiling(block_m=128, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=4, compute_wgs=2,
+                 cluster_n=cluster_n, interleaved_gate_up=True)
+    three = dataclasses.replace(two, block_m=192, compute_wgs=3)
+
+    def call(t, te, up=True):
+        extra = dict(up=uq, up_scale=us) if up else {}
+        return np.asarray(grouped_matmul(xq, gq, te, tiling=t, x_scale=xs, w_scale=gs, interpret=interp, **extra),
+                          np.float64)
+    ref, got = call(two, te128), call(three, te192)
+    assert len(list(used_tiles(te192, 192, got, ref))) == 4
+    np.testing.assert_array_equal(got, ref)
+    interleaved_check(got, ref, (xq, xs, gq, gs, uq, us, te192), 192)
+    one2, one3 = (dataclasses.replace(t, interleaved_gate_up=False) for t in (two, three))
+    np.testing.assert_array_equal(call(one3, te192, up=False), call(one2, te128, up=False))
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((1152, 512), jnp.float8_e4m3fn), sds(gq.shape, jnp.float8_e4m3fn)
+    assert "split 128 rows" in shape_error(x, w, dataclasses.replace(two, block_m=192), fp8=True)
+    assert "split 192 rows" in shape_error(x, w, dataclasses.replace(three, block_m=128), fp8=True)
+
+
+@pytest.mark.parametrize("call", ["gate_up", "down"])
+def test_three_compute_warpgroups_lower_for_cuda_at_glm5_widths(call):
+    """192-row tiles in three compute warpgroups at GLM-5's widths (8192 tokens x top-8 over 16 experts):
+    interleaved gate_up (K 6144, N 2048) and down (K 2048, N 6144), 128 columns, clusters of two, four
+    stages, lowered for CUDA here within the shared memory."""
+    from pallas_kernels.moe.grouped_matmul import SMEM_BYTES, ws_fp8_smem_bytes
+    E = 16
+    t = Tiling(block_m=192, block_n=128, block_k=128, stages=4, compute_wgs=3, grid_block_n=16, cluster_n=2,
+               interleaved_gate_up=call == "gate_up")
+    assert ws_fp8_smem_bytes(t) <= SMEM_BYTES
+    K, N = (6144, 2048) if call == "gate_up" else (2048, 6144)
+    assert "mosaic_gpu" in lower_fp8_grouped_for_cuda(t, 192 * 352, K=K, N=N, E=E, up=call == "gate_up")
+
+
+@pytest.mark.gpu
+def test_three_compute_warpgroups_compiled_bit_equal_two():
+    """192-row tiles in three compute warpgroups compiled on the GPU: bit-equal to the compiled
+    two-warpgroup kernel on 128-row tiles over the same rows, interleaved gate_up (clustered and not,
+    scaled and unscaled) and one weight."""
+    from pallas_kernels.moe import grouped_matmul
+    te192, te128, (xq, xs, gq, gs, uq, us) = three_wg_case(K=768)
+
+    def call(t, te, up=True):
+        extra = dict(up=uq, up_scale=us) if up else {}
+        f = jax.jit(lambda: grouped_matmul(xq, gq, te, tiling=t, x_scale=xs, w_scale=gs, **extra))
+        return np.asarray(f(), np.float64)[np.repeat(np.asarray(te128) >= 0, 128)]
+    for c in (1, 2):
+        for probe in (False, True):
+            two = Tiling(block_m=128, block_n=128, block_k=128, stages=4, grid_block_n=1, programs=4, compute_wgs=2,
+                         cluster_n=c, interleaved_gate_up=True, unscaled_probe=probe)
+            three = dataclasses.replace(two, block_m=192, compute_wgs=3)
+            np.testing.assert_array_equal(call(three, te192), call(two, te128))
+            one2, one3 = (dataclasses.replace(t, interleaved_gate_up=False) for t in (two, three))
+            np.testing.assert_array_equal(call(one3, te192, up=False), call(one2, te128, up=False))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm", [128, 64])
 def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):

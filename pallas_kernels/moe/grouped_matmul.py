@@ -45,7 +45,9 @@ class Tiling:
     compute_wgs: int = 1
     """2 runs the warp-specialized kernel (_kernel_ws): a producer warpgroup issues the
     TMA loads and two compute warpgroups each take half of a tile (rows when block_m is 128, columns
-    otherwise), so one rescales its step's product while the other's wgmma runs (DeepGEMM's scheme)."""
+    otherwise), so one rescales its step's product while the other's wgmma runs (DeepGEMM's scheme).
+    3 (192-row tiles, 64 rows each): while one promotes, two have products on the tensor cores; each
+    compute thread gets 160 registers (the producer 24) instead of 232."""
     cluster_n: int = 1
     """2 (warp-specialized kernel only): programs run in clusters of two on neighbouring column blocks
     of one row tile, and each x tile is loaded once for both by TMA multicast (half the x traffic
@@ -141,10 +143,12 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"rows {P} must be a multiple of block_m {tiling.block_m} (the padded layout)"
     if tiling.block_m % 64 or tiling.block_n % 8 or tiling.block_k * x.dtype.itemsize != 128:
         return f"tiling {tiling} does not fit one warpgroup's wgmma with 128-byte swizzled K blocks"
-    if tiling.compute_wgs not in (1, 2):
-        return f"compute_wgs {tiling.compute_wgs}: 1 or 2"
+    if tiling.compute_wgs not in (1, 2, 3):
+        return f"compute_wgs {tiling.compute_wgs}: 1, 2 or 3"
     if tiling.compute_wgs == 2 and (tiling.block_m not in (64, 128) or tiling.block_m == 64 and tiling.block_n % 128):
         return f"two compute warpgroups split 128 rows or, at block_m 64, a multiple of 128 columns ({tiling})"
+    if tiling.compute_wgs == 3 and tiling.block_m != 192:
+        return f"three compute warpgroups split 192 rows ({tiling})"
     pair = 2 if tiling.column_pairs else 1
     if tiling.column_pairs and (not fp8 or tiling.compute_wgs != 2 or N % (2 * tiling.block_n)):
         return f"column_pairs: fp8, two compute warpgroups and N {N} a multiple of 2 x block_n ({tiling})"
@@ -157,30 +161,30 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     if tiling.k_splits < 1 or k_steps % tiling.k_splits:
         return f"k_splits {tiling.k_splits}: a divisor of the {k_steps} K steps"
     if tiling.interleaved_gate_up and not (
-            fp8 and tiling.compute_wgs == 2 and (tiling.block_m, tiling.block_n) in INTERLEAVED_TILES
+            fp8 and warp_specialized(tiling) and (tiling.block_m, tiling.block_n) in INTERLEAVED_TILES
             and not (tiling.column_pairs or tiling.joint_products or tiling.k_splits > 1)):
         return (f"interleaved_gate_up: fp8, two compute warpgroups on {' or '.join(f'{m} x {n}' for m, n in INTERLEAVED_TILES)}"
                 f" tiles (a warpgroup's part one chunk of each), without column pairs, joint products or K splits "
                 f"({tiling})")
     if tiling.step_blocks not in (1, 2) or tiling.step_blocks > 1 and not (
-            fp8 and tiling.compute_wgs == 2 and k_steps % (tiling.step_blocks * tiling.k_splits) == 0
+            fp8 and warp_specialized(tiling) and k_steps % (tiling.step_blocks * tiling.k_splits) == 0
             and not (tiling.joint_products or tiling.column_pairs or tiling.running_scale)):
         return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, two compute warpgroups, one product a K "
                 f"block (no joint or column-pair products, no running scales) and the K steps of a split a multiple "
                 f"of it ({tiling})")
-    if tiling.row_scales_from_gmem and not (fp8 and tiling.compute_wgs == 2 and not tiling.running_scale):
+    if tiling.row_scales_from_gmem and not (fp8 and warp_specialized(tiling) and not tiling.running_scale):
         return f"row_scales_from_gmem: fp8, two compute warpgroups, not running_scale ({tiling})"
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
         return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
                 f"(its products are issued back to back already) ({tiling})")
-    if tiling.unscaled_probe and not (fp8 and tiling.compute_wgs == 2):
+    if tiling.unscaled_probe and not (fp8 and warp_specialized(tiling)):
         return f"unscaled_probe: fp8 with two compute warpgroups ({tiling})"
     if tiling.chained_tiles and not can_chain(tiling, K):
         return (f"chained_tiles: two compute warpgroups, each tile's {k_steps // tiling.k_splits} K steps a "
                 f"multiple of the {tiling.stages} stages, and not interleaved gate_up with step_blocks 2 and row scales "
                 f"in shared memory ({tiling})")
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
-            tiling.compute_wgs != 2 or (column_tiles(tiling, N) // pair) % 2 or tiling.programs % 2):
+            not warp_specialized(tiling) or (column_tiles(tiling, N) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
                 f"blocks ({column_tiles(tiling, N) // pair}) and of programs")
     return None
@@ -190,9 +194,10 @@ WIDE_TILE = 192
 """Weight rows of the wide fp8 tiles (KernelPolicy.fp8_wide_tiles): one m64n192 product a warpgroup,
 its fresh accumulator and its sums 96 fp32 registers each, within the 232 a compute thread gets. One
 weight's tile outputs 192 columns, gate and up interleaved 96 (a 96-row chunk of each)."""
-INTERLEAVED_TILES = ((128, 128), (64, 256), (128, WIDE_TILE))
+INTERLEAVED_TILES = ((128, 128), (64, 256), (128, WIDE_TILE), (192, 128))
 """(block_m, block_n) of Tiling.interleaved_gate_up: a warpgroup's part holds one chunk of gate's rows and
-one of up's, 64 each (128 x 128 prefill, 64 x 256 decode tiles) or 96 (wide prefill tiles)."""
+one of up's, 64 each (128 x 128 prefill, 64 x 256 decode tiles, 192 x 128 in three compute warpgroups)
+or 96 (wide prefill tiles)."""
 
 
 def scale_slices(t: Tiling) -> int:
@@ -243,7 +248,7 @@ def can_chain(t: Tiling, K: int) -> bool:
     warpgroups wait on a produced barrier the producer never fills. With the row scales read from
     global memory, or one weight in two-block steps, it finishes, bit-equal)."""
     steps = K // t.block_k // t.k_splits // t.step_blocks
-    return (t.compute_wgs == 2 and (steps <= t.stages or steps % t.stages == 0)
+    return (warp_specialized(t) and (steps <= t.stages or steps % t.stages == 0)
             and not (t.interleaved_gate_up and t.step_blocks > 1 and not t.row_scales_from_gmem))
 
 
@@ -266,11 +271,22 @@ def with_running_scale(t: Tiling) -> Tiling:
     return dataclasses.replace(t, running_scale=True, joint_products=False)
 
 
+def warp_specialized(t: Tiling) -> bool:
+    """Whether tiling t runs the warp-specialized kernel (_kernel_ws: a producer and compute warpgroups)."""
+    return t.compute_wgs >= 2
+
+
+def split_rows(t: Tiling) -> bool:
+    """Whether the warp-specialized kernel's compute warpgroups split a tile's rows, 64 each (else two
+    split a 64-row tile's columns)."""
+    return t.block_m == 64 * max(t.compute_wgs, 2)
+
+
 def warpgroup_part(t: Tiling) -> tuple[int, int, int]:
     """(rows, columns, output columns) of the part of a tile one compute warpgroup of the warp-specialized
-    kernel holds: 128-row tiles split by rows, 64-row ones by columns; interleaved gate_up outputs half
-    of its columns (gate's, paired with up's)."""
-    sm, sn = (t.block_m // 2, t.block_n) if t.block_m == 128 else (t.block_m, t.block_n // 2)
+    kernel holds: 128- and 192-row tiles split by rows, 64-row ones by columns; interleaved gate_up outputs
+    half of its columns (gate's, paired with up's)."""
+    sm, sn = (64, t.block_n) if split_rows(t) else (t.block_m, t.block_n // 2)
     return sm, sn, sn // 2 if t.interleaved_gate_up else sn
 
 
@@ -287,7 +303,7 @@ def ws_fp8_smem_bytes(t: Tiling) -> int:
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     block = bm * bk + bn * bk + (0 if t.row_scales_from_gmem else 4 * bm)
     sm, _, out_sn = warpgroup_part(t)
-    return t.stages * t.step_blocks * block + 2 * sm * out_sn * 2 + 2048
+    return t.stages * t.step_blocks * block + t.compute_wgs * sm * out_sn * 2 + 2048
 
 
 STEP_BLOCK_STAGES = 3
@@ -306,7 +322,7 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     else t."""
     if step_blocks not in (1, 2):
         raise ValueError(f"step_blocks {step_blocks}: 1 or 2 K blocks a pipeline step")
-    if step_blocks == 1 or not (t.compute_wgs == 2 and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
+    if step_blocks == 1 or not (warp_specialized(t) and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
             t.joint_products or t.column_pairs or t.running_scale or scale_slices(t) > 1)):
         return t
     fits = [dataclasses.replace(t, step_blocks=step_blocks, stages=s)
@@ -318,7 +334,7 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
 def with_gmem_row_scales(t: Tiling, on: bool = True) -> Tiling:
     """fp8 tiling t reading its row scales from global memory (Tiling.row_scales_from_gmem, no fence)
     where it can (two compute warpgroups, not running scales); else t."""
-    if not on or t.compute_wgs != 2 or t.running_scale:
+    if not on or not warp_specialized(t) or t.running_scale:
         return t
     return dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
 
@@ -459,7 +475,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
     fused = n_w == 2 and not tiling.column_pairs   # gate and up: silu(gate) * up
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
-    split_rows = bm == 128
+    by_rows = split_rows(tiling)
+    W = tiling.compute_wgs
     sm, sn, out_sn = warpgroup_part(tiling)        # a warpgroup's part (out_sn: its output columns, sums' width)
     n_slices = scale_slices(tiling) if fp8 else 1  # its slices, each with its own block scale (of each weight)
     slice_n = out_sn // n_slices                   # columns of a sum (and of an output block in o_smem)
@@ -495,7 +512,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                  + [plgpu.BlockSpec((1, bm), lambda k, s=s: (kb(s)(k), 0), **shared) for s in range(n_xs)]
                  + [w_spec(s) for s in range(S) for _ in range(n_blocks)])
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps // S,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            body, grid=(steps // S,), memory_registers=40 if W == 2 else 24, wg_axis="wg", num_compute_wgs=W,
             max_concurrent_steps=tiling.stages, compute_context=context, in_specs=specs, pipeline_state=state)
 
     def column(ni, j):
@@ -526,7 +543,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         allocs = dict(allocs, flat_in_smem_refs=in_allocs[:-S * n_blocks])
         pairs_alloc = dict(pairs=plgpu.SMEM((block.shape[0], S * bn, bk), block.dtype, transforms=block.transforms))
 
-    o_smem = plgpu.SMEM((2 * n_out * n_slices, sm, slice_n), o_ref.dtype)   # each warpgroup's output blocks
+    o_smem = plgpu.SMEM((W * n_out * n_slices, sm, slice_n), o_ref.dtype)   # each warpgroup's output blocks
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=o_smem,
                        collective_axes="wg", **pairs_alloc)
@@ -555,14 +572,14 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         @plgpu.nd_loop(loop, collective_axes="sm")
         def _tile(info):
             mi, ni, expert, split, steps, start = tile_at(info)
-            rows = pl.ds(wg * sm, sm) if split_rows else pl.ds(0, sm)
-            cols = pl.ds(0, sn) if split_rows else pl.ds(wg * sn, sn)
+            rows = pl.ds(wg * sm, sm) if by_rows else pl.ds(0, sm)
+            cols = pl.ds(0, sn) if by_rows else pl.ds(wg * sn, sn)
 
             def load_scale(j, i, c=0):
                 """Weight j's block scale at the pipeline's step i for this warpgroup's columns of the tile
                 (interleaved: j 0 gate's, 1 up's, for the warpgroup's chunk of each), of its slice c
                 (n_slices)."""
-                col = column(ni, j) + (0 if split_rows else wg * out_sn) + c * slice_n
+                col = column(ni, j) + (0 if by_rows else wg * out_sn) + c * slice_n
                 return ws_refs[j][expert, col // FP8_BLOCK, i + start]
 
             def pair_slot(idx, s=0):
@@ -574,7 +591,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 if n_xs:
                     row_scales = [plgpu.load(xs.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)) for xs in xs_smems]
                 else:                     # from global memory: this warpgroup's rows of the tile, each block's
-                    tile_rows = pl.ds(mi * bm + (wg * sm if split_rows else 0), sm)
+                    tile_rows = pl.ds(mi * bm + (wg * sm if by_rows else 0), sm)
                     row_scales = [plgpu.load(xs_ref.at[S * idx[0] + s + start, tile_rows], optimized=False,
                                              layout=plgpu.Layout.WGMMA.reduce(1)) for s in range(S)]
                 if tiling.fence_row_scales and n_xs:
@@ -681,7 +698,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 plgpu.commit_smem()
                 for j in range(n_blocks_out):
                     if interleaved and n_slices == 1:
-                        out_cols = pl.ds(0, out_n) if split_rows else pl.ds(wg * out_sn, out_sn)
+                        out_cols = pl.ds(0, out_n) if by_rows else pl.ds(wg * out_sn, out_sn)
                         block = o_ref.at[pl.ds(mi * bm, bm), pl.ds(column(ni, 0), out_n)].at[rows, out_cols]
                     elif n_slices > 1:    # slice j of the warpgroup's columns (all of the tile's: 128-row tiles)
                         block = _out_block(o_ref, split, pl.ds(mi * bm, bm),
@@ -799,11 +816,11 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
         weights = (x_scale,) + weights + ((w_scale,) * pair if up is None else (w_scale, up_scale))
     grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=column_tiles(tiling, N) // pair,
                 k_steps=K // tiling.block_k)
-    if tiling.compute_wgs == 2:
+    if warp_specialized(tiling):
         body = functools.partial(_kernel_ws, fp8=fp8, interpret=bool(interpret), **grid)
     else:
         body = functools.partial(_kernel, fp8=fp8, **grid)
-    threads = dict(num_threads=3, thread_name="wg") if tiling.compute_wgs == 2 else {}
+    threads = dict(num_threads=tiling.compute_wgs + 1, thread_name="wg") if warp_specialized(tiling) else {}
     if tiling.cluster_n == 2:
         threads.update(cluster=(2,), cluster_names=("cluster",))
     out_dtype = out_dtype or (jnp.bfloat16 if fp8 else x.dtype)
