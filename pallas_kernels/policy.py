@@ -106,6 +106,15 @@ class KernelPolicy:
     less of x and of the products' A operand read from shared memory per output column (DeepGEMM's
     widest Hopper tile). On the H100 (docs/perf.md, 2026-12-06 eighteenth session) the down call at
     8192 x 16 1.565 -> 1.392 ms (fp8 / bf16 1.44x -> 1.62x), at 8192 x 256 2.252 -> 1.996."""
+    fp8_three_wgs: bool = False
+    """fp8 prefill expert calls with at least THREE_WG_ROWS routed rows per expert run 192-row tiles in
+    three compute warpgroups (grouped_matmul.Tiling.compute_wgs 3: 64 rows each, 160 registers a compute
+    thread): gate_up interleaved 192 x 128 and down 192 x 128 chained, in clusters of two (moe.dispatch
+    .expert_tilings), so one warpgroup promotes while two have products on the tensor cores. On the H100
+    (docs/perf.md, 2026-12-06 nineteenth session; kernel calls alone, bit-equal outputs) at 8192 x 16:
+    gate_up 2.977 -> 2.722 ms (fp8 / bf16 1.44x -> 1.57x), down 1.431 -> 1.370 (1.68x); at 8192 x 256 (256
+    rows an expert: a third more padding rows) slower, 3.969 -> 4.433. Off until the prefill is timed
+    with it end to end."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

@@ -831,6 +831,26 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
 
 
 @pytest.mark.gpu
+def test_expert_mlp_fp8_three_wgs_compiled_bit_equal_two():
+    """KernelPolicy.fp8_three_wgs through the compiled dispatch (2048 rows an expert: 192-row tiles in three
+    compute warpgroups for both calls) gives the default two-warpgroup path's outputs bit for bit, slot by
+    slot (hidden 1024 takes no 192-column down tiles, so both downs are 128 columns; the default's two-block
+    gate_up steps add in the same order as one block a step)."""
+    from pallas_kernels.moe.dispatch import expert_tilings
+    rng = np.random.default_rng(8)
+    N, k, D, I, E = 4096, 8, 1024, 512, 16
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
+    on, off = KernelPolicy(fp8_three_wgs=True), KernelPolicy()
+    assert expert_tilings(N * k, gq, True, 2, True, three_wgs=True)[0].compute_wgs == 3
+    got = np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=on, scales=(gs, us, ds)), np.float64)
+    want = np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=off, scales=(gs, us, ds)), np.float64)
+    assert np.isfinite(got).all() and np.abs(want).max() > 0
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("bm,bn,cluster_n", [(128, 128, 1), (128, 128, 2), (64, 256, 2)])
 def test_interleaved_gate_up_compiled_equals_the_two_weight_call(bm, bn, cluster_n):
     """Tiling.interleaved_gate_up compiled on the GPU (prefill 128-row and decode 64 x 256 tiles), 64
@@ -1358,6 +1378,58 @@ def test_three_compute_warpgroups_lower_for_cuda_at_glm5_widths(call):
     assert ws_fp8_smem_bytes(t) <= SMEM_BYTES
     K, N = (6144, 2048) if call == "gate_up" else (2048, 6144)
     assert "mosaic_gpu" in lower_fp8_grouped_for_cuda(t, 192 * 352, K=K, N=N, E=E, up=call == "gate_up")
+
+
+def test_three_wgs_policy():
+    """KernelPolicy.fp8_three_wgs gives prefill calls with at least THREE_WG_ROWS rows an expert (8192 tokens
+    x top-8 over 16 and 64 experts) 192-row tiles in three compute warpgroups for both calls (gate_up
+    interleaved, down chained, clusters of two) and leaves 256 experts (256 rows each), decode, the running
+    scales' opt-in and the policy without it as they were."""
+    from pallas_kernels.moe.dispatch import THREE_WG_ROWS, expert_tilings, fp8_shape_error, three_wg_tilings
+    from pallas_kernels.policy import KernelPolicy
+    sds = jax.ShapeDtypeStruct
+    D, I = 6144, 2048
+    kw = dict(interleaved=True, step_blocks=2, wide_down=True)
+    for E in (16, 64, 256):
+        gate, down = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn)
+        for slots in (8192 * 8, 64 * 8):
+            base = expert_tilings(slots, gate, True, 2, **kw)
+            got = expert_tilings(slots, gate, True, 2, three_wgs=True, **kw)
+            if slots >= THREE_WG_ROWS * E:
+                assert got == three_wg_tilings() and got[0].compute_wgs == got[1].compute_wgs == 3
+                assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, False, 2,
+                                       False, True, True) is None
+            else:
+                assert got == base
+            assert expert_tilings(slots, gate, True, 2, three_wgs=True, running=True, **kw) == expert_tilings(
+                slots, gate, True, 2, running=True, **kw)
+        assert (E == 256) == (8192 * 8 < THREE_WG_ROWS * E)
+    assert not KernelPolicy().fp8_three_wgs and KernelPolicy.parse("fp8_three_wgs=true").fp8_three_wgs
+
+
+def test_expert_mlp_fp8_three_wgs_interpret_bit_equal_two():
+    """The fp8 expert path (interpreter, races detected) with both calls in 192-row tiles of three compute
+    warpgroups gives the two-warpgroup 128-row path's outputs bit for bit, slot by slot (another row
+    layout: block_plan at 192 rows), dummies zero."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import expert_mlp_blocked_fp8
+    rng = np.random.default_rng(9)
+    N, k, D, I, E = 400, 2, 384, 256, 3      # ~266 rows an expert: two 192-row tiles, three 128-row
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(routings(rng, N * k, E).__next__(), jnp.int32)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    two = Tiling(block_m=128, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=4, compute_wgs=2)
+    three = dataclasses.replace(two, block_m=192, compute_wgs=3)
+
+    def run(t):
+        il = dataclasses.replace(t, interleaved_gate_up=True)
+        return np.asarray(expert_mlp_blocked_fp8(x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=il, down_tiling=t,
+                                                 interpret=interp).slots(), np.float64)
+    got, ref = run(three), run(two)
+    assert (got[np.asarray(fe) == E] == 0).all() and np.abs(ref).max() > 0
+    np.testing.assert_array_equal(got, ref)
 
 
 @pytest.mark.gpu

@@ -118,7 +118,8 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False, running: bool = False, step_blocks: int = 1,
-                   gmem_row_scales: bool = False, wide_down: bool = False) -> tuple[Tiling, Tiling]:
+                   gmem_row_scales: bool = False, wide_down: bool = False,
+                   three_wgs: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
@@ -133,9 +134,15 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
     scale_slices; one block a step), chained where it can be (as they were timed fastest). The prefill
     gate_up call stays in 128 x 128 interleaved tiles: interleaved 128 x WIDE_TILE ones ran slower
-    (docs/perf.md, 2026-12-06 nineteenth session)."""
+    (docs/perf.md, 2026-12-06 nineteenth session). three_wgs (fp8, interleaved, two compute warpgroups
+    asked for): calls with at least THREE_WG_ROWS rows an expert take three_wg_tilings instead."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
+    if fp8 and three_wgs and interleaved and compute_wgs == 2 and not running and slots >= THREE_WG_ROWS * E:
+        up_t, down_t = three_wg_tilings()
+        if I % column_step(up_t) == 0 and D % down_t.block_n == 0:
+            up_t, down_t = paired(up_t, I), paired(down_t, D)
+            return with_gmem_row_scales(up_t, gmem_row_scales), with_gmem_row_scales(down_t, gmem_row_scales)
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
     running = fp8 and running and up_t.block_m == 128 and can_run_scale(up_t)
     if fp8 and interleaved and compute_wgs == 2 and not running:
@@ -156,6 +163,20 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     if wide:
         down_t = chained(down_t, I)
     return (chained(up_t, D), chained(down_t, I)) if chain else (up_t, down_t)
+
+
+THREE_WG_ROWS = 1024
+"""Routed rows an expert (slots / E) from which KernelPolicy.fp8_three_wgs takes 192-row tiles: each expert's
+rows are padded to a multiple of the tile, ~96 rows on average against 128-row tiles' ~64, under 10% more
+rows than 128-row tiles' here (at 256 rows an expert, the 8192 x 256 case, they lost 12%)."""
+
+
+def three_wg_tilings() -> tuple[Tiling, Tiling]:
+    """(gate_up, down) fp8 tilings in three compute warpgroups: 192-row tiles, 128 columns, clusters of two;
+    gate_up interleaved (chained, it ran 4% slower), down chained (H100, docs/perf.md 2026-12-06 nineteenth
+    session)."""
+    t = Tiling(block_m=192, block_n=128, block_k=128, stages=4, compute_wgs=3, grid_block_n=16, cluster_n=2)
+    return dataclasses.replace(t, interleaved_gate_up=True), dataclasses.replace(t, chained_tiles=True)
 
 
 def blocked_shape_error(x, gate, down, slots: int, up_t: Tiling, down_t: Tiling) -> str | None:
@@ -190,13 +211,13 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
                     chain: bool = False, running: bool = False, step_blocks: int = 1,
-                    gmem_row_scales: bool = False, wide_down: bool = False) -> str | None:
+                    gmem_row_scales: bool = False, wide_down: bool = False, three_wgs: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
     up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks,
-                                  gmem_row_scales, wide_down)
+                                  gmem_row_scales, wide_down, three_wgs)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -210,7 +231,8 @@ def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
             and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
                                 policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
                                 policy.fp8_running_scale, policy.fp8_step_blocks,
-                                policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles) is None)
+                                policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles,
+                                policy.fp8_three_wgs) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -255,7 +277,8 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
             up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
                                           policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
                                           policy.fp8_running_scale, policy.fp8_step_blocks,
-                                          policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles)
+                                          policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles,
+                                          policy.fp8_three_wgs)
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
