@@ -163,26 +163,26 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
     if tiling.interleaved_gate_up and not (
             fp8 and warp_specialized(tiling) and (tiling.block_m, tiling.block_n) in INTERLEAVED_TILES
             and not (tiling.column_pairs or tiling.joint_products or tiling.k_splits > 1)):
-        return (f"interleaved_gate_up: fp8, two compute warpgroups on {' or '.join(f'{m} x {n}' for m, n in INTERLEAVED_TILES)}"
-                f" tiles (a warpgroup's part one chunk of each), without column pairs, joint products or K splits "
-                f"({tiling})")
+        tiles = " or ".join(f"{m} x {n}" for m, n in INTERLEAVED_TILES)
+        return (f"interleaved_gate_up: fp8, warp-specialized, on {tiles} tiles (a warpgroup's part one chunk of "
+                f"each), without column pairs, joint products or K splits ({tiling})")
     if tiling.step_blocks not in (1, 2) or tiling.step_blocks > 1 and not (
             fp8 and warp_specialized(tiling) and k_steps % (tiling.step_blocks * tiling.k_splits) == 0
             and not (tiling.joint_products or tiling.column_pairs or tiling.running_scale)):
-        return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, two compute warpgroups, one product a K "
+        return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, warp-specialized, one product a K "
                 f"block (no joint or column-pair products, no running scales) and the K steps of a split a multiple "
                 f"of it ({tiling})")
     if tiling.row_scales_from_gmem and not (fp8 and warp_specialized(tiling) and not tiling.running_scale):
-        return f"row_scales_from_gmem: fp8, two compute warpgroups, not running_scale ({tiling})"
+        return f"row_scales_from_gmem: fp8, warp-specialized, not running_scale ({tiling})"
     if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
         return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
                 f"(its products are issued back to back already) ({tiling})")
     if tiling.unscaled_probe and not (fp8 and warp_specialized(tiling)):
-        return f"unscaled_probe: fp8 with two compute warpgroups ({tiling})"
+        return f"unscaled_probe: fp8, warp-specialized ({tiling})"
     if tiling.chained_tiles and not can_chain(tiling, K):
-        return (f"chained_tiles: two compute warpgroups, each tile's {k_steps // tiling.k_splits} K steps a "
-                f"multiple of the {tiling.stages} stages, and not interleaved gate_up with step_blocks 2 and row scales "
-                f"in shared memory ({tiling})")
+        return (f"chained_tiles: warp-specialized, each tile's {k_steps // tiling.k_splits} K steps a "
+                f"multiple of the {tiling.stages} stages, and not interleaved gate_up with step_blocks 2 and row "
+                f"scales in shared memory ({tiling})")
     if tiling.cluster_n not in (1, 2) or tiling.cluster_n == 2 and (
             not warp_specialized(tiling) or (column_tiles(tiling, N) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
