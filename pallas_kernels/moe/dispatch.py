@@ -224,15 +224,19 @@ def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved
             or shape_error(jax.ShapeDtypeStruct((P, I), jnp.float8_e4m3fn), down, down_t, fp8=True))
 
 
+def fp8_tiling_options(policy: KernelPolicy) -> dict:
+    """The policy's choices for the fp8 kernel's tilings, as expert_tilings and fp8_shape_error take them."""
+    return dict(compute_wgs=policy.fp8_moe_compute_wgs, interleaved=policy.fp8_moe_interleaved_gate_up,
+                chain=policy.chained_tiles, running=policy.fp8_running_scale, step_blocks=policy.fp8_step_blocks,
+                gmem_row_scales=policy.fp8_row_scales_from_gmem, wide_down=policy.fp8_wide_tiles,
+                three_wgs=policy.fp8_three_wgs)
+
+
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
     """Whether expert_mlp runs fp8 experts (K-major: gate [E, I, D], down [E, D, I]) through the fp8
     kernel (else they are dequantized first): on the GPU, where its shapes fit."""
     return (policy.on_gpu() and policy.moe_kernel and policy.fp8_moe_kernel
-            and fp8_shape_error(x, gate, down, slots, policy.fp8_moe_compute_wgs,
-                                policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
-                                policy.fp8_running_scale, policy.fp8_step_blocks,
-                                policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles,
-                                policy.fp8_three_wgs) is None)
+            and fp8_shape_error(x, gate, down, slots, **fp8_tiling_options(policy)) is None)
 
 
 def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *, up_tiling: Tiling,
@@ -274,11 +278,7 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
     check_experts(x.shape[1], gate, up, down, scales)
     if scales is not None:
         if fp8_kernel_applies(x, gate, down, slots, policy):
-            up_t, down_t = expert_tilings(slots, gate, True, policy.fp8_moe_compute_wgs,
-                                          policy.fp8_moe_interleaved_gate_up, policy.chained_tiles,
-                                          policy.fp8_running_scale, policy.fp8_step_blocks,
-                                          policy.fp8_row_scales_from_gmem, policy.fp8_wide_tiles,
-                                          policy.fp8_three_wgs)
+            up_t, down_t = expert_tilings(slots, gate, True, **fp8_tiling_options(policy))
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))

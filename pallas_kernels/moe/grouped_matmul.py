@@ -360,10 +360,10 @@ def _add_scaled(total, part, scale):
     return total + _scaled(part, scale)
 
 
-def _step_scales(row_scale, load, step, n: int):
-    """Each of n weights' scale for this step: row_scale [rows] x its block scale (load(j, step): a
-    global-memory scalar)."""
-    return [row_scale * load(j, step) for j in range(n)]
+def _step_scales(row_scale, load, step, n: int, slices: int = 1):
+    """Each of n weights' scale for this step (of each of its slices, scale_slices): row_scale [rows] x its
+    block scale (load(j, step, c): a global-memory scalar)."""
+    return [row_scale * load(j, step, c) for j in range(n) for c in range(slices)]
 
 
 def _silu_mul(gate, up):
@@ -420,7 +420,7 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
                 return tuple(acc[...] for acc in accs)
 
             def accumulate_fp8():
-                def load(j, k):
+                def load(j, k, c=0):      # one slice a weight (scale_slices takes no one-warpgroup tiles): c 0
                     return ws_refs[j][expert, (ni * bn) // FP8_BLOCK, k + start]
 
                 def step(idx, x_smem, xs_smem, *rest):
@@ -631,11 +631,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                         return tuple(acc_ref[...] for acc_ref in acc_refs)
                     return pl.run_scoped(issue, *[plgpu.ACC((sm, sn), jnp.float32)] * len(smems))
 
+                scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs), n_slices)
                 if interleaved or n_slices > 1:   # one product: each slice of each weight's part by its scale
-                    scales = [row_scale * load_scale(j, idx[0], c) for j in range(len(ws_refs))
-                              for c in range(n_slices)]
                     return add_part(sums, products([pair_slot(idx)] if interleaved else w_smems)[0], scales)
-                scales = _step_scales(row_scale, load_scale, idx[0], len(ws_refs))
                 if tiling.joint_products:
                     return tuple(_add_scaled(total, part, scale)
                                  for total, part, scale in zip(sums, products(w_smems), scales))
