@@ -106,15 +106,17 @@ class KernelPolicy:
     less of x and of the products' A operand read from shared memory per output column (DeepGEMM's
     widest Hopper tile). On the H100 (docs/perf.md, 2026-12-06 eighteenth session) the down call at
     8192 x 16 1.565 -> 1.392 ms (fp8 / bf16 1.44x -> 1.62x), at 8192 x 256 2.252 -> 1.996."""
-    fp8_three_wgs: bool = False
+    fp8_three_wgs: bool = True
     """fp8 prefill expert calls with at least THREE_WG_ROWS routed rows per expert run 192-row tiles in
     three compute warpgroups (grouped_matmul.Tiling.compute_wgs 3: 64 rows each, 160 registers a compute
     thread): gate_up interleaved 192 x 128 and down 192 x 128 chained, in clusters of two (moe.dispatch
-    .expert_tilings), so one warpgroup promotes while two have products on the tensor cores. On the H100
-    (docs/perf.md, 2026-12-06 nineteenth session; kernel calls alone, bit-equal outputs) at 8192 x 16:
-    gate_up 2.977 -> 2.722 ms (fp8 / bf16 1.44x -> 1.57x), down 1.431 -> 1.370 (1.68x); at 8192 x 256 (256
-    rows an expert: a third more padding rows) slower, 3.969 -> 4.433. Off until the prefill is timed
-    with it end to end."""
+    .expert_tilings), so one warpgroup promotes while two have products on the tensor cores; bit-equal
+    outputs. On the H100 (docs/perf.md, 2026-12-06 twentieth session; kernel calls alone, three runs) both
+    calls fp8 / bf16 1.49-1.51x -> 1.58-1.64x at 8192 x 16 (4.42 -> 4.16 ms), 1.43-1.52x -> 1.60-1.69x at
+    32768 x 16, 1.55-1.61x -> 1.58-1.67x at 8192 x 64; at 8192 x 256 (256 rows an expert: a third more
+    padding rows) slower, 5.94 -> 6.52 ms, hence the threshold. The fp8 prefill of 8192 tokens over 16
+    experts end to end within its noise (60.2 / 64.4 ms against 60.5 / 63.7; the expert calls are ~a
+    quarter of it). Off: the two-warpgroup 128-row tilings everywhere."""
     fp8_linear_kernel: bool = True
     """Kept-fp8 dense linears (attention projections, shared experts, dense MLP, MTP's eh_proj) run
     fp8 x fp8 (pallas_kernels/fp8_linear.py: the expert kernel with one expert; rows quantized per 128

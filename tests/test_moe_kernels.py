@@ -728,9 +728,7 @@ def test_expert_mlp_hands_fp8_experts_to_the_kernel_as_stored(monkeypatch):
     (g, u, d, sc, tilings), = seen
     assert g is gq and u is uq and d is dq and all(a is b for a, b in zip(sc, (gs, us, ds)))
     p = KernelPolicy()
-    assert tilings == dispatch.expert_tilings(N * k, gq, True, p.fp8_moe_compute_wgs, p.fp8_moe_interleaved_gate_up,
-                                              p.chained_tiles, p.fp8_running_scale, p.fp8_step_blocks,
-                                              p.fp8_row_scales_from_gmem)
+    assert tilings == dispatch.expert_tilings(N * k, gq, True, **dispatch.fp8_tiling_options(p))
     assert tilings[0].interleaved_gate_up          # the default since the 2026-12-05 H100 timings
     assert tilings[0].step_blocks == 2             # the default since the 2026-12-06 H100 timings
     odd = jax.ShapeDtypeStruct((8, 192, D), jnp.float8_e4m3fn)   # 16 slots over 8 experts: decode tiles, whose
@@ -842,7 +840,7 @@ def test_expert_mlp_fp8_three_wgs_compiled_bit_equal_two():
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
     (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
     fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
-    on, off = KernelPolicy(fp8_three_wgs=True), KernelPolicy()
+    on, off = KernelPolicy(), KernelPolicy(fp8_three_wgs=False)
     assert expert_tilings(N * k, gq, True, 2, True, three_wgs=True)[0].compute_wgs == 3
     got = np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=on, scales=(gs, us, ds)), np.float64)
     want = np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=off, scales=(gs, us, ds)), np.float64)
@@ -1404,7 +1402,7 @@ def test_three_wgs_policy():
             assert expert_tilings(slots, gate, True, 2, three_wgs=True, running=True, **kw) == expert_tilings(
                 slots, gate, True, 2, running=True, **kw)
         assert (E == 256) == (8192 * 8 < THREE_WG_ROWS * E)
-    assert not KernelPolicy().fp8_three_wgs and KernelPolicy.parse("fp8_three_wgs=true").fp8_three_wgs
+    assert KernelPolicy().fp8_three_wgs and not KernelPolicy.parse("fp8_three_wgs=false").fp8_three_wgs
 
 
 def test_expert_mlp_fp8_three_wgs_interpret_bit_equal_two():
@@ -1604,16 +1602,14 @@ def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
     prefill and decode row counts, lowered for CUDA on this machine: a shared-memory or
     layout failure shows here, not in the GPU call."""
     from pallas_kernels.fp8_linear import GLM5_LINEARS, fp8_linear
-    from pallas_kernels.moe.dispatch import expert_tilings
+    from pallas_kernels.moe.dispatch import expert_tilings, fp8_tiling_options
     from pallas_kernels.policy import KernelPolicy
     D, I, k = 6144, 2048, 8
     sds = jax.ShapeDtypeStruct
     gate = sds((experts, I, D), jnp.float8_e4m3fn)
     for text in ("fp8_step_blocks=2", "fp8_step_blocks=2,fp8_row_scales_from_gmem=true"):
-        p = KernelPolicy.parse(text)
-        up_t, down_t = expert_tilings(tokens * k, gate, True, p.fp8_moe_compute_wgs, p.fp8_moe_interleaved_gate_up,
-                                      p.chained_tiles, p.fp8_running_scale, p.fp8_step_blocks,
-                                      p.fp8_row_scales_from_gmem)
+        p = KernelPolicy.parse(text + ",fp8_three_wgs=false")     # two-block steps: two compute warpgroups
+        up_t, down_t = expert_tilings(tokens * k, gate, True, **fp8_tiling_options(p))
         assert up_t.row_scales_from_gmem == p.fp8_row_scales_from_gmem and up_t.step_blocks > 1
         lower_fp8_experts_for_cuda(tokens, experts, up_t, down_t, D, I, k)
         if (tokens, experts) not in ((8192, 16), (1, 256)):   # the dense linears at prefill and decode rows
