@@ -847,14 +847,15 @@ def bench_moe_fp8(args, ceil):
     copy rate. Weights are random e4m3 values with random block scales, made on the device."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from cpkv_jax.perf import fitted_pipelined_time, print_table
     from pallas_kernels.moe import expert_shape, fp8_experts_as_plain
     from pallas_kernels.policy import KernelPolicy
     D, I, k = args.moe_hidden, args.moe_width, args.moe_top_k
     run = jax.jit(expert_mlp_summed, static_argnums=5, static_argnames="policy")
-    out, rows = [], [["case", "variant", "ms", "TFLOP/s", "GB/s", "share", "err"]]
-    cases = [("prefill", int(t), int(e)) for t in args.moe_tokens.split(",")[:1] for e in (16, 256)]
+    out, rows = [], [["case", "variant", "ms", "TFLOP/s", "GB/s", "share", "device ms (share)", "err"]]
+    cases = [("prefill", int(t), int(e)) for t in args.moe_tokens.split(",")[:1] if t for e in (16, 256)]
     cases += [("decode", int(t), args.moe_decode_experts) for t in args.moe_decode_tokens.split(",") if t]
     for kind, T, E in cases:
         keys = jax.random.split(jax.random.key(T * 1000 + E), 8)
@@ -875,14 +876,13 @@ def bench_moe_fp8(args, ceil):
         nbytes = touched * 3 * D * I                      # fp8 bytes of the touched experts
         entry = {"case": kind, "tokens": T, "experts": E, "flops": flops, "touched_experts": touched}
         want = run(x, fe, *bf16, k, policy=KernelPolicy()).astype(jnp.float32)
-        variants = {
-            "bf16_weights": lambda: run(x, fe, *bf16, k, policy=KernelPolicy(moe_compute_wgs=1)),
-            "bf16_weights_2wg": lambda: run(x, fe, *bf16, k, policy=KernelPolicy(moe_compute_wgs=2)),
-            "fp8_dequantized": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_kernel=False), scales=scales),
-            "fp8_kernel_1wg": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=1), scales=scales),
-            "fp8_kernel": lambda: run(x, fe, *q8, k, policy=KernelPolicy(fp8_moe_compute_wgs=2), scales=scales),
-            "fp8_kernel_pairwise_plan": lambda: run(x, fe, *q8, k, scales=scales,
-                                                    policy=KernelPolicy(moe_pairwise_plan_slots=slots)),
+        variants = {   # name: (weights, policy, scales)
+            "bf16_weights": (bf16, KernelPolicy(moe_compute_wgs=1), None),
+            "bf16_weights_2wg": (bf16, KernelPolicy(moe_compute_wgs=2), None),
+            "fp8_dequantized": (q8, KernelPolicy(fp8_moe_kernel=False), scales),
+            "fp8_kernel_1wg": (q8, KernelPolicy(fp8_moe_compute_wgs=1), scales),
+            "fp8_kernel": (q8, KernelPolicy(fp8_moe_compute_wgs=2), scales),
+            "fp8_kernel_pairwise_plan": (q8, KernelPolicy(moe_pairwise_plan_slots=slots), scales),
         }
         chosen = args.moe_fp8_variants.split(",") if args.moe_fp8_variants else list(variants)
         unknown = set(chosen) - set(variants)
@@ -891,23 +891,39 @@ def bench_moe_fp8(args, ceil):
         if kind == "prefill":   # the pairwise plan's [S, S] comparisons are for decode-sized calls only
             chosen = [name for name in chosen if name != "fp8_kernel_pairwise_plan"]
         variants = {name: variants[name] for name in chosen}
-        for name, fn in variants.items():
-            def one(fn=fn):
-                sec = fitted_pipelined_time(lambda: fn())
-                err = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
-                return {"s": sec, "err": err}
+        # --moe-device-time: 8 calls in one executable on distinct tokens and routings (identical ones could
+        # be merged by XLA); bytes over each call's own touched experts
+        routed = [(jax.random.normal(jax.random.key(i), (T, D), jnp.bfloat16),
+                   jax.random.randint(jax.random.key(100 + i), (T * k,), 0, E, jnp.int32)) for i in range(8)]
+        routed_bytes = np.mean([int(jnp.unique(f).shape[0]) for _, f in routed]) * 3 * D * I
+        for name, (weights, policy, sc) in variants.items():
+            def one(weights=weights, policy=policy, sc=sc):
+                def call(x, fe, *w):
+                    return run(x, fe, *w[:3], k, policy=policy, scales=w[3:] or None)
+                ws = (*weights, *(sc or ()))
+                sec = fitted_pipelined_time(lambda: call(x, fe, *ws))
+                got = call(x, fe, *ws).astype(jnp.float32)
+                timing = {"s": sec, "err": float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))}
+                if args.moe_device_time and kind == "decode":
+                    busy = traced_device_time(call, [(xi, fi, *ws) for xi, fi in routed])
+                    timing.update(busy, device_gbps=routed_bytes / busy["device_s"] / 1e9)
+                return timing
             entry[name] = _try(one)
+        one = None
+        del fp8, q8, bf16, want, variants   # the next case's weights: 256 experts' two sets fill an H100 otherwise
         out.append(entry)
-        for name in variants:
+        for name in chosen:
             v = entry[name]
             if "s" in v:
                 tf, gb = flops / v["s"] / 1e12, nbytes / v["s"] / 1e9
                 share = (f"{tf * 1e12 / ceil['matmul_flops_per_s']:.0%}" if kind == "prefill"
                          else f"{gb * 1e9 / ceil['copy_bytes_per_s']:.0%}")
+                busy = (f"{v['device_s'] * 1e3:.3f} ({v['device_gbps'] * 1e9 / ceil['copy_bytes_per_s']:.0%})"
+                        if "device_s" in v else "")
                 rows.append([f"{kind} {T}x{E}", name, f"{v['s'] * 1e3:.3f}", f"{tf:.0f}", f"{gb:.0f}", share,
-                             f"{v['err']:.1e}"])
+                             busy, f"{v['err']:.1e}"])
             else:
-                rows.append([f"{kind} {T}x{E}", name, v["error"][:80], "", "", "", ""])
+                rows.append([f"{kind} {T}x{E}", name, v["error"][:80], "", "", "", "", ""])
     print_table(rows)
     return out
 
@@ -1039,6 +1055,10 @@ def main() -> int:
                         "kernel, its scores computed by both warpgroups, by each in turn, or split by rows; "
                         "':rT' after one: T threads a row in the row copies; ':p': the copies' L2::256B prefetch hint; "
                         "':k': the slots taken as packed, selected first, as the model passes them)")
+    p.add_argument("--moe-device-time", action="store_true",
+                   help="moe_fp8 decode: also each variant's device busy time per call from a profile (8 calls on "
+                        "distinct routings in one executable; the ops' sum, without launch gaps) and its share of "
+                        "the copy rate over the touched experts' fp8 bytes")
     p.add_argument("--mla-device-time", action="store_true",
                    help="sparse MLA decode: also each variant's device busy time per call from a profile (the ops' "
                         "sum, without the launch gaps of the timed executable) and its costliest op")
