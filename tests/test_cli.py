@@ -74,18 +74,35 @@ def test_convert_fp8_keeps_fp8_and_matches_hf(tmp_path, capsys):
     (["generate", "--tokens", "1,2", "--index-dtype", "int4"], "invalid choice: 'int4'"),
     (["generate", "--tokens", "1,2", "--n", "0"], "n must be an integer >= 1"),
 ])
-def test_cli_errors_exit_2_with_message(tmp_path, args, message):
-    """Every input error is one message and exit status 2, argument errors and engine errors alike."""
+def test_cli_errors_exit_2_with_message(capsys, args, message):
+    """Every input error is one message and status 2, argument errors and engine errors alike (in this
+    process: main's return or argparse's exit; test_cli_errors_from_a_process runs two as processes)."""
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--tokens", "1,2", "--temperature", "-1"], "temperature"),
+    (["generate", "--tokens", "1.5,2"], "'1.5'"),
+])
+def test_cli_errors_from_a_process(args, message):
+    """As a process: exit status 2, the message, no traceback (an engine error and an argument error)."""
     r = run_cli(*args)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
 
 
-def test_every_verb_has_help():
+def test_every_verb_has_help(capsys):
     for verb in ("generate", "bench", "serve", "score", "convert", "trace"):
-        r = run_cli(verb, "--help")
-        assert r.returncode == 0 and "usage: cpkv-jax" in r.stdout
+        with pytest.raises(SystemExit) as e:
+            main([verb, "--help"])
+        assert e.value.code == 0 and f"usage: cpkv-jax {verb}" in capsys.readouterr().out
 
 
 def test_generate_json_outputs_in_request_order_equal_the_engine(capsys):
