@@ -48,6 +48,13 @@ class KernelPolicy:
     and scatters (~27 small XLA ops of 1-3 us at 1 token). H200 (docs/perf.md, 2026-12-04 third
     session), fp8 experts over 256: 1 token 0.157 vs 0.172 ms, 8 tokens 0.707 vs 0.705, 64 tokens 2.612
     vs 2.637. 0: always sort."""
+    fp8_quantize_gathered_slots: int = 0
+    """fp8 expert calls of at most this many routed slots gather the tokens' bf16 rows into the plan's
+    padded rows and quantize those (quantize_rows over gather_rows_reference: XLA ops it can fuse),
+    instead of quantizing each token, gathering its bytes (the row-gather kernel) and gathering its
+    scales: bit-equal rows and scales, fewer small ops where a decode call's plan, quantization, gathers
+    and combine take ~45 us beside its two kernels' ~90 (docs/perf.md, 2026-12-04 sixth session). 0:
+    never; untimed, so off."""
     fp8_moe_kernel: bool = True
     """fp8 routed experts stay fp8 through the grouped matmul (fp8 x fp8, block scales, fp32 sums;
     rows quantized per 128 columns) where its shapes fit; off: they are dequantized to the compute

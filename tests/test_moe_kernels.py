@@ -578,6 +578,39 @@ def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
     assert "k_splits 4" in shape_error(x_sds, w_sds, dataclasses.replace(t, k_splits=4), fp8=fp8)
 
 
+def test_quantize_gathered_slots_bit_equal_the_gathered_bytes():
+    """KernelPolicy.fp8_quantize_gathered_slots (decode-sized calls gather the tokens' rows, then quantize
+    them) gives the fp8 path's outputs bit for bit against quantizing each token and gathering its bytes
+    and scales (interpreter; 64-row tiles over 8 experts, a zero token, dummies and padding rows); a call
+    over more slots than the policy's keeps the bytes path (traced with the fused gather poisoned)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    import pallas_kernels.moe.dispatch as dispatch
+    from pallas_kernels.moe import expert_mlp_blocked_fp8
+    rng = np.random.default_rng(12)
+    N, k, D, I, E = 3, 4, 256, 128, 8
+    x = jnp.asarray(rng.standard_normal((N, D)) * np.array([1.0, 0.0, 1e-3])[:, None], jnp.bfloat16)  # a zero token
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
+    t = Tiling(block_m=64, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
+
+    def run(slots_limit):
+        policy = KernelPolicy(fp8_quantize_gathered_slots=slots_limit)
+        return expert_mlp_blocked_fp8(x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=t, down_tiling=t, policy=policy,
+                                      interpret=plgpu.InterpretGPUParams()).slots()
+    got, want = (np.asarray(run(limit), np.float64) for limit in (N * k, 0))
+    assert np.isfinite(got).all() and np.abs(want).max() > 0 and (got[np.asarray(fe) == E] == 0).all()
+    np.testing.assert_array_equal(got, want)
+    real = dispatch.gather_rows_reference
+    try:        # over the limit the fused gather is not taken
+        dispatch.gather_rows_reference = lambda *a: (_ for _ in ()).throw(AssertionError("fused gather taken"))
+        jax.eval_shape(lambda: run(N * k - 1))
+        with pytest.raises(AssertionError, match="fused gather taken"):
+            jax.eval_shape(lambda: run(N * k))
+    finally:
+        dispatch.gather_rows_reference = real
+
+
 def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
     """The fp8 path of the dispatch (interpreter) on K-major experts (hidden 256 != expert width 128, so
     gate / up [E, 128, 256] and down [E, 256, 128] are told apart by shape) against the same arithmetic
@@ -826,6 +859,24 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
         assert np.isfinite(got).all()
         assert np.abs(got - want).mean() <= 1e-2 * np.abs(want).max(), (N, k, D, I, E)
         assert np.abs(got - want).max() <= 0.1 * np.abs(want).max(), (N, k, D, I, E)
+
+
+@pytest.mark.gpu
+def test_quantize_gathered_slots_compiled_bit_equal():
+    """KernelPolicy.fp8_quantize_gathered_slots through the compiled dispatch at decode sizes (1, 8 and 64
+    tokens x top-8 over 256 experts, dummies among the slots): the same outputs bit for bit as quantizing
+    each token and gathering its bytes with the row-gather kernel."""
+    rng = np.random.default_rng(13)
+    D, I, E, k = 1024, 512, 256, 8
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    on, off = KernelPolicy(fp8_quantize_gathered_slots=512), KernelPolicy(fp8_quantize_gathered_slots=0)
+    for N in (1, 8, 64):
+        x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+        fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
+        got = np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=on, scales=(gs, us, ds)), np.float64)
+        want = np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=off, scales=(gs, us, ds)), np.float64)
+        assert np.isfinite(got).all() and np.abs(want).max() > 0, N
+        np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens")
 
 
 @pytest.mark.gpu

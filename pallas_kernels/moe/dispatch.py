@@ -29,7 +29,7 @@ from pallas_kernels.moe.grouped_matmul import with_running_scale, with_step_bloc
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
-from pallas_kernels.row_gather import combine_rows, expert_order, gather_rows
+from pallas_kernels.row_gather import combine_rows, expert_order, gather_rows, gather_rows_reference
 
 
 class ExpertRows(NamedTuple):
@@ -250,10 +250,13 @@ def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *,
     slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m,
                                                  pairwise_slots=policy.moe_pairwise_plan_slots)
     src = jnp.where(row_slot >= 0, row_slot // topk, -1)
-    tq, ts = quantize_rows(x)      # each token once, then its rows gathered as bytes (half of bf16's)
-    xq = jax.lax.bitcast_convert_type(
-        gather_rows(jax.lax.bitcast_convert_type(tq, jnp.uint8), src, policy=policy), jnp.float8_e4m3fn)
-    xs = jnp.where(src >= 0, ts[:, jnp.maximum(src, 0)], 1.0)    # padding rows: zeros at scale 1
+    if flat_expert.shape[0] <= policy.fp8_quantize_gathered_slots:
+        xq, xs = quantize_rows(gather_rows_reference(x, src))    # padding rows: zero rows, scale 1
+    else:
+        tq, ts = quantize_rows(x)      # each token once, then its rows gathered as bytes (half of bf16's)
+        xq = jax.lax.bitcast_convert_type(
+            gather_rows(jax.lax.bitcast_convert_type(tq, jnp.uint8), src, policy=policy), jnp.float8_e4m3fn)
+        xs = jnp.where(src >= 0, ts[:, jnp.maximum(src, 0)], 1.0)    # padding rows: zeros at scale 1
     with jax.named_scope("gate_up"):
         h = grouped_matmul(xq, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret,
                            x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype)
