@@ -892,25 +892,26 @@ def bench_moe_fp8(args, ceil):
         if kind == "prefill":   # the pairwise plan's [S, S] comparisons and the fused gather: decode-sized calls only
             chosen = [name for name in chosen if name not in ("fp8_kernel_pairwise_plan", "fp8_kernel_quantize_gathered")]
         variants = {name: variants[name] for name in chosen}
-        # --moe-device-time: 8 calls in one executable on distinct tokens and routings (identical ones could
-        # be merged by XLA); bytes over each call's own touched experts
-        routed = [(jax.random.normal(jax.random.key(i), (T, D), jnp.bfloat16),
-                   jax.random.randint(jax.random.key(100 + i), (T * k,), 0, E, jnp.int32)) for i in range(8)]
-        routed_bytes = np.mean([int(jnp.unique(f).shape[0]) for _, f in routed]) * 3 * D * I
-        for name, (weights, policy, sc) in variants.items():
-            def one(weights=weights, policy=policy, sc=sc):
-                def call(x, fe, *w):
-                    return run(x, fe, *w[:3], k, policy=policy, scales=w[3:] or None)
-                ws = (*weights, *(sc or ()))
-                sec = fitted_pipelined_time(lambda: call(x, fe, *ws))
-                got = call(x, fe, *ws).astype(jnp.float32)
-                timing = {"s": sec, "err": float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))}
-                if args.moe_device_time and kind == "decode":
-                    busy = traced_device_time(call, [(xi, fi, *ws) for xi, fi in routed])
-                    timing.update(busy, device_gbps=routed_bytes / busy["device_s"] / 1e9)
-                return timing
-            entry[name] = _try(one)
-        one = None
+        busy_time = args.moe_device_time and kind == "decode"
+        if busy_time:   # 8 calls in one executable on distinct tokens and routings (identical ones could be
+            #             merged by XLA); bytes over each call's own touched experts
+            routed = [(jax.random.normal(jax.random.key(i), (T, D), jnp.bfloat16),
+                       jax.random.randint(jax.random.key(100 + i), (T * k,), 0, E, jnp.int32)) for i in range(8)]
+            routed_bytes = np.mean([int(jnp.unique(f).shape[0]) for _, f in routed]) * 3 * D * I
+
+        def measure(weights, policy, sc):
+            def call(x, fe, *w):
+                return run(x, fe, *w[:3], k, policy=policy, scales=w[3:] or None)
+            ws = (*weights, *(sc or ()))
+            sec = fitted_pipelined_time(lambda: call(x, fe, *ws))
+            got = call(x, fe, *ws).astype(jnp.float32)
+            timing = {"s": sec, "err": float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))}
+            if busy_time:
+                busy = traced_device_time(call, [(xi, fi, *ws) for xi, fi in routed])
+                timing.update(busy, device_gbps=routed_bytes / busy["device_s"] / 1e9)
+            return timing
+        for name, spec in variants.items():
+            entry[name] = _try(functools.partial(measure, *spec))
         del fp8, q8, bf16, want, variants   # the next case's weights: 256 experts' two sets fill an H100 otherwise
         out.append(entry)
         for name in chosen:

@@ -578,7 +578,7 @@ def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
     assert "k_splits 4" in shape_error(x_sds, w_sds, dataclasses.replace(t, k_splits=4), fp8=fp8)
 
 
-def test_quantize_gathered_slots_bit_equal_the_gathered_bytes():
+def test_quantize_gathered_slots_bit_equal_the_gathered_bytes(monkeypatch):
     """KernelPolicy.fp8_quantize_gathered_slots (decode-sized calls gather the tokens' rows, then quantize
     them) gives the fp8 path's outputs bit for bit against quantizing each token and gathering its bytes
     and scales (interpreter; 64-row tiles over 8 experts, a zero token, dummies and padding rows); a call
@@ -601,14 +601,12 @@ def test_quantize_gathered_slots_bit_equal_the_gathered_bytes():
     got, want = (np.asarray(run(limit), np.float64) for limit in (N * k, 0))
     assert np.isfinite(got).all() and np.abs(want).max() > 0 and (got[np.asarray(fe) == E] == 0).all()
     np.testing.assert_array_equal(got, want)
-    real = dispatch.gather_rows_reference
-    try:        # over the limit the fused gather is not taken
-        dispatch.gather_rows_reference = lambda *a: (_ for _ in ()).throw(AssertionError("fused gather taken"))
-        jax.eval_shape(lambda: run(N * k - 1))
-        with pytest.raises(AssertionError, match="fused gather taken"):
-            jax.eval_shape(lambda: run(N * k))
-    finally:
-        dispatch.gather_rows_reference = real
+    # over the limit the fused gather is not taken
+    monkeypatch.setattr(dispatch, "gather_rows_reference",
+                        lambda *a: (_ for _ in ()).throw(AssertionError("fused gather taken")))
+    jax.eval_shape(lambda: run(N * k - 1))
+    with pytest.raises(AssertionError, match="fused gather taken"):
+        jax.eval_shape(lambda: run(N * k))
 
 
 def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
