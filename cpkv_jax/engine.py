@@ -316,7 +316,9 @@ class Engine:
             self.scheduler.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether stepping has more to do: requests to run, or events an abort took early (the last
+        tokens of requests it finished) that only the next step returns."""
+        return self.scheduler.has_work() or bool(self._taken_early)
 
     def finished(self, rid: int) -> bool:
         """Whether request `rid` (from add_request) has finished. `step` returns only its own step's

@@ -55,10 +55,16 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="cpkv-engine", daemon=True)
         self.thread.start()
 
-    def add(self, ids: list[int], params: SamplingParams, events: asyncio.Queue) -> concurrent.futures.Future:
+    async def add(self, ids: list[int], params: SamplingParams, events: asyncio.Queue) -> int:
+        """Queue a request; its id once the engine thread has added it. Cancelled before then (the
+        client left), the request is never added, or is aborted as soon as it has an id."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self.commands.put(("add", ids, params, asyncio.get_running_loop(), events, fut))
-        return fut
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result()))
+            raise
 
     def abort(self, rid: int) -> None:
         self.commands.put(("abort", rid))
@@ -74,7 +80,8 @@ class EngineLoop:
         sub = self.subscribers.get(rid)
         if sub is not None:
             loop, events = sub
-            loop.call_soon_threadsafe(events.put_nowait, item)
+            if not loop.is_closed():            # a subscriber whose event loop has ended hears nothing
+                loop.call_soon_threadsafe(events.put_nowait, item)
 
     def _command(self, cmd) -> None:
         if cmd[0] == "add":
@@ -98,13 +105,15 @@ class EngineLoop:
                     self.metrics.observe_engine(self.engine)
 
     def _drain(self) -> list:
+        """The queued commands, less adds whose client left first (their futures cancelled). An add
+        kept is marked running, so it can no longer be cancelled: its id will come back."""
         cmds = []
         try:
             cmds.append(self.commands.get(timeout=0.0 if self.engine.has_unfinished() else 0.02))
             while True:
                 cmds.append(self.commands.get_nowait())
         except queue.Empty:
-            return cmds
+            return [c for c in cmds if c[0] != "add" or c[5].set_running_or_notify_cancel()]
 
     def _run(self) -> None:
         from cpkv_jax.distributed import broadcast_object, portable
@@ -300,7 +309,7 @@ def create_app(engine: Engine, *, model_name: str = "cpkv", model_dir: str | Pat
         """One request (one sample) through the engine loop; returns its GenerationOutput. on_token(event)
         is awaited for each TokenEvent as it arrives (streaming)."""
         events: asyncio.Queue = asyncio.Queue()
-        rid = await asyncio.wrap_future(loop.add(ids, params, events))
+        rid = await loop.add(ids, params, events)
         t_last, first = time.perf_counter(), True
         try:
             while True:

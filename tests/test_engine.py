@@ -262,6 +262,34 @@ def test_abort_releases_pages_and_others_continue(tiny):
     assert s["free_pages"] + s["radix"]["pages"] == s["total_pages"] and s["radix"]["protected_pages"] == 0
 
 
+def test_an_abort_that_takes_the_last_tokens_still_returns_their_events(tiny):
+    """Overlapped loop: b's last token is still on the device when a is aborted, so the abort takes it
+    and b finishes with nothing left to schedule. Its events (finish included) must still come out of
+    a step; a caller that steps while has_unfinished() (the server's engine thread) saw none of them
+    and b's client waited forever."""
+    rng = np.random.default_rng(8)
+    a, b = random_prompts(rng, [20, 33], tiny.cfg.vocab_size)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    ref = Engine(tiny, EngineConfig(page_size=16, kv_pages=64)).generate([b], params)[0]
+    eng = Engine(tiny, EngineConfig(page_size=16, kv_pages=64))
+    assert eng.overlap
+    ra = eng.add_request(a, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    rb = eng.add_request(b, params)
+    events = []
+    req_b = eng._requests[rb]
+    while not (req_b.pending and len(req_b.output) + req_b.pending == params.max_new_tokens):
+        events += eng.step()
+    eng.abort(ra)
+    assert eng.finished(rb)
+    while eng.has_unfinished():
+        events += eng.step()
+    of_b = [ev for ev in events if ev.rid == rb]
+    assert [ev.token_id for ev in of_b] == ref.token_ids
+    assert of_b[-1].finish_reason == "length" and all(ev.finish_reason is None for ev in of_b[:-1])
+    assert eng.output(rb).token_ids == ref.token_ids and eng.output(ra).finish_reason == "abort"
+    assert not eng.has_unfinished() and eng.step() == []
+
+
 BAD_REQUESTS = [
     ([], SamplingParams(), EngineInputError, "empty prompt"),
     ([1, 2, 512], SamplingParams(), EngineInputError, "outside the vocabulary"),

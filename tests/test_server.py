@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (cpkv_jax/server.py) through FastAPI's test client, on the tiny model:
 every answer is checked against the same request run by a plain engine."""
 
+import asyncio
 import json
 import shutil
 import threading
@@ -209,6 +210,61 @@ def test_a_dropped_stream_is_aborted_and_a_full_queue_is_503(client):
     assert s["request_pages"] == 0 and s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
     r = client.post("/v1/completions", json={"prompt": PROMPT, "n": 5})     # 5 > max_queued = 4
     assert r.status_code == 503 and "server busy" in r.json()["error"]["message"]
+
+
+def test_clients_leaving_before_their_request_is_added(ref):
+    """A client gone while the engine thread adds its request: that request is aborted as soon as it
+    has an id. A client gone while its add still waits in the queue: the request is never added.
+    Either way the engine thread lives on (it used to die setting a cancelled future's result) and
+    the next request equals its own run."""
+    from cpkv_jax.server import EngineLoop
+    engine = Engine("tiny", CONFIG)
+    eloop = EngineLoop(engine)
+    in_add, release, added = threading.Event(), threading.Event(), []
+    add_request = engine.add_request
+
+    def slow_add(ids, params, **kw):
+        added.append(list(ids))
+        if ids == [1, 2, 3]:
+            in_add.set()
+            release.wait(30)
+        return add_request(ids, params, **kw)
+
+    engine.add_request = slow_add
+    long = SamplingParams(max_new_tokens=60, ignore_eos=True)
+
+    async def main():
+        mid_add = asyncio.create_task(eloop.add([1, 2, 3], long, asyncio.Queue()))
+        while not in_add.is_set():
+            await asyncio.sleep(0.01)
+        queued = asyncio.create_task(eloop.add([4, 5, 6], long, asyncio.Queue()))
+        await asyncio.sleep(0.05)
+        assert eloop.commands.qsize() == 1
+        mid_add.cancel()
+        queued.cancel()
+        release.set()
+        for task in (mid_add, queued):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        events = asyncio.Queue()
+        await asyncio.wait_for(eloop.add(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True), events), 60)
+        while not isinstance(item := await asyncio.wait_for(events.get(), 60), tuple):
+            pass
+        return item[1]
+
+    try:
+        out = asyncio.run(main())
+        deadline = time.time() + 30
+        while (eloop.subscribers or engine.has_unfinished() or eloop.commands.qsize()) and time.time() < deadline:
+            time.sleep(0.05)
+        assert eloop.thread.is_alive()
+        assert out.token_ids == expected(ref, PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
+        assert added == [[1, 2, 3], PROMPT] and eloop.aborted == 1 and not eloop.subscribers
+        s = engine.stats()
+        assert s["request_pages"] == 0 and s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
+    finally:
+        release.set()
+        eloop.close()
 
 
 def test_health_models_and_metrics(client):
