@@ -2,6 +2,8 @@
 chunk independence, prefix-cache hits, bounded compilations, streaming, aborts and bad input."""
 
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -288,6 +290,50 @@ def test_an_abort_that_takes_the_last_tokens_still_returns_their_events(tiny):
     assert of_b[-1].finish_reason == "length" and all(ev.finish_reason is None for ev in of_b[:-1])
     assert eng.output(rb).token_ids == ref.token_ids and eng.output(ra).finish_reason == "abort"
     assert not eng.has_unfinished() and eng.step() == []
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_adds_aborts_and_steps_return_every_token_once(tiny, seed):
+    """A random schedule of adds, aborts (often of a request while others' last tokens are on the
+    device) and steps on the overlapped loop, then steps while has_unfinished(): the events the steps
+    returned are, per request, exactly its output's tokens in order, the finish last (what the server
+    streams); a finished request's tokens equal a greedy run of its prompt alone, an aborted one's are
+    a prefix of it; the pool is clean."""
+    rng = np.random.default_rng(seed)
+    cfg = EngineConfig(page_size=16, kv_pages=96)
+    prompts = random_prompts(rng, rng.integers(1, 40, 14).tolist(), tiny.cfg.vocab_size)
+    ref = [o.token_ids for o in Engine(tiny, cfg).generate(prompts, SamplingParams(max_new_tokens=8,
+                                                                                  ignore_eos=True))]
+    eng = Engine(tiny, cfg)
+    rids, events, aborted = {}, collections.defaultdict(list), set()
+
+    def step():
+        for ev in eng.step():
+            events[ev.rid].append(ev)
+
+    while len(rids) < len(prompts) or eng.has_unfinished():
+        op = rng.random()
+        live = [r for r in rids if r not in aborted and not eng.finished(r)]
+        if op < 0.3 and len(rids) < len(prompts):
+            i, n = len(rids), int(rng.integers(1, 9))
+            rids[eng.add_request(prompts[i], SamplingParams(max_new_tokens=n, ignore_eos=True))] = i, n
+        elif op < 0.45 and live:
+            rid = live[int(rng.integers(len(live)))]
+            eng.abort(rid)
+            aborted.add(rid)
+        else:
+            step()
+    assert aborted and eng.step() == []
+    for rid, (i, n) in rids.items():
+        out = eng.output(rid)
+        evs = events[rid]
+        assert [ev.token_id for ev in evs] == out.token_ids, rid
+        if rid in aborted and out.finish_reason == "abort":
+            assert out.token_ids == ref[i][:len(out.token_ids)] and all(ev.finish_reason is None for ev in evs)
+        else:
+            assert out.finish_reason == "length" and out.token_ids == ref[i][:n]
+            assert evs[-1].finish_reason == "length" and all(ev.finish_reason is None for ev in evs[:-1])
+    assert pool_is_clean(eng)
 
 
 BAD_REQUESTS = [
