@@ -47,6 +47,16 @@ def random_prompts(rng, lengths, vocab):
     return [rng.integers(2, vocab, n).tolist() for n in lengths]
 
 
+def wait_idle(engine_loop, timeout: float = 60) -> None:
+    """Until a server's engine thread (cpkv_jax.server.EngineLoop) has nothing in flight: no subscriber,
+    no unfinished request, no queued command (aborts are asynchronous)."""
+    import time
+    deadline = time.time() + timeout
+    while engine_loop.subscribers or engine_loop.engine.has_unfinished() or engine_loop.commands.qsize():
+        assert time.time() < deadline, "requests still in flight"
+        time.sleep(0.05)
+
+
 def check_hicache_invariants(eng):
     """Device pages: free + tree + requests = all; host pages: tree + in flight + free = all."""
     s = eng.stats()

@@ -5,7 +5,6 @@ import asyncio
 import json
 import shutil
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams
 from cpkv_jax.server import create_app
 from models.model import prefill_logits
+from tests.helpers import wait_idle
 
 CONFIG = EngineConfig(page_size=16, kv_pages=64, max_running=8, max_prefill_tokens=128)
 PROMPT = [11, 42, 7, 300, 5, 19, 64, 128]
@@ -202,9 +202,7 @@ def test_a_dropped_stream_is_aborted_and_a_full_queue_is_503(client):
     with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 500, "temperature": 0,
                                                          "ignore_eos": True, "stream": True}) as s:
         next(ln for ln in s.iter_lines() if ln.startswith("data: "))
-    deadline = time.time() + 30
-    while (loop.subscribers or loop.engine.has_unfinished()) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_idle(loop, 30)
     assert loop.aborted == aborted + 1 and not loop.subscribers
     s = loop.engine.stats()
     assert s["request_pages"] == 0 and s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
@@ -254,9 +252,7 @@ def test_clients_leaving_before_their_request_is_added(ref):
 
     try:
         out = asyncio.run(main())
-        deadline = time.time() + 30
-        while (eloop.subscribers or engine.has_unfinished() or eloop.commands.qsize()) and time.time() < deadline:
-            time.sleep(0.05)
+        wait_idle(eloop, 30)
         assert eloop.thread.is_alive()
         assert out.token_ids == expected(ref, PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
         assert added == [[1, 2, 3], PROMPT] and eloop.aborted == 1 and not eloop.subscribers

@@ -16,6 +16,7 @@ import uvicorn
 from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams
 from cpkv_jax.server import create_app
+from tests.helpers import wait_idle
 
 CONFIG = EngineConfig(page_size=16, kv_pages=160, max_running=16, max_prefill_tokens=128)
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -53,14 +54,6 @@ def isolated(ref, prompt, **kw) -> str:
     return ref.generate([prompt], SamplingParams(**kw))[0].text
 
 
-def wait_idle(state, timeout=60):
-    """Until the engine thread has nothing in flight (aborts are asynchronous)."""
-    deadline = time.time() + timeout
-    while state.loop.subscribers or state.loop.engine.has_unfinished() or state.loop.commands.qsize():
-        assert time.time() < deadline, "requests still in flight"
-        time.sleep(0.05)
-
-
 def pool_from_metrics(url) -> dict:
     text = urllib.request.urlopen(f"{url}/metrics").read().decode()
     return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
@@ -70,7 +63,7 @@ def pool_from_metrics(url) -> dict:
 
 def assert_pages_back(url, state):
     """Every page free or held by the prefix cache (from /metrics and from the engine itself)."""
-    wait_idle(state)
+    wait_idle(state.loop)
     m = pool_from_metrics(url)
     assert m["cpkv_running"] == m["cpkv_waiting"] == 0
     assert m["cpkv_free_pages"] + m["cpkv_radix_pages"] == m["cpkv_total_pages"]
