@@ -150,13 +150,14 @@ part_three_wgs_e2e() {   # issue 26: the three-warpgroup tilings end to end
 }
 
 part_close26() {   # issue 26: fp8 / bf16 >= 1.6x per call and the decode call >= 60% of HBM, on its device
-  local g=3wg_n128_g16
-  TESTS_K="quantize_gathered_slots_compiled" TESTS_BUDGET=90 part_tests
+  local g=3wg_n128_g16   # the decode call first: the target the H200 last missed
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run moe_decode_device "$PY" scripts/bench_kernels.py --only moe_fp8 --moe-tokens "" \
+    --moe-decode-tokens "${DECODE_TOKENS:-1,8,64}" --moe-fp8-variants fp8_kernel,fp8_kernel_quantize_gathered --moe-device-time \
+    --json "$OUT/moe_fp8_decode_device.json"
   MOE_TAG=_close26 MOE_CASES=${MOE_CASES:-8192x16,32768x16,8192x64,8192x256} \
     MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n256_s3,${g}_c2_il,${g}_c2_ch,2wg_n128_g16_c2_il_k2s3,2wg_n192_g16_c2_ch} \
     part_moe
-  XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run moe_decode_device "$PY" scripts/bench_kernels.py --only moe_fp8 --moe-tokens "" \
-    --moe-decode-tokens 1,8,64 --moe-fp8-variants fp8_kernel,fp8_kernel_quantize_gathered --moe-device-time --json "$OUT/moe_fp8_decode_device.json"
+  TESTS_K="quantize_gathered_slots_compiled" TESTS_BUDGET=90 part_tests
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)
