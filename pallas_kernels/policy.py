@@ -54,7 +54,8 @@ class KernelPolicy:
     instead of quantizing each token, gathering its bytes (the row-gather kernel) and gathering its
     scales: bit-equal rows and scales, fewer small ops where a decode call's plan, quantization, gathers
     and combine take ~45 us beside its two kernels' ~90 (docs/perf.md, 2026-12-04 sixth session). 0:
-    never; untimed, so off."""
+    never. Off: timed on the H100 (docs/perf.md, 2026-12-06 twenty-second session) it is no faster at one
+    token over 256 experts (0.149 against 0.146 ms of device time) and 6% slower at 64 tokens."""
     fp8_moe_kernel: bool = True
     """fp8 routed experts stay fp8 through the grouped matmul (fp8 x fp8, block scales, fp32 sums;
     rows quantized per 128 columns) where its shapes fit; off: they are dequantized to the compute
