@@ -47,6 +47,14 @@ def random_prompts(rng, lengths, vocab):
     return [rng.integers(2, vocab, n).tolist() for n in lengths]
 
 
+def pool_is_clean(engine) -> bool:
+    """Nothing running or waiting, no page held by a request or locked, every page free or held by the
+    prefix cache, no stream inbox left behind."""
+    s = engine.stats()
+    return (s["running"] == s["waiting"] == 0 and s["request_pages"] == 0 and s["radix"]["protected_pages"] == 0
+            and s["free_pages"] + s["radix"]["pages"] == s["total_pages"] and not engine._inboxes)
+
+
 def wait_idle(engine_loop, timeout: float = 60) -> None:
     """Until a server's engine thread (cpkv_jax.server.EngineLoop) has nothing in flight: no subscriber,
     no unfinished request, no queued command (aborts are asynchronous)."""

@@ -12,7 +12,7 @@ from cpkv_jax.engine import Engine, EngineConfig, EngineInputError
 from cpkv_jax.sampling import SamplingError, SamplingParams
 from models.model import prefill_logits
 from models.weights import CheckpointError
-from tests.helpers import random_prompts, rel_err
+from tests.helpers import pool_is_clean, random_prompts, rel_err
 
 
 def recompute_step_logits(model, prompts, outs, index_dtype="same"):
@@ -162,13 +162,6 @@ def test_stream_matches_generate_and_early_close_aborts(tiny):
     next(it)
     it.close()
     assert pool_is_clean(eng)
-
-
-def pool_is_clean(eng):
-    """Nothing running or waiting, no page locked, every page free or held by the prefix cache."""
-    s = eng.stats()
-    return (s["running"] == s["waiting"] == 0 and s["radix"]["protected_pages"] == 0
-            and s["free_pages"] + s["radix"]["pages"] == s["total_pages"] and not eng._inboxes)
 
 
 def test_streams_and_generates_interleave_without_losing_events(tiny, monkeypatch):

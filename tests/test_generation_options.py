@@ -8,6 +8,7 @@ import pytest
 from cpkv_jax.engine import Engine, EngineConfig, EngineInputError
 from cpkv_jax.sampling import SamplingError, SamplingParams
 from models.model import prefill_logits
+from tests.helpers import pool_is_clean
 
 # a 32-token prefill budget: the longer prompts below are prefilled in two chunks
 CONFIG = EngineConfig(page_size=16, kv_pages=64, max_running=8, max_prefill_tokens=32)
@@ -34,12 +35,6 @@ def assert_top_equal(got, lp_row, n):
     ids, values = zip(*got)
     np.testing.assert_allclose(values, np.sort(lp_row)[::-1][:n], atol=2e-5)
     np.testing.assert_allclose(values, lp_row[list(ids)], atol=2e-5)
-
-
-def pool_is_clean(engine):
-    s = engine.stats()
-    return (s["running"] == s["waiting"] == 0 and s["request_pages"] == 0
-            and s["free_pages"] + s["radix"]["pages"] == s["total_pages"])
 
 
 def test_top_and_prompt_logprobs_equal_a_full_recompute(engine):

@@ -14,7 +14,7 @@ from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams
 from cpkv_jax.server import create_app
 from models.model import prefill_logits
-from tests.helpers import wait_idle
+from tests.helpers import pool_is_clean, wait_idle
 
 CONFIG = EngineConfig(page_size=16, kv_pages=64, max_running=8, max_prefill_tokens=128)
 PROMPT = [11, 42, 7, 300, 5, 19, 64, 128]
@@ -204,8 +204,7 @@ def test_a_dropped_stream_is_aborted_and_a_full_queue_is_503(client):
         next(ln for ln in s.iter_lines() if ln.startswith("data: "))
     wait_idle(loop, 30)
     assert loop.aborted == aborted + 1 and not loop.subscribers
-    s = loop.engine.stats()
-    assert s["request_pages"] == 0 and s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
+    assert pool_is_clean(loop.engine)
     r = client.post("/v1/completions", json={"prompt": PROMPT, "n": 5})     # 5 > max_queued = 4
     assert r.status_code == 503 and "server busy" in r.json()["error"]["message"]
 
@@ -256,8 +255,7 @@ def test_clients_leaving_before_their_request_is_added(ref):
         assert eloop.thread.is_alive()
         assert out.token_ids == expected(ref, PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
         assert added == [[1, 2, 3], PROMPT] and eloop.aborted == 1 and not eloop.subscribers
-        s = engine.stats()
-        assert s["request_pages"] == 0 and s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
+        assert pool_is_clean(engine)
     finally:
         release.set()
         eloop.close()
