@@ -239,10 +239,10 @@ def test_clients_leaving_before_their_request_is_added(ref):
         assert eloop.commands.qsize() == 1
         mid_add.cancel()
         queued.cancel()
-        release.set()
-        for task in (mid_add, queued):
+        for task in (mid_add, queued):   # each future's cancellation lands before the engine thread goes on
             with pytest.raises(asyncio.CancelledError):
                 await task
+        release.set()
         events = asyncio.Queue()
         await asyncio.wait_for(eloop.add(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True), events), 60)
         while not isinstance(item := await asyncio.wait_for(events.get(), 60), tuple):
