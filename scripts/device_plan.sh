@@ -34,7 +34,8 @@
 #           (PROFILE_POLICIES: space-separated --kernels values; fp8_moe_kernel=true is the default policy)
 #   mla     issue 28: sparse MLA decode at 1..128 queries with the device's busy time (MLA_DECODE: query counts,
 #           MLA_TILINGS: bench_kernels' decode variants; MLA_OPS=1: command buffers off, the time op by op)
-#   ncu     issue 26: Nsight Compute counters of gate_up at 8192x16: fp8 joint and interleaved, bf16 beside
+#   ncu     issue 26: Nsight Compute counters of gate_up at 8192x16 (NCU_CASES): fp8 joint and interleaved,
+#           bf16 beside (NCU_TILINGS: others)
 #   ncu_source  issue 26: where gate_up's warps stall, instruction by instruction (ncu's source page, SASS) at
 #           8192x16: the promoted fp8 tiling and its unscaled probe (NCU_TILINGS: others)
 #   paged   issue 28: one-wave paged scores off/on, twice, at batch 1 x 8k and batch 8 x 2k
@@ -188,7 +189,7 @@ part_ncu() {
   for t in ${NCU_TILINGS:-2wg_n64_g16_joint 2wg_n128_g16_c2_il 2wg_n128_s3 2wg_n128_g16_c2_il_u}; do
     run "ncu_$t" "$PY" scripts/ncu_kernel.py --kernel mosaic --launch-skip 2 --section MemoryWorkloadAnalysis \
       --section ComputeWorkloadAnalysis --json "$OUT/ncu_$t.json" -- \
-      "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "$t"
+      "$PY" scripts/bench_moe_tilings.py --cases "${NCU_CASES:-8192x16}" --tilings "$t"
   done
 }
 
