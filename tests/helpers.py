@@ -48,11 +48,12 @@ def random_prompts(rng, lengths, vocab):
 
 
 def pool_is_clean(engine) -> bool:
-    """Nothing running or waiting, no page held by a request or locked, every page free or held by the
-    prefix cache, no stream inbox left behind."""
+    """Nothing running or waiting, no page held by a request, reserved or locked, every page free or held
+    by the prefix cache, no stream inbox left behind."""
     s = engine.stats()
-    return (s["running"] == s["waiting"] == 0 and s["request_pages"] == 0 and s["radix"]["protected_pages"] == 0
-            and s["free_pages"] + s["radix"]["pages"] == s["total_pages"] and not engine._inboxes)
+    return (s["running"] == s["waiting"] == 0 and s["request_pages"] == s["reserved_pages"] == 0
+            and s["radix"]["protected_pages"] == 0 and s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
+            and not engine._inboxes)
 
 
 def wait_idle(engine_loop, timeout: float = 60) -> None:

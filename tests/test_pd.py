@@ -21,6 +21,7 @@ from cpkv_jax.config import EngineConfigError
 from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.kv_pool import pages_for
 from cpkv_jax.sampling import SamplingParams
+from tests.helpers import pool_is_clean
 
 PARAMS = SamplingParams(max_new_tokens=5, ignore_eos=True)
 BASE = dict(page_size=16, kv_pages=24, max_running=4, max_prefill_tokens=128, index_dtype="fp8")
@@ -41,9 +42,7 @@ def pool_state(engine):
 
 def assert_nothing_held(eng):
     for e in [eng.prefill] + eng.decoders:
-        s = e.stats()
-        assert s["request_pages"] == 0 and s["reserved_pages"] == 0
-        assert s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
+        assert pool_is_clean(e)
 
 
 def evict_all(eng):

@@ -11,7 +11,7 @@ from cpkv_jax.engine import Engine, EngineConfig
 from cpkv_jax.sampling import SamplingParams, token_probs, verify_tokens
 from models.kv import contiguous_batch, empty_kv_cache
 from models.model import jit_forward
-from tests.helpers import rel_err
+from tests.helpers import pool_is_clean, rel_err
 
 
 def copy_draft_model(model):
@@ -63,9 +63,7 @@ def test_greedy_spec_equals_plain_greedy(tiny, n, cp):
     for r, g in zip(ref, got):
         assert [o.token_ids for o in g] == [o.token_ids for o in r]
     assert sum(o.cached_tokens for o in got[1]) > 0
-    s = spec.stats()
-    assert s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
-    assert s["reserved_pages"] == 0 and s["radix"]["protected_pages"] == 0
+    assert pool_is_clean(spec)
 
 
 def acceptance_length(engine):
@@ -142,9 +140,7 @@ def test_spec_sampling_is_seeded_and_leaks_no_pages(tiny):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == p.max_new_tokens for o, p in zip(b, params))
     assert eng.compilations() <= eng.max_compilations()
-    s = eng.stats()
-    assert s["free_pages"] + s["radix"]["pages"] == s["total_pages"]
-    assert s["reserved_pages"] == 0 and s["radix"]["protected_pages"] == 0 and s["running"] == 0
+    assert pool_is_clean(eng)
 
 
 def test_accepted_kv_equals_a_non_speculative_run(tiny):
