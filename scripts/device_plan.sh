@@ -151,7 +151,8 @@ part_three_wgs_e2e() {   # issue 26: the three-warpgroup tilings end to end
 }
 
 part_close26() {   # issue 26: fp8 / bf16 >= 1.6x per call and the decode call >= 60% of HBM, on its device
-  local g=3wg_n128_g16   # the decode call first: the target the H200 last missed
+  local g=3wg_n128_g16
+  # the decode call first: the target the H200 last missed
   XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run moe_decode_device "$PY" scripts/bench_kernels.py --only moe_fp8 --moe-tokens "" \
     --moe-decode-tokens "${DECODE_TOKENS:-1,8,64}" --moe-fp8-variants fp8_kernel --moe-device-time \
     --json "$OUT/moe_fp8_decode_device.json"
