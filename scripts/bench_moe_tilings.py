@@ -120,8 +120,9 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
     return out
 
 
-ONE_TILE_A_PROGRAM = 16384
-"""`_np` probes' programs: more than the tiles of 8192 tokens at any timed expert count, so each program takes one
+ONE_TILE_A_PROGRAM = 32768
+"""`_np` probes' programs: more than the tiles of 8192 tokens at any timed expert count (the fp8 down call's 192-column
+tiles at 256 experts: 768 row tiles x 32 column blocks, ~640 of the row tiles used), so each program takes one
 tile (the ones left over take none) and the hardware starts them in tile order as SMs free up, instead of 132
 persistent programs walking their tiles apart. Tiles that read one expert's weights (neighbouring row tiles) then
 start together wherever the persistent walk lets them drift apart, past what the L2 keeps."""
