@@ -42,6 +42,11 @@ class KernelPolicy:
     warpgroup's TMA loads feeding two compute warpgroups, each with half of the tile), or 1 (one
     warpgroup pipelining its own loads). On the H200 (docs/perf.md, 2026-12-03 third session), 8192
     tokens x top-8 over 256 experts, gate_up 5.87 vs 7.13 ms, down 3.18 vs 3.61."""
+    moe_tile_programs: bool = False
+    """Prefill expert calls (128 rows a tile or more) run one program a tile (Tiling.programs 0) instead of
+    132 persistent ones: an expert's neighbouring row tiles start together, so their weight reads can
+    share the L2 (the persistent bf16 gate_up call at 8192 x 256 reads 24 GB from DRAM where its weights
+    are 12.9: docs/perf.md, 2026-12-06 twenty-fourth session). Off until timed on a GPU."""
     moe_pairwise_plan_slots: int = 512
     """Expert calls of at most this many routed slots (tokens x top-k; decode, verify) compute their
     block plan pairwise (plan._pairwise_plan: a few fused comparisons) instead of by a sort, searches

@@ -49,7 +49,7 @@ def tilings(bm: int, fp8: bool):
     running scales as `<name>_gs` (Tiling.row_scales_from_gmem: each thread reads its row scales from
     global memory; no fence), those in two-block steps chained too (`<name>_gs_ch`: interleaved gate_up
     in two-block steps chains only so, can_chain), and every unchained warp-specialized one as `<name>_np`
-    (ONE_TILE_A_PROGRAM programs)."""
+    (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132 persistent)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm >= 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -114,18 +114,10 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
             group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items()   # chained once they can be
                                  if t.row_scales_from_gmem and t.step_blocks > 1 and not t.chained_tiles
                                  and can_chain(t, K)}}
-        group = {**group, **{f"{n}_np": dataclasses.replace(t, programs=ONE_TILE_A_PROGRAM) for n, t in group.items()
+        group = {**group, **{f"{n}_np": dataclasses.replace(t, programs=0) for n, t in group.items()
                              if t.compute_wgs >= 2 and not t.chained_tiles}}
         out[call] = group
     return out
-
-
-ONE_TILE_A_PROGRAM = 32768
-"""`_np` probes' programs: more than the tiles of 8192 tokens at any timed expert count (the fp8 down call's 192-column
-tiles at 256 experts: 768 row tiles x 32 column blocks, ~640 of the row tiles used), so each program takes one
-tile (the ones left over take none) and the hardware starts them in tile order as SMs free up, instead of 132
-persistent programs walking their tiles apart. Tiles that read one expert's weights (neighbouring row tiles) then
-start together wherever the persistent walk lets them drift apart, past what the L2 keeps."""
 
 
 def tiling_names(D: int, I: int) -> set[str]:

@@ -807,6 +807,46 @@ def test_expert_mlp_dispatch_takes_ragged_dot_off_the_gpu(monkeypatch):
     assert calls == [] or jax.default_backend() == "gpu"
 
 
+def test_one_program_a_tile_interpret_bit_equal_persistent():
+    """Tiling.programs 0 (one program a tile, KernelPolicy.moe_tile_programs at prefill) in the interpreter
+    (races detected): the bf16 path's gate_up and clustered down calls, and the fp8 gate_up call in clusters
+    of two, give the persistent programs' outputs bit for bit (each tile's sums are the same either way)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.dispatch import expert_tilings
+    from pallas_kernels.moe.grouped_matmul import program_count
+    rng = np.random.default_rng(5)
+    N, k, D, I, E = 45, 3, 128, 128, 5
+    x, gate, up, down = mlp_inputs(rng, N, D, I, E)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
+    up_t = Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2)
+    down_t = Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2)
+    one_tile = functools.partial(dataclasses.replace, programs=0)
+    outs = [np.asarray(expert_mlp_blocked(x, fe, gate, up, down, k, up_tiling=u, down_tiling=d, interpret=interp).slots(),
+                       np.float64) for u, d in ((up_t, down_t), (one_tile(up_t), one_tile(down_t)))]
+    assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+    np.testing.assert_array_equal(outs[1], outs[0])
+    (gq, gs), (uq, us) = fp8_experts(rng, 256, 256, 3)[:2]
+    tile_expert = jnp.asarray([0, 2, -1, 1], jnp.int32)
+    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((4 * 128, 256)), jnp.float32))
+    t = Tiling(block_m=128, block_n=64, block_k=128, stages=2, grid_block_n=2, programs=2, compute_wgs=2,
+               cluster_n=2)
+    fp8 = [np.asarray(grouped_matmul(xq, gq, tile_expert, up=uq, tiling=dataclasses.replace(t, programs=p),
+                                     interpret=interp, x_scale=xs, w_scale=gs, up_scale=us), np.float64)
+           for p in (2, 0)]
+    used = np.repeat(np.asarray(tile_expert) >= 0, 128)
+    assert np.isfinite(fp8[0][used]).all() and np.isnan(fp8[1][~used]).all()   # the unused tile left unwritten
+    np.testing.assert_array_equal(fp8[1][used], fp8[0][used])
+    assert program_count(one_tile(up_t), 10) == 10 and program_count(up_t, 10) == 3
+    assert program_count(dataclasses.replace(up_t, programs=0, k_splits=4), 10) == 40
+    # the policy's prefill tilings take it, its decode tilings (64 rows) stay persistent
+    assert [t.programs for t in expert_tilings(2048, gate, False, 2, one_tile=True)] == [0, 0]
+    assert [t.programs for t in expert_tilings(2048, gate, False, 2)] == [132, 132]
+    assert [t.programs for t in expert_tilings(8, gate, False, 2, one_tile=True)] == [132, 132]
+
+
 @functools.partial(jax.jit, static_argnums=5, static_argnames="policy")
 def slots_compiled(x, fe, gate, up, down, k, *, policy, scales=None):
     """The dispatch's outputs in slot order, compiled."""
@@ -857,6 +897,24 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
         assert np.isfinite(got).all()
         assert np.abs(got - want).mean() <= 1e-2 * np.abs(want).max(), (N, k, D, I, E)
         assert np.abs(got - want).max() <= 0.1 * np.abs(want).max(), (N, k, D, I, E)
+
+
+@pytest.mark.gpu
+def test_moe_tile_programs_compiled_bit_equal():
+    """KernelPolicy.moe_tile_programs (one program a prefill tile) through the compiled dispatch, bf16 and fp8
+    experts, 16 and 256 experts: the persistent programs' outputs bit for bit."""
+    rng = np.random.default_rng(14)
+    on, off = KernelPolicy(moe_tile_programs=True), KernelPolicy()
+    for N, k, D, I, E in ((512, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)):
+        x, gate, up, down = mlp_inputs(rng, N, D, I, E)
+        fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
+        (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+        xb = jnp.asarray(x, jnp.bfloat16)
+        for args, kw in (((x, fe, gate, up, down, k), {}), ((xb, fe, gq, uq, dq, k), dict(scales=(gs, us, ds)))):
+            got = np.asarray(slots_compiled(*args, policy=on, **kw), np.float64)
+            want = np.asarray(slots_compiled(*args, policy=off, **kw), np.float64)
+            assert np.isfinite(got).all() and np.abs(want).max() > 0, (N, E)
+            np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens over {E} experts")
 
 
 @pytest.mark.gpu

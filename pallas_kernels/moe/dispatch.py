@@ -119,7 +119,7 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False, running: bool = False, step_blocks: int = 1,
                    gmem_row_scales: bool = False, wide_down: bool = False,
-                   three_wgs: bool = False) -> tuple[Tiling, Tiling]:
+                   three_wgs: bool = False, one_tile: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
@@ -135,7 +135,17 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     scale_slices; one block a step), chained where it can be (as they were timed fastest). The prefill
     gate_up call stays in 128 x 128 interleaved tiles: interleaved 128 x WIDE_TILE ones ran slower
     (docs/perf.md, 2026-12-06 nineteenth session). three_wgs (fp8, interleaved, two compute warpgroups
-    asked for): calls with at least THREE_WG_ROWS rows an expert take three_wg_tilings instead."""
+    asked for): calls with at least THREE_WG_ROWS rows an expert take three_wg_tilings instead. one_tile:
+    prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0)."""
+    up_t, down_t = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks,
+                                   gmem_row_scales, wide_down, three_wgs)
+    if one_tile and up_t.block_m >= 128:
+        return dataclasses.replace(up_t, programs=0), dataclasses.replace(down_t, programs=0)
+    return up_t, down_t
+
+
+def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks, gmem_row_scales,
+                    wide_down, three_wgs) -> tuple[Tiling, Tiling]:
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     if fp8 and three_wgs and interleaved and compute_wgs == 2 and not running and slots >= THREE_WG_ROWS * E:
@@ -211,13 +221,14 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
                     chain: bool = False, running: bool = False, step_blocks: int = 1,
-                    gmem_row_scales: bool = False, wide_down: bool = False, three_wgs: bool = False) -> str | None:
+                    gmem_row_scales: bool = False, wide_down: bool = False, three_wgs: bool = False,
+                    one_tile: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
     up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks,
-                                  gmem_row_scales, wide_down, three_wgs)
+                                  gmem_row_scales, wide_down, three_wgs, one_tile)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -229,7 +240,7 @@ def fp8_tiling_options(policy: KernelPolicy) -> dict:
     return dict(compute_wgs=policy.fp8_moe_compute_wgs, interleaved=policy.fp8_moe_interleaved_gate_up,
                 chain=policy.chained_tiles, running=policy.fp8_running_scale, step_blocks=policy.fp8_step_blocks,
                 gmem_row_scales=policy.fp8_row_scales_from_gmem, wide_down=policy.fp8_wide_tiles,
-                three_wgs=policy.fp8_three_wgs)
+                three_wgs=policy.fp8_three_wgs, one_tile=policy.moe_tile_programs)
 
 
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
@@ -285,7 +296,8 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
-    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.chained_tiles)
+    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.chained_tiles,
+                                  one_tile=policy.moe_tile_programs)
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)

@@ -41,7 +41,10 @@ class Tiling:
     grid_block_n: int = 8
     """Column blocks walked together before moving to the next row tiles (L2 reuse of the x tiles)."""
     programs: int = 132
-    """Persistent programs: one per SM of the H100/H200."""
+    """Persistent programs: one per SM of the H100/H200. 0: one program a tile, which the hardware starts in
+    tile order as SMs free up, so neighbouring tiles (an expert's row tiles, reading the same weight blocks)
+    run together instead of drifting apart over persistent programs' many tiles (the L2 keeps a block
+    ~17 us of a 256-expert prefill call's traffic: docs/perf.md, 2026-12-06 twenty-fourth session)."""
     compute_wgs: int = 1
     """2 runs the warp-specialized kernel (_kernel_ws): a producer warpgroup issues the
     TMA loads and two compute warpgroups each take half of a tile (rows when block_m is 128, columns
@@ -143,6 +146,8 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"rows {P} must be a multiple of block_m {tiling.block_m} (the padded layout)"
     if tiling.block_m % 64 or tiling.block_n % 8 or tiling.block_k * x.dtype.itemsize != 128:
         return f"tiling {tiling} does not fit one warpgroup's wgmma with 128-byte swizzled K blocks"
+    if tiling.programs < 0:
+        return f"programs {tiling.programs}: a count, or 0 for one a tile"
     if tiling.compute_wgs not in (1, 2, 3):
         return f"compute_wgs {tiling.compute_wgs}: 1, 2 or 3"
     if tiling.compute_wgs == 2 and (tiling.block_m not in (64, 128) or tiling.block_m == 64 and tiling.block_n % 128):
@@ -378,6 +383,11 @@ def _operand_refs(refs, fp8: bool):
     xs_ref, *refs = refs
     n_w = (len(refs) - 1) // 2
     return xs_ref, refs[:n_w], refs[n_w:2 * n_w], refs[-1]
+
+
+def program_count(tiling: Tiling, tiles: int) -> int:
+    """Programs a call of `tiles` output tiles launches: Tiling.programs, or (0) one a tile and K split."""
+    return tiling.programs or tiles * tiling.k_splits
 
 
 def _split_tile(index, k_splits: int, k_steps: int):
@@ -826,7 +836,7 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     kernel = plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct((S, P, N), jnp.float32) if S > 1
                         else jax.ShapeDtypeStruct((P, N), out_dtype)),
-        grid=(tiling.programs // tiling.cluster_n,), grid_names=("sm",),
+        grid=(program_count(tiling, grid["grid_m"] * grid["grid_n"]) // tiling.cluster_n,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret, **threads,
     )
