@@ -809,13 +809,13 @@ def test_expert_mlp_dispatch_takes_ragged_dot_off_the_gpu(monkeypatch):
 
 def test_one_program_a_tile_interpret_bit_equal_persistent():
     """Tiling.programs 0 (one program a tile, KernelPolicy.moe_tile_programs at prefill) in the interpreter
-    (races detected): the bf16 path's gate_up and clustered down calls, and the fp8 gate_up call in clusters
-    of two, give the persistent programs' outputs bit for bit (each tile's sums are the same either way)."""
+    (races detected): the bf16 path's gate_up and clustered down calls (down chained too), and the fp8 gate_up
+    call in clusters of two, give the persistent programs' outputs bit for bit (each tile's sums are the same either way)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul, quantize_rows
     from pallas_kernels.moe.dispatch import expert_tilings
-    from pallas_kernels.moe.grouped_matmul import program_count
+    from pallas_kernels.moe.grouped_matmul import chained, program_count
     rng = np.random.default_rng(5)
     N, k, D, I, E = 45, 3, 128, 128, 5
     x, gate, up, down = mlp_inputs(rng, N, D, I, E)
@@ -824,10 +824,14 @@ def test_one_program_a_tile_interpret_bit_equal_persistent():
     up_t = Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=3, compute_wgs=2)
     down_t = Tiling(block_m=128, block_n=64, stages=2, grid_block_n=2, programs=2, compute_wgs=2, cluster_n=2)
     one_tile = functools.partial(dataclasses.replace, programs=0)
+    # (chained, each program's one tile is its chain's first and last: the fp8 prefill down call's default)
     outs = [np.asarray(expert_mlp_blocked(x, fe, gate, up, down, k, up_tiling=u, down_tiling=d, interpret=interp).slots(),
-                       np.float64) for u, d in ((up_t, down_t), (one_tile(up_t), one_tile(down_t)))]
+                       np.float64) for u, d in ((up_t, down_t), (one_tile(up_t), one_tile(down_t)),
+                                                (one_tile(up_t), one_tile(chained(down_t, I))))]
+    assert chained(down_t, I).chained_tiles
     assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
     np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
     (gq, gs), (uq, us) = fp8_experts(rng, 256, 256, 3)[:2]
     tile_expert = jnp.asarray([0, 2, -1, 1], jnp.int32)
     xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((4 * 128, 256)), jnp.float32))
