@@ -146,6 +146,7 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
 
 def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks, gmem_row_scales,
                     wide_down, three_wgs) -> tuple[Tiling, Tiling]:
+    """expert_tilings in persistent programs (one_tile applied after)."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     if fp8 and three_wgs and interleaved and compute_wgs == 2 and not running and slots >= THREE_WG_ROWS * E:
