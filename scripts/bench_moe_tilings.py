@@ -49,7 +49,10 @@ def tilings(bm: int, fp8: bool):
     running scales as `<name>_gs` (Tiling.row_scales_from_gmem: each thread reads its row scales from
     global memory; no fence), those in two-block steps chained too (`<name>_gs_ch`: interleaved gate_up
     in two-block steps chains only so, can_chain), and every unchained warp-specialized one as `<name>_np`
-    (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132 persistent)."""
+    (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132 persistent), and
+    every unchained warp-specialized one as `<name>_cm2` (Tiling.cluster_m 2: clusters of two programs on a
+    pair of row tiles, the weight blocks multicast where both hold one expert; a `_c2` tiling's clusters
+    move from column blocks to row tiles), one program a tile too (`<name>_cm2_np`)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm >= 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -114,6 +117,8 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
             group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items()   # chained once they can be
                                  if t.row_scales_from_gmem and t.step_blocks > 1 and not t.chained_tiles
                                  and can_chain(t, K)}}
+        group = {**group, **{f"{n}_cm2": dataclasses.replace(t, cluster_n=1, cluster_m=2) for n, t in group.items()
+                             if t.compute_wgs >= 2 and not t.chained_tiles and t.k_splits == 1}}
         group = {**group, **{f"{n}_np": dataclasses.replace(t, programs=0) for n, t in group.items()
                              if t.compute_wgs >= 2 and not t.chained_tiles}}
         out[call] = group

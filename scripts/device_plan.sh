@@ -23,9 +23,10 @@
 #           and bf16 at 8192x16 and 8192x256 (MOE_CASES), their compiled test first
 #   three_wgs_e2e  issue 26: KernelPolicy.fp8_three_wgs through the model: its compiled tests and the fp8 prefill beside
 #           HF at 16 experts against fp8_three_wgs=false (then, a call of its own: MOE_CASES=8192x16,32768x16,8192x64 three_wgs)
-#   one_tile  issue 26: one tile a program (Tiling.programs 0, `_np`): its compiled test, then against the persistent
-#           walk for bf16 and the fp8 defaults at 8192x256, 8192x16 and 8192x64 (MOE_CASES), then ncu of the bf16 and fp8
-#           gate_up `_np` calls at 8192x256 (the persistent bf16 call reads 24 GB from DRAM where its weights are 12.9 GB)
+#   one_tile  issue 26: one tile a program (Tiling.programs 0, `_np`) and clusters on row-tile pairs (cluster_m 2,
+#           `_cm2`, weights multicast): their compiled tests, then against the persistent walk for bf16 and the fp8
+#           defaults at 8192x256 (MOE_CASES: 8192x16,8192x64 in a second call), then ncu of the bf16 and fp8 gate_up `_np` and `_cm2`
+#           calls at 8192x256 (the persistent bf16 call reads 24 GB from DRAM where its weights are 12.9 GB)
 #   one_tile_e2e  issue 26: KernelPolicy.moe_tile_programs through the model: the fp8 prefill beside HF at 256 experts
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   close26  issue 26's last owed numbers, on the H200: the whole decode call over 256 experts at 1/8/64 tokens
@@ -165,13 +166,13 @@ part_close26() {   # issue 26: fp8 / bf16 >= 1.6x per call and the decode call >
     part_moe
 }
 
-part_one_tile() {   # issue 26: do tiles started in order by the hardware share an expert's weight reads in L2?
-  TESTS_K="moe_tile_programs_compiled" TESTS_BUDGET=100 part_tests
+part_one_tile() {   # issue 26: do an expert's row tiles share its weight reads: started in order, or multicast?
+  TESTS_K="moe_tile_programs_compiled or cluster_rows_compiled" TESTS_BUDGET=150 part_tests
   local il=2wg_n128_g16_c2_il_k2s3 g=3wg_n128_g16 n
   local names=2wg_n128_s3,2wg_n256_s3,$il,2wg_n192_g16_c2_ch,2wg_n192_g16_c2,${g}_c2_il,${g}_c2_ch,${g}_c2
-  for n in 2wg_n128_s3 2wg_n256_s3 $il 2wg_n192_g16_c2 ${g}_c2_il ${g}_c2; do names+=,${n}_np; done
-  MOE_TAG=_one_tile MOE_CASES=${MOE_CASES:-8192x256,8192x16,8192x64} MOE_TILINGS=$names part_moe
-  NCU_CASES=8192x256 NCU_TILINGS="2wg_n128_s3_np ${il}_np $il" part_ncu
+  for n in 2wg_n128_s3 2wg_n256_s3 $il 2wg_n192_g16_c2 ${g}_c2_il ${g}_c2; do names+=,${n}_np,${n}_cm2,${n}_cm2_np; done
+  MOE_TAG=_one_tile MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$names part_moe
+  NCU_CASES=8192x256 NCU_TILINGS="${NCU_TILINGS:-2wg_n128_s3_np 2wg_n128_s3_cm2 ${il}_np ${il}_cm2}" part_ncu
 }
 
 part_one_tile_e2e() {

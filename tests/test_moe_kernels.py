@@ -851,6 +851,63 @@ def test_one_program_a_tile_interpret_bit_equal_persistent():
     assert [t.programs for t in expert_tilings(8, gate, False, 2, one_tile=True)] == [132, 132]
 
 
+def test_row_tile_pairs_pair_each_experts_tiles_first():
+    """plan.row_tile_pairs on random block plans (and one expert's tiles, none used): every used tile in
+    exactly one pair, no unused one; as many pairs of one expert as its runs hold (floor(n / 2) each), those
+    first, then the odd ones out two by two in tile order."""
+    from pallas_kernels.moe.plan import row_tile_pairs
+    rng = np.random.default_rng(16)
+    plans = [np.repeat(np.arange(E), rng.integers(0, 5, E)) for E in (1, 2, 7, 40) for _ in range(3)]
+    plans += [np.zeros(5, int), np.zeros(0, int)]
+    for run_tiles in plans:
+        te = np.concatenate([run_tiles, np.full(int(rng.integers(0, 4)), -1)]).astype(np.int32)
+        if te.size == 0:
+            continue
+        pairs = np.asarray(row_tile_pairs(jnp.asarray(te)))
+        assert pairs.shape == ((te.size + 1) // 2, 2)
+        flat = pairs[pairs >= 0]
+        assert sorted(flat) == list(np.flatnonzero(te >= 0)), te
+        runs = [int(np.sum(te == e)) for e in np.unique(te[te >= 0])]
+        same = [(a, b) for a, b in pairs if a >= 0 and b >= 0 and te[a] == te[b]]
+        assert len(same) == sum(n // 2 for n in runs) and all(b == a + 1 for a, b in same), te
+        assert [tuple(p) for p in pairs[:len(same)]] == same                      # shared pairs first
+        lone = [t for p in pairs[len(same):] for t in p if t >= 0]
+        assert lone == sorted(lone) and len(lone) == sum(n % 2 for n in runs)
+        assert (pairs[len(same) + (len(lone) + 1) // 2:] == -1).all()
+
+
+def test_cluster_rows_interpret_bit_equal_unclustered():
+    """Tiling.cluster_m 2 in the interpreter (races detected): its two pipelines (weight blocks multicast for a
+    pair of one expert's tiles, loaded apart with the program's own consumed barriers otherwise) and its walk
+    over plan.row_tile_pairs, persistent and one program a tile, give the unclustered outputs bit for bit,
+    unused tiles unwritten. (The interpreter loads a multicast block whole into each program, so that the
+    pair's tiles really share it is the compiled test's: test_cluster_rows_compiled_bit_equal.)"""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    rng = np.random.default_rng(17)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    E, D, I = 5, 128, 128
+    te = jnp.asarray([0, 0, 1, 1, 1, 2, 3, 4, -1], jnp.int32)   # pairs (0, 1), (2, 3); (4, 5), (6, 7), (8?) apart
+    P = te.shape[0] * 128
+    used = np.repeat(np.asarray(te) >= 0, 128)
+    x, gate, up, _ = mlp_inputs(rng, P, D, I, E)
+    t = Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=2, compute_wgs=2)
+    (gq, gs), (uq, us) = fp8_experts(rng, D, I, E)[:2]
+    xq, xs = quantize_rows(jnp.asarray(x, jnp.float32))
+    t8 = Tiling(block_m=128, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2,
+                interleaved_gate_up=True)
+    for tiling, args, kw in ((t, (x, gate, te), dict(up=up)),
+                             (t8, (xq, gq, te), dict(up=uq, x_scale=xs, w_scale=gs, up_scale=us))):
+        want = np.asarray(grouped_matmul(*args, tiling=tiling, interpret=interp, **kw), np.float64)
+        assert np.isfinite(want[used]).all() and np.abs(want[used]).max() > 0
+        for programs in (2, 0):
+            clustered = dataclasses.replace(tiling, cluster_m=2, programs=programs)
+            got = np.asarray(grouped_matmul(*args, tiling=clustered, interpret=interp, **kw), np.float64)
+            np.testing.assert_array_equal(got[used], want[used], err_msg=str(clustered))
+            assert np.isnan(got[~used]).all()
+
+
 @functools.partial(jax.jit, static_argnums=5, static_argnames="policy")
 def slots_compiled(x, fe, gate, up, down, k, *, policy, scales=None):
     """The dispatch's outputs in slot order, compiled."""
@@ -919,6 +976,43 @@ def test_moe_tile_programs_compiled_bit_equal():
             want = np.asarray(slots_compiled(*args, policy=off, **kw), np.float64)
             assert np.isfinite(got).all() and np.abs(want).max() > 0, (N, E)
             np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens over {E} experts")
+
+
+@pytest.mark.gpu
+def test_cluster_rows_compiled_bit_equal():
+    """Tiling.cluster_m 2 compiled: weight blocks multicast to a cluster's pair of one expert's row tiles,
+    loaded apart for a pair of two experts' tiles or a tile alone; persistent and one program a tile; bf16
+    gate_up and down, fp8 gate_up (interleaved, two-block steps) and down: bit for bit the unclustered
+    tiling's outputs. The plan holds pairs of one expert, odd ones out of two experts, one alone, unused
+    tiles; sharing a pair of two experts would mix their weights' halves."""
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    rng = np.random.default_rng(15)
+    E, D, I = 6, 1024, 512
+    # pairs (0, 1), (3, 4), (6, 7) of one expert; odd ones out (2, 5), (8, 9) of two, (10) alone
+    te = jnp.asarray([0, 0, 0, 1, 1, 2, 3, 3, 3, 4, 5, -1, -1], jnp.int32)
+    P = te.shape[0] * 128
+    used = np.repeat(np.asarray(te) >= 0, 128)
+    x, gate, up, down = mlp_inputs(rng, P, D, I, E)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    xq, xsc = quantize_rows(jnp.asarray(x, jnp.float32))
+    h = jnp.asarray(rng.standard_normal((P, I)), jnp.bfloat16)
+    hq, hsc = quantize_rows(jnp.asarray(h, jnp.float32))
+    bf16 = functools.partial(Tiling, block_m=128, stages=3, compute_wgs=2)
+    fp8 = functools.partial(Tiling, block_m=128, block_k=128, compute_wgs=2, grid_block_n=16)
+    cases = [(bf16(block_n=128), (x, gate, te), dict(up=up)),
+             (bf16(block_n=256), (h, down, te), {}),
+             (fp8(block_n=128, stages=3, interleaved_gate_up=True, step_blocks=2), (xq, gq, te),
+              dict(up=uq, x_scale=xsc, w_scale=gs, up_scale=us)),
+             (fp8(block_n=128, stages=4), (hq, dq, te), dict(x_scale=hsc, w_scale=ds))]
+    for tiling, args, kw in cases:
+        assert shape_error(args[0], args[1], tiling, fp8="x_scale" in kw) is None, tiling
+        want = np.asarray(jax.jit(functools.partial(grouped_matmul, tiling=tiling, **kw))(*args), np.float64)
+        assert np.isfinite(want[used]).all() and np.abs(want[used]).max() > 0, tiling
+        for programs in (132, 0):
+            clustered = dataclasses.replace(tiling, cluster_m=2, programs=programs)
+            got = np.asarray(jax.jit(functools.partial(grouped_matmul, tiling=clustered, **kw))(*args), np.float64)
+            np.testing.assert_array_equal(got[used], want[used], err_msg=str(clustered))
 
 
 @pytest.mark.gpu

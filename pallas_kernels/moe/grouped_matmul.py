@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.fp8_rows import GROUP as FP8_BLOCK
+from pallas_kernels.moe.plan import row_tile_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,14 @@ class Tiling:
     """2 (warp-specialized kernel only): programs run in clusters of two on neighbouring column blocks
     of one row tile, and each x tile is loaded once for both by TMA multicast (half the x traffic
     from L2)."""
+    cluster_m: int = 1
+    """2 (warp-specialized kernel only, not with cluster_n 2, chained tiles or K splits): programs run in
+    clusters of two on one column block of two row tiles, paired by `plan.row_tile_pairs` (an expert's
+    tiles two by two first, then the odd ones out), and where both hold one expert each weight block is
+    loaded once for both by TMA multicast (half the weight reads; DeepGEMM's grouped GEMM does this where
+    a pair's row tiles share a group). Where they do not, each loads its own. At 256 experts an expert's
+    2-3 row tiles otherwise read its weights from DRAM ~1.7 times (docs/perf.md, 2026-12-06
+    twenty-fourth session)."""
     column_pairs: bool = False
     """fp8, warp-specialized, without `up`: each program takes two neighbouring column blocks of w as
     two accumulators fed by one x block per step (the gate_up call's shape: a [block_m, 2 block_n]
@@ -192,6 +201,11 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
             not warp_specialized(tiling) or (column_tiles(tiling, N) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
                 f"blocks ({column_tiles(tiling, N) // pair}) and of programs")
+    if tiling.cluster_m not in (1, 2) or tiling.cluster_m == 2 and (
+            not warp_specialized(tiling) or tiling.cluster_n != 1 or tiling.chained_tiles or tiling.k_splits != 1
+            or tiling.programs % 2):
+        return (f"cluster_m {tiling.cluster_m}: 1, or 2 with compute warpgroups, an even number of programs, and "
+                f"neither cluster_n 2, chained tiles nor K splits ({tiling})")
     return None
 
 
@@ -480,6 +494,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     is 64. bf16: each accumulates its wgmma in place. fp8: every step each waits on its own 128-deep
     product and adds it scaled into its fp32 sums while the other's wgmma occupies the tensor cores."""
     interleaved = tiling.interleaved_gate_up
+    cm = tiling.cluster_m
+    if cm == 2:                   # [tasks, 2]: each cluster's two row tiles (plan.row_tile_pairs)
+        row_pairs_ref, *refs = refs
     xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
     n_w = len(w_refs)
     n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
@@ -502,22 +519,27 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     wg = jax.lax.axis_index("wg")
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
-    # in a cluster the two programs share the row tile: its x (and row scales) arrive by multicast
-    shared = dict(collective_axes=("cluster",)) if cn == 2 else {}
+    # in a cluster_n cluster the two programs share the row tile: its x (and row scales) arrive by multicast;
+    # in a cluster_m one they share the weight blocks where both row tiles hold one expert
+    multicast = dict(collective_axes=("cluster",))
+    shared = multicast if cn == 2 else {}
 
-    def pipeline(body, context, start=0, steps=k_steps, state=None):
+    def pipeline(body, context, start=0, steps=k_steps, state=None, share_weights=False):
         """The tile's K pipeline over `steps` K blocks from block `start` (k_splits: the split's
         consecutive blocks), step_blocks of them a step; state: its place in the program's chain of
-        pipelines (chained_tiles). A step's refs: its blocks' x, their row scales (fp8), their weights."""
+        pipelines (chained_tiles); share_weights: the weight blocks multicast to the cluster (cluster_m).
+        A step's refs: its blocks' x, their row scales (fp8), their weights."""
         def kb(s):
             return lambda k: S * k + s + start
 
+        w_shared = multicast if share_weights else {}
+
         def w_spec(s):
             if interleaved:
-                return plgpu.BlockSpec((half, bk), lambda k: (0, kb(s)(k)))
+                return plgpu.BlockSpec((half, bk), lambda k: (0, kb(s)(k)), **w_shared)
             if fp8:
-                return plgpu.BlockSpec((bn, bk), lambda k: (0, kb(s)(k)))
-            return plgpu.BlockSpec((bk, bn), lambda k: (kb(s)(k), 0))
+                return plgpu.BlockSpec((bn, bk), lambda k: (0, kb(s)(k)), **w_shared)
+            return plgpu.BlockSpec((bk, bn), lambda k: (kb(s)(k), 0), **w_shared)
         specs = ([plgpu.BlockSpec((bm, bk), lambda k, s=s: (0, kb(s)(k)), **shared) for s in range(S)]
                  + [plgpu.BlockSpec((1, bm), lambda k, s=s: (kb(s)(k), 0), **shared) for s in range(n_xs)]
                  + [w_spec(s) for s in range(S) for _ in range(n_blocks)])
@@ -545,31 +567,47 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
-    allocs = pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0))
+    allocs = pipeline(ignore, ignore, share_weights=cm == 2).get_allocations(*operands(0, 0, 0))
     pairs_alloc = {}
+    if cm == 2:                   # a pair of two experts' tiles runs each on its own: consumed barriers of its own
+        pairs_alloc["own_consumed"] = pipeline(ignore, ignore).get_allocations(
+            *operands(0, 0, 0))["flat_consumed_barrier_refs"]
     if interleaved:               # one buffer for the weight blocks, each block a view of it (_scope)
         in_allocs = allocs["flat_in_smem_refs"]   # x's, the row scales', then the weight blocks' (slots first)
         block = in_allocs[-1]
         allocs = dict(allocs, flat_in_smem_refs=in_allocs[:-S * n_blocks])
-        pairs_alloc = dict(pairs=plgpu.SMEM((block.shape[0], S * bn, bk), block.dtype, transforms=block.transforms))
+        pairs_alloc["pairs"] = plgpu.SMEM((block.shape[0], S * bn, bk), block.dtype, transforms=block.transforms)
 
     o_smem = plgpu.SMEM((W * n_out * n_slices, sm, slice_n), o_ref.dtype)   # each warpgroup's output blocks
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=o_smem,
                        collective_axes="wg", **pairs_alloc)
-    def _scope(allocs, o_smem, pairs=None):
+    def _scope(allocs, o_smem, pairs=None, own_consumed=None):
         if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
             allocs = dict(allocs, flat_in_smem_refs=[
                 *allocs["flat_in_smem_refs"], *[pairs.at[:, pl.ds(b * half, half)] for b in range(S * n_blocks)]])
 
-        loop = (grid_m * grid_n // cn * tiling.k_splits,)
+        loop = (grid_m * grid_n // cn * tiling.k_splits,) if cm == 1 else (row_pairs_ref.shape[0] * grid_n,)
 
         def tile_at(info):
             """(row tile, column block, its expert or -1, K split, its steps, its first step) of a loop step."""
             tile, split, steps, start = _split_tile(info.index[0], tiling.k_splits, k_steps)
+            if cm == 2:           # the cluster's pair of row tiles (-1: none), this program's the first or second
+                task, ni = plgpu.planar_snake(tile, (row_pairs_ref.shape[0], grid_n), 1, tiling.grid_block_n)
+                mi = row_pairs_ref[task, jax.lax.axis_index("cluster")]
+                return jnp.maximum(mi, 0), ni, jnp.where(mi >= 0, tile_expert_ref[jnp.maximum(mi, 0)], -1), \
+                    split, steps, start
             mi, nc = plgpu.planar_snake(tile, (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
             ni = nc * cn + jax.lax.axis_index("cluster") if cn == 2 else nc
             return mi, ni, tile_expert_ref[mi], split, steps, start
+
+        def pair_shares(info):
+            """cluster_m: whether both row tiles of the cluster's pair hold one expert (then its weight blocks
+            are multicast to both)."""
+            task, _ = plgpu.planar_snake(info.index[0], (row_pairs_ref.shape[0], grid_n), 1, tiling.grid_block_n)
+            first, second = row_pairs_ref[task, 0], row_pairs_ref[task, 1]
+            experts = [jnp.where(t >= 0, tile_expert_ref[jnp.maximum(t, 0)], -1) for t in (first, second)]
+            return (experts[0] >= 0) & (experts[0] == experts[1])
 
         if tiling.chained_tiles:  # the program's first and last loop steps with a used tile (-1: none)
             @plgpu.nd_loop(loop, collective_axes="sm", init_carry=(jnp.int32(-1), jnp.int32(-1)))
@@ -759,9 +797,15 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             step, context = ((step_in_place, context_in_place) if in_place else
                              (step_running, context_running) if tiling.running_scale else (step_fp8, context_fp8))
 
-            def run(state=None):
-                pipeline(step, context, start, steps, state)(*operands(mi, ni, expert), allocations=allocs)
+            def run(state=None, share_weights=False):
+                own = allocs if share_weights or cm == 1 else dict(allocs, flat_consumed_barrier_refs=own_consumed)
+                pipeline(step, context, start, steps, state, share_weights)(*operands(mi, ni, expert), allocations=own)
 
+            if cm == 2:
+                share = pair_shares(info)
+                pl.when((expert >= 0) & share)(functools.partial(run, share_weights=True))
+                pl.when((expert >= 0) & ~share)(run)
+                return
             if not tiling.chained_tiles:
                 pl.when(expert >= 0)(run)
                 return
@@ -829,14 +873,20 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     else:
         body = functools.partial(_kernel, fp8=fp8, **grid)
     threads = dict(num_threads=tiling.compute_wgs + 1, thread_name="wg") if warp_specialized(tiling) else {}
-    if tiling.cluster_n == 2:
+    if tiling.cluster_n == 2 or tiling.cluster_m == 2:
         threads.update(cluster=(2,), cluster_names=("cluster",))
     out_dtype = out_dtype or (jnp.bfloat16 if fp8 else x.dtype)
     S = tiling.k_splits
+    tiles = grid["grid_m"] * grid["grid_n"]
+    if tiling.cluster_m == 2:     # the clusters' pairs of row tiles, before the operands
+        row_pairs = row_tile_pairs(tile_expert)
+        weights = (row_pairs,) + weights
+        tiles = row_pairs.size * grid["grid_n"]
+    clusters = program_count(tiling, tiles) // (tiling.cluster_n * tiling.cluster_m)
     kernel = plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct((S, P, N), jnp.float32) if S > 1
                         else jax.ShapeDtypeStruct((P, N), out_dtype)),
-        grid=(program_count(tiling, grid["grid_m"] * grid["grid_n"]) // tiling.cluster_n,), grid_names=("sm",),
+        grid=(clusters,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret, **threads,
     )
