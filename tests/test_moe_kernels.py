@@ -984,28 +984,38 @@ def test_cluster_rows_compiled_bit_equal():
     loaded apart for a pair of two experts' tiles or a tile alone; persistent and one program a tile; bf16
     gate_up and down, fp8 gate_up (interleaved, two-block steps) and down: bit for bit the unclustered
     tiling's outputs. The plan holds pairs of one expert, odd ones out of two experts, one alone, unused
-    tiles; sharing a pair of two experts would mix their weights' halves."""
+    tiles; sharing a pair of two experts would mix their weights' halves. Then the gate_up calls over a
+    random routing's plan (64 experts, 2-3 tiles each: many programs switching between shared and apart
+    pipelines, where one program's multicast must wait for the other's last tile to release its slots)."""
     from pallas_kernels.moe import grouped_matmul, quantize_rows
     from pallas_kernels.moe.grouped_matmul import shape_error
+    from pallas_kernels.moe.plan import row_tile_pairs
     rng = np.random.default_rng(15)
-    E, D, I = 6, 1024, 512
+    D, I = 1024, 512
     # pairs (0, 1), (3, 4), (6, 7) of one expert; odd ones out (2, 5), (8, 9) of two, (10) alone
-    te = jnp.asarray([0, 0, 0, 1, 1, 2, 3, 3, 3, 4, 5, -1, -1], jnp.int32)
-    P = te.shape[0] * 128
-    used = np.repeat(np.asarray(te) >= 0, 128)
-    x, gate, up, down = mlp_inputs(rng, P, D, I, E)
-    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
-    xq, xsc = quantize_rows(jnp.asarray(x, jnp.float32))
-    h = jnp.asarray(rng.standard_normal((P, I)), jnp.bfloat16)
-    hq, hsc = quantize_rows(jnp.asarray(h, jnp.float32))
-    bf16 = functools.partial(Tiling, block_m=128, stages=3, compute_wgs=2)
-    fp8 = functools.partial(Tiling, block_m=128, block_k=128, compute_wgs=2, grid_block_n=16)
-    cases = [(bf16(block_n=128), (x, gate, te), dict(up=up)),
-             (bf16(block_n=256), (h, down, te), {}),
-             (fp8(block_n=128, stages=3, interleaved_gate_up=True, step_blocks=2), (xq, gq, te),
-              dict(up=uq, x_scale=xsc, w_scale=gs, up_scale=us)),
-             (fp8(block_n=128, stages=4), (hq, dq, te), dict(x_scale=hsc, w_scale=ds))]
-    for tiling, args, kw in cases:
+    small = np.asarray([0, 0, 0, 1, 1, 2, 3, 3, 3, 4, 5, -1, -1])
+    routed = np.asarray(block_plan(jnp.asarray(rng.integers(0, 64, 2048 * 8), jnp.int32), 64, 128)[2])
+    cases = []
+    for te, calls in ((small, 4), (routed, 2)):
+        E, P = int(te.max()) + 1, te.size * 128
+        te = jnp.asarray(te, jnp.int32)
+        x, gate, up, down = mlp_inputs(rng, P, D, I, E)
+        (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+        xq, xsc = quantize_rows(jnp.asarray(x, jnp.float32))
+        h = jnp.asarray(rng.standard_normal((P, I)), jnp.bfloat16)
+        hq, hsc = quantize_rows(jnp.asarray(h, jnp.float32))
+        bf16 = functools.partial(Tiling, block_m=128, stages=3, compute_wgs=2)
+        fp8 = functools.partial(Tiling, block_m=128, block_k=128, compute_wgs=2, grid_block_n=16)
+        cases += [(te, *c) for c in [
+            (bf16(block_n=128), (x, gate, te), dict(up=up)),
+            (fp8(block_n=128, stages=3, interleaved_gate_up=True, step_blocks=2), (xq, gq, te),
+             dict(up=uq, x_scale=xsc, w_scale=gs, up_scale=us)),
+            (bf16(block_n=256), (h, down, te), {}),
+            (fp8(block_n=128, stages=4), (hq, dq, te), dict(x_scale=hsc, w_scale=ds))][:calls]]
+    pairs = [(routed[a], routed[b]) for a, b in np.asarray(row_tile_pairs(jnp.asarray(routed))) if min(a, b) >= 0]
+    assert sum(a == b for a, b in pairs) > 40 and sum(a != b for a, b in pairs) > 10   # shared and apart
+    for te, tiling, args, kw in cases:
+        used = np.repeat(np.asarray(te) >= 0, 128)
         assert shape_error(args[0], args[1], tiling, fp8="x_scale" in kw) is None, tiling
         want = np.asarray(jax.jit(functools.partial(grouped_matmul, tiling=tiling, **kw))(*args), np.float64)
         assert np.isfinite(want[used]).all() and np.abs(want[used]).max() > 0, tiling

@@ -572,6 +572,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     if cm == 2:                   # a pair of two experts' tiles runs each on its own: consumed barriers of its own
         pairs_alloc["own_consumed"] = pipeline(ignore, ignore).get_allocations(
             *operands(0, 0, 0))["flat_consumed_barrier_refs"]
+        pairs_alloc["pair_sync"] = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=W + 1)
     if interleaved:               # one buffer for the weight blocks, each block a view of it (_scope)
         in_allocs = allocs["flat_in_smem_refs"]   # x's, the row scales', then the weight blocks' (slots first)
         block = in_allocs[-1]
@@ -582,7 +583,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=o_smem,
                        collective_axes="wg", **pairs_alloc)
-    def _scope(allocs, o_smem, pairs=None, own_consumed=None):
+    def _scope(allocs, o_smem, pairs=None, own_consumed=None, pair_sync=None):
         if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
             allocs = dict(allocs, flat_in_smem_refs=[
                 *allocs["flat_in_smem_refs"], *[pairs.at[:, pl.ds(b * half, half)] for b in range(S * n_blocks)]])
@@ -799,6 +800,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def run(state=None, share_weights=False):
                 own = allocs if share_weights or cm == 1 else dict(allocs, flat_consumed_barrier_refs=own_consumed)
+                if share_weights:
+                    # every warpgroup of both programs here first: the other program's last tile, run apart, has
+                    # released its slots before this pipeline's first loads (unawaited) write into them
+                    plgpu.barrier_arrive(pair_sync)
+                    plgpu.barrier_wait(pair_sync)
                 pipeline(step, context, start, steps, state, share_weights)(*operands(mi, ni, expert), allocations=own)
 
             if cm == 2:
