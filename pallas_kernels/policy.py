@@ -47,6 +47,11 @@ class KernelPolicy:
     132 persistent ones: an expert's neighbouring row tiles start together, so their weight reads can
     share the L2 (the persistent bf16 gate_up call at 8192 x 256 reads 24 GB from DRAM where its weights
     are 12.9: docs/perf.md, 2026-12-06 twenty-fourth session). Off until timed on a GPU."""
+    moe_cluster_rows: bool = False
+    """Prefill expert calls (128 rows a tile or more; warp-specialized tilings that are not chained) run in
+    clusters of two programs on a pair of row tiles (Tiling.cluster_m 2, plan.row_tile_pairs), each weight
+    block multicast to both where they hold one expert: DeepGEMM's answer to the same second read. A tiling
+    clustered on column blocks (x multicast) moves its clusters to row tiles. Off until timed on a GPU."""
     moe_pairwise_plan_slots: int = 512
     """Expert calls of at most this many routed slots (tokens x top-k; decode, verify) compute their
     block plan pairwise (plan._pairwise_plan: a few fused comparisons) instead of by a sort, searches

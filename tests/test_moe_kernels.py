@@ -851,6 +851,38 @@ def test_one_program_a_tile_interpret_bit_equal_persistent():
     assert [t.programs for t in expert_tilings(8, gate, False, 2, one_tile=True)] == [132, 132]
 
 
+def test_cluster_rows_policy_tilings():
+    """KernelPolicy.moe_cluster_rows's tilings: the prefill calls (bf16, and fp8 with its column clusters moved
+    to row tiles) in clusters on row-tile pairs that the kernel takes, chained ones and decode tilings as
+    they were; with moe_tile_programs one program a tile too."""
+    from pallas_kernels.moe.dispatch import expert_tilings, fp8_tiling_options
+    from pallas_kernels.moe.grouped_matmul import chained, shape_error
+    rng = np.random.default_rng(18)
+    E, D, I, slots = 16, 1024, 512, 4096
+    _, gate, _, _ = mlp_inputs(rng, 4, D, I, E)
+    gq = fp8_experts(rng, D, I, E)[0][0]
+    P = padded_rows(slots, E, 128)
+    for w, fp8, kw in ((gate, False, dict(compute_wgs=2)),
+                       (gq, True, fp8_tiling_options(KernelPolicy(fp8_moe_kernel=True)))):
+        plain = expert_tilings(slots, w, fp8, **kw)
+        paired = expert_tilings(slots, w, fp8, **dict(kw, row_pairs=True))
+        assert [t.cluster_m for t in paired] == [1 if t.chained_tiles else 2 for t in plain], plain
+        assert all(t.cluster_n == 1 for t in paired if t.cluster_m == 2)
+        assert [dataclasses.replace(t, cluster_n=1, cluster_m=1) for t in paired] == [
+            dataclasses.replace(t, cluster_n=1) for t in plain]
+        x_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+        assert shape_error(jax.ShapeDtypeStruct((P, D), x_dtype), w, paired[0], fp8=fp8) is None
+        both = expert_tilings(slots, w, fp8, **dict(kw, row_pairs=True, one_tile=True))
+        assert both == tuple(dataclasses.replace(t, programs=0) for t in paired)
+        assert expert_tilings(8, w, fp8, **dict(kw, row_pairs=True)) == expert_tilings(8, w, fp8, **kw)
+    assert fp8_tiling_options(KernelPolicy(moe_cluster_rows=True))["row_pairs"]
+    _, gate, _, _ = mlp_inputs(rng, 4, 1536, I, E)     # gate_up's 24 K steps chain in its 3 stages
+    plain = expert_tilings(slots, gate, False, 2, chain=True)
+    assert plain[0] == chained(expert_tilings(slots, gate, False, 2)[0], 1536) and plain[0].chained_tiles
+    assert expert_tilings(slots, gate, False, 2, chain=True, row_pairs=True) == tuple(
+        t if t.chained_tiles else dataclasses.replace(t, cluster_m=2) for t in plain)
+
+
 def test_row_tile_pairs_pair_each_experts_tiles_first():
     """plan.row_tile_pairs on random block plans (and one expert's tiles, none used): every used tile in
     exactly one pair, no unused one; as many pairs of one expert as its runs hold (floor(n / 2) each), those
@@ -962,20 +994,25 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
 
 @pytest.mark.gpu
 def test_moe_tile_programs_compiled_bit_equal():
-    """KernelPolicy.moe_tile_programs (one program a prefill tile) through the compiled dispatch, bf16 and fp8
-    experts, 16 and 256 experts: the persistent programs' outputs bit for bit."""
+    """KernelPolicy.moe_tile_programs (one program a prefill tile) and moe_cluster_rows (clusters on row-tile
+    pairs, weights multicast), each and both, through the compiled dispatch, bf16 and fp8 experts, 16 and 256
+    experts: the persistent unclustered-by-rows programs' outputs bit for bit."""
     rng = np.random.default_rng(14)
-    on, off = KernelPolicy(moe_tile_programs=True), KernelPolicy()
+    off = KernelPolicy()
+    ons = [KernelPolicy(moe_tile_programs=True), KernelPolicy(moe_cluster_rows=True),
+           KernelPolicy(moe_tile_programs=True, moe_cluster_rows=True)]
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)):
         x, gate, up, down = mlp_inputs(rng, N, D, I, E)
         fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
         (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
         xb = jnp.asarray(x, jnp.bfloat16)
         for args, kw in (((x, fe, gate, up, down, k), {}), ((xb, fe, gq, uq, dq, k), dict(scales=(gs, us, ds)))):
-            got = np.asarray(slots_compiled(*args, policy=on, **kw), np.float64)
             want = np.asarray(slots_compiled(*args, policy=off, **kw), np.float64)
-            assert np.isfinite(got).all() and np.abs(want).max() > 0, (N, E)
-            np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens over {E} experts")
+            assert np.abs(want).max() > 0, (N, E)
+            for on in ons:
+                got = np.asarray(slots_compiled(*args, policy=on, **kw), np.float64)
+                assert np.isfinite(got).all(), (N, E, on)
+                np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens over {E} experts, {on}")
 
 
 @pytest.mark.gpu

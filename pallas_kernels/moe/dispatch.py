@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, column_step, column_tiles, grouped_matmul, shape_error
 from pallas_kernels.moe.grouped_matmul import WIDE_TILE, can_run_scale, scale_slices, with_gmem_row_scales
-from pallas_kernels.moe.grouped_matmul import with_running_scale, with_step_blocks
+from pallas_kernels.moe.grouped_matmul import warp_specialized, with_running_scale, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -119,7 +119,7 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False, running: bool = False, step_blocks: int = 1,
                    gmem_row_scales: bool = False, wide_down: bool = False,
-                   three_wgs: bool = False, one_tile: bool = False) -> tuple[Tiling, Tiling]:
+                   three_wgs: bool = False, one_tile: bool = False, row_pairs: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
@@ -136,12 +136,25 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     gate_up call stays in 128 x 128 interleaved tiles: interleaved 128 x WIDE_TILE ones ran slower
     (docs/perf.md, 2026-12-06 nineteenth session). three_wgs (fp8, interleaved, two compute warpgroups
     asked for): calls with at least THREE_WG_ROWS rows an expert take three_wg_tilings instead. one_tile:
-    prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0)."""
-    up_t, down_t = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks,
-                                   gmem_row_scales, wide_down, three_wgs)
-    if one_tile and up_t.block_m >= 128:
-        return dataclasses.replace(up_t, programs=0), dataclasses.replace(down_t, programs=0)
-    return up_t, down_t
+    prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0); row_pairs: those that
+    can (with_cluster_rows) run in clusters on pairs of row tiles (Tiling.cluster_m 2)."""
+    tilings = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks,
+                              gmem_row_scales, wide_down, three_wgs)
+    if tilings[0].block_m < 128:
+        return tilings
+    if row_pairs:
+        tilings = tuple(map(with_cluster_rows, tilings))
+    if one_tile:
+        tilings = tuple(dataclasses.replace(t, programs=0) for t in tilings)
+    return tilings
+
+
+def with_cluster_rows(t: Tiling) -> Tiling:
+    """t in clusters of two programs on a pair of row tiles (Tiling.cluster_m 2; column-block clusters
+    dropped) where it can be: warp-specialized, not chained, no K splits. Else t."""
+    if not warp_specialized(t) or t.chained_tiles or t.k_splits != 1:
+        return t
+    return dataclasses.replace(t, cluster_n=1, cluster_m=2)
 
 
 def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks, gmem_row_scales,
@@ -223,13 +236,13 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
                     chain: bool = False, running: bool = False, step_blocks: int = 1,
                     gmem_row_scales: bool = False, wide_down: bool = False, three_wgs: bool = False,
-                    one_tile: bool = False) -> str | None:
+                    one_tile: bool = False, row_pairs: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
     up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks,
-                                  gmem_row_scales, wide_down, three_wgs, one_tile)
+                                  gmem_row_scales, wide_down, three_wgs, one_tile, row_pairs)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -241,7 +254,7 @@ def fp8_tiling_options(policy: KernelPolicy) -> dict:
     return dict(compute_wgs=policy.fp8_moe_compute_wgs, interleaved=policy.fp8_moe_interleaved_gate_up,
                 chain=policy.chained_tiles, running=policy.fp8_running_scale, step_blocks=policy.fp8_step_blocks,
                 gmem_row_scales=policy.fp8_row_scales_from_gmem, wide_down=policy.fp8_wide_tiles,
-                three_wgs=policy.fp8_three_wgs, one_tile=policy.moe_tile_programs)
+                three_wgs=policy.fp8_three_wgs, one_tile=policy.moe_tile_programs, row_pairs=policy.moe_cluster_rows)
 
 
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
@@ -298,7 +311,7 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
     up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.chained_tiles,
-                                  one_tile=policy.moe_tile_programs)
+                                  one_tile=policy.moe_tile_programs, row_pairs=policy.moe_cluster_rows)
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)
