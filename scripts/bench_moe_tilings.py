@@ -19,6 +19,7 @@ from cpkv_jax.perf import fitted_pipelined_time, report, save_results
 from pallas_kernels.moe import grouped_matmul, quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, can_run_scale, chained, scale_slices
 from pallas_kernels.moe.grouped_matmul import with_running_scale
+from pallas_kernels.moe.dispatch import with_cluster_rows
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -117,8 +118,7 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
             group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items()   # chained once they can be
                                  if t.row_scales_from_gmem and t.step_blocks > 1 and not t.chained_tiles
                                  and can_chain(t, K)}}
-        group = {**group, **{f"{n}_cm2": dataclasses.replace(t, cluster_n=1, cluster_m=2) for n, t in group.items()
-                             if t.compute_wgs >= 2 and not t.chained_tiles and t.k_splits == 1}}
+        group = {**group, **{f"{n}_cm2": paired for n, t in group.items() if (paired := with_cluster_rows(t)) != t}}
         group = {**group, **{f"{n}_np": dataclasses.replace(t, programs=0) for n, t in group.items()
                              if t.compute_wgs >= 2 and not t.chained_tiles}}
         out[call] = group

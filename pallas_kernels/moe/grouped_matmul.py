@@ -591,24 +591,21 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
         loop = (grid_m * grid_n // cn * tiling.k_splits,) if cm == 1 else (row_pairs_ref.shape[0] * grid_n,)
 
         def tile_at(info):
-            """(row tile, column block, its expert or -1, K split, its steps, its first step) of a loop step."""
+            """(row tile, column block, its expert or -1, K split, its steps, its first step, and with cluster_m
+            whether the cluster's pair of row tiles holds one expert (its weight blocks then multicast to both;
+            else None)) of a loop step."""
             tile, split, steps, start = _split_tile(info.index[0], tiling.k_splits, k_steps)
             if cm == 2:           # the cluster's pair of row tiles (-1: none), this program's the first or second
                 task, ni = plgpu.planar_snake(tile, (row_pairs_ref.shape[0], grid_n), 1, tiling.grid_block_n)
-                mi = row_pairs_ref[task, jax.lax.axis_index("cluster")]
-                return jnp.maximum(mi, 0), ni, jnp.where(mi >= 0, tile_expert_ref[jnp.maximum(mi, 0)], -1), \
-                    split, steps, start
+                pair = [row_pairs_ref[task, c] for c in range(2)]
+                experts = [jnp.where(t >= 0, tile_expert_ref[jnp.maximum(t, 0)], -1) for t in pair]
+                mine = jax.lax.axis_index("cluster")
+                share = (experts[0] >= 0) & (experts[0] == experts[1])
+                return (jnp.maximum(jnp.where(mine == 0, *pair), 0), ni, jnp.where(mine == 0, *experts), split, steps,
+                        start, share)
             mi, nc = plgpu.planar_snake(tile, (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
             ni = nc * cn + jax.lax.axis_index("cluster") if cn == 2 else nc
-            return mi, ni, tile_expert_ref[mi], split, steps, start
-
-        def pair_shares(info):
-            """cluster_m: whether both row tiles of the cluster's pair hold one expert (then its weight blocks
-            are multicast to both)."""
-            task, _ = plgpu.planar_snake(info.index[0], (row_pairs_ref.shape[0], grid_n), 1, tiling.grid_block_n)
-            first, second = row_pairs_ref[task, 0], row_pairs_ref[task, 1]
-            experts = [jnp.where(t >= 0, tile_expert_ref[jnp.maximum(t, 0)], -1) for t in (first, second)]
-            return (experts[0] >= 0) & (experts[0] == experts[1])
+            return mi, ni, tile_expert_ref[mi], split, steps, start, None
 
         if tiling.chained_tiles:  # the program's first and last loop steps with a used tile (-1: none)
             @plgpu.nd_loop(loop, collective_axes="sm", init_carry=(jnp.int32(-1), jnp.int32(-1)))
@@ -620,7 +617,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
         @plgpu.nd_loop(loop, collective_axes="sm")
         def _tile(info):
-            mi, ni, expert, split, steps, start = tile_at(info)
+            mi, ni, expert, split, steps, start, share = tile_at(info)
             rows = pl.ds(wg * sm, sm) if by_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if by_rows else pl.ds(wg * sn, sn)
 
@@ -808,7 +805,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 pipeline(step, context, start, steps, state, share_weights)(*operands(mi, ni, expert), allocations=own)
 
             if cm == 2:
-                share = pair_shares(info)
                 pl.when((expert >= 0) & share)(functools.partial(run, share_weights=True))
                 pl.when((expert >= 0) & ~share)(run)
                 return
