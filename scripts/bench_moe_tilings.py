@@ -2,8 +2,9 @@
 vs the warp-specialized two, bf16 and fp8 (block-scaled, K-major experts), the gate_up call (SiLU *
 up fused) and the down call apart, at GLM-5's widths (hidden 6144, expert width 2048, top-8, uniform
 routing): prefill 8192 tokens over 16 and 256 experts, decode 64 tokens over 256. Prints a table
-(ms, TFLOP/s, GB/s of the touched experts' weights, max error against the first tiling of its group)
-and writes JSON (after every tiling, so a run cut short keeps what it timed).
+(ms, TFLOP/s, its share of a dense bf16 matmul's rate measured at the start of the same run, GB/s of
+the touched experts' weights, max error against the first tiling of its group) and writes JSON (after
+every tiling, so a run cut short keeps what it timed).
 
     python3 scripts/bench_moe_tilings.py --json moe_tilings.json
 """
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpkv_jax.perf import fitted_pipelined_time, report, save_results
+from cpkv_jax.perf import fitted_pipelined_time, measure_ceilings, report, save_results
 from pallas_kernels.moe import grouped_matmul, quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, can_run_scale, chained, scale_slices
 from pallas_kernels.moe.grouped_matmul import with_running_scale
@@ -146,7 +147,10 @@ def main():
     unknown = sorted((keep or set()) - tiling_names(D, I))
     if unknown:
         p.error(f"--tilings: no tiling is named {', '.join(unknown)}")
-    res, rows = [], [["case", "dtype", "call", "tiling", "ms", "TFLOP/s", "GB/s", "err"]]
+    ceil = measure_ceilings()
+    matmul = ceil["matmul_flops_per_s"]
+    print(f"ceiling: bf16 matmul {matmul / 1e12:.0f} TFLOP/s (n {ceil['matmul_n']}, back to back) on {ceil['device']}")
+    res, rows = [], [["case", "dtype", "call", "tiling", "ms", "TFLOP/s", "of matmul", "GB/s", "err"]]
     for case in args.cases.split(","):
         tokens, E = map(int, case.split("x"))
         key = jax.random.split(jax.random.key(E + tokens), 8)
@@ -199,14 +203,15 @@ def main():
                             s = fitted_pipelined_time(f, *operands)
                             out = np.asarray(f(*operands).astype(jnp.float32))[by_slot]
                             ref = refs.setdefault((entry["dtype"], call, t.unscaled_probe), out)
-                            entry.update(s=s, tflops=flops[call] / s / 1e12,
+                            entry.update(s=s, tflops=flops[call] / s / 1e12, matmul_share=flops[call] / s / matmul,
+                                         matmul_tflops=matmul / 1e12,
                                          weight_gbps=weights[call] * (1 if fp8 else 2) / s / 1e9,
                                          err=float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)))
                             rows.append([case, entry["dtype"], call, name, f"{s * 1e3:.3f}", f"{entry['tflops']:.0f}",
-                                         f"{entry['weight_gbps']:.0f}", f"{entry['err']:.1e}"])
+                                         f"{entry['matmul_share']:.0%}", f"{entry['weight_gbps']:.0f}", f"{entry['err']:.1e}"])
                         except Exception as e:          # a tiling over the shared memory, say: a row, not a stop
                             entry["error"] = str(e)[:300]
-                            rows.append([case, entry["dtype"], call, name, entry["error"][:60], "", "", ""])
+                            rows.append([case, entry["dtype"], call, name, entry["error"][:60], "", "", "", ""])
                         res.append(entry)
                         save_results(res, args.json)
                 if not fp8:
