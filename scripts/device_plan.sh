@@ -173,9 +173,10 @@ part_one_tile() {   # issue 26: do an expert's row tiles share its weight reads:
   local il=2wg_n128_g16_c2_il_k2s3 g=3wg_n128_g16 n
   local names=2wg_n128_s3,2wg_n256_s3,$il,2wg_n192_g16_c2_ch,2wg_n192_g16_c2 pairs=2wg_n128_s3,$il
   for n in 2wg_n128_s3 2wg_n256_s3 $il 2wg_n192_g16_c2; do names+=,${n}_np; pairs+=,${n}_cm2,${n}_cm2_np; done
-  MOE_TAG=_one_tile MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$names part_moe
-  # apart: a clustered tiling that hangs (the first compiled cm2 did, 2026-12-06 twenty-fifth session) costs only its rows
+  # apart and first: a clustered tiling that hangs (the first compiled cm2 did, 2026-12-06 twenty-fifth session) costs
+  # only its rows, and a call cut short still has them
   MOE_TAG=_cluster_rows MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$pairs MOE_TIMEOUT=200 part_moe
+  MOE_TAG=_one_tile MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$names part_moe
   NCU_CASES=8192x256 NCU_TILINGS="${NCU_TILINGS:-2wg_n128_s3_np 2wg_n128_s3_cm2 ${il}_cm2}" part_ncu
 }
 
