@@ -27,7 +27,7 @@
 #           `_cm2`, weights multicast): their compiled tests, then against the persistent walk for bf16 and the fp8
 #           defaults at 8192x256 (MOE_CASES: 8192x16,8192x64 in a second call), then ncu of the bf16 and fp8 gate_up `_np` and `_cm2`
 #           calls at 8192x256 (the persistent bf16 call reads 24 GB from DRAM where its weights are 12.9 GB);
-#           ONE_TILE_TESTS=0: no tests; CLUSTER_ROWS_TIMEOUT (200) / ONE_TILE_TIMEOUT: the two benches' limits
+#           ONE_TILE_TESTS=0: no tests; CLUSTER_ROWS_TIMEOUT (200) / MOE_TIMEOUT: the two benches' limits
 #   one_tile_e2e  issue 26: KernelPolicy.moe_tile_programs and moe_cluster_rows through the model: the fp8 prefill
 #           beside HF at 256 experts
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
@@ -178,7 +178,7 @@ part_one_tile() {   # issue 26: do an expert's row tiles share its weight reads:
   # apart and first: a clustered tiling that hangs (the first compiled cm2 did, 2026-12-06 twenty-fifth session) costs
   # only its rows, and a call cut short still has them
   MOE_TAG=_cluster_rows MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$pairs MOE_TIMEOUT=${CLUSTER_ROWS_TIMEOUT:-200} part_moe
-  MOE_TAG=_one_tile MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$names MOE_TIMEOUT=${ONE_TILE_TIMEOUT:-} part_moe
+  MOE_TAG=_one_tile MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$names part_moe
   NCU_CASES=8192x256 NCU_TILINGS="${NCU_TILINGS:-2wg_n128_s3_np 2wg_n128_s3_cm2 ${il}_cm2}" part_ncu
 }
 
