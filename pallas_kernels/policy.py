@@ -42,16 +42,24 @@ class KernelPolicy:
     warpgroup's TMA loads feeding two compute warpgroups, each with half of the tile), or 1 (one
     warpgroup pipelining its own loads). On the H200 (docs/perf.md, 2026-12-03 third session), 8192
     tokens x top-8 over 256 experts, gate_up 5.87 vs 7.13 ms, down 3.18 vs 3.61."""
-    moe_tile_programs: bool = False
-    """Prefill expert calls (128 rows a tile or more) run one program a tile (Tiling.programs 0) instead of
-    132 persistent ones: an expert's neighbouring row tiles start together, so their weight reads can
-    share the L2 (the persistent bf16 gate_up call at 8192 x 256 reads 24 GB from DRAM where its weights
-    are 12.9: docs/perf.md, 2026-12-06 twenty-fourth session). Off until timed on a GPU."""
+    moe_tile_program_rows: int = 256
+    """bf16 prefill expert calls (128 rows a tile or more) with at most this many routed rows an expert (slots /
+    E) run one program a tile (Tiling.programs 0) instead of 132 persistent ones: an expert's neighbouring row
+    tiles start together, so their weight reads can share the L2. On the H100 (docs/perf.md, 2026-12-07
+    twenty-eighth session), 8192 tokens x top-8 over 256 experts (256 rows an expert): gate_up 6.49-6.52 ms in
+    four calls against the persistent programs' 6.84-9.84 in six (which vary from call to call where one
+    program a tile does not), down 3.64-3.67 against 3.76-4.08; a GLM-5-shaped 3-layer slice's bf16 prefill of
+    8192 tokens 63.2 / 63.2 ms against 67.8 / 65.0. At 512 rows an expert even (gate_up -1.7%, down +3.4%),
+    from 1024 slower (gate_up +5%; +8-12% at 4096 and 16384). fp8 calls keep persistent programs: one program
+    a tile ran their gate_up 5% slower at 256 rows an expert. 0: never."""
     moe_cluster_rows: bool = False
     """Prefill expert calls (128 rows a tile or more; warp-specialized tilings that are not chained) run in
     clusters of two programs on a pair of row tiles (Tiling.cluster_m 2, plan.row_tile_pairs), each weight
     block multicast to both where they hold one expert: DeepGEMM's answer to the same second read. A tiling
-    clustered on column blocks (x multicast) moves its clusters to row tiles. Off until timed on a GPU."""
+    clustered on column blocks (x multicast) moves its clusters to row tiles. Off: slower on the H100
+    (docs/perf.md, 2026-12-07 twenty-eighth session; 8192 x 256): the fp8 gate_up call 4.805 ms against 4.014
+    unclustered by rows, bf16 gate_up 8.535 against 8.740 persistent, and under one program a tile 7.66-7.72
+    against 6.49-6.52, bf16 down 4.31-4.33 against 3.64-3.67."""
     moe_pairwise_plan_slots: int = 512
     """Expert calls of at most this many routed slots (tokens x top-k; decode, verify) compute their
     block plan pairwise (plan._pairwise_plan: a few fused comparisons) instead of by a sort, searches

@@ -808,7 +808,7 @@ def test_expert_mlp_dispatch_takes_ragged_dot_off_the_gpu(monkeypatch):
 
 
 def test_one_program_a_tile_interpret_bit_equal_persistent():
-    """Tiling.programs 0 (one program a tile, KernelPolicy.moe_tile_programs at prefill) in the interpreter
+    """Tiling.programs 0 (one program a tile, KernelPolicy.moe_tile_program_rows at bf16 prefill) in the interpreter
     (races detected): the bf16 path's gate_up and clustered down calls (down chained too), and the fp8 gate_up
     call in clusters of two, give the persistent programs' outputs bit for bit (each tile's sums are the same either way)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -849,12 +849,20 @@ def test_one_program_a_tile_interpret_bit_equal_persistent():
     assert [t.programs for t in expert_tilings(2048, gate, False, 2, one_tile=True)] == [0, 0]
     assert [t.programs for t in expert_tilings(2048, gate, False, 2)] == [132, 132]
     assert [t.programs for t in expert_tilings(8, gate, False, 2, one_tile=True)] == [132, 132]
+    # KernelPolicy.moe_tile_program_rows: bf16 prefill calls of at most that many rows an expert (E = 5 here)
+    from pallas_kernels.moe.dispatch import bf16_tilings, fp8_tiling_options
+    for slots, rows, programs in ((1280, 256, 0), (1281, 256, 132), (1280, 255, 132), (2560, 512, 0),
+                                  (1280, 0, 132), (8, 256, 132)):
+        policy = KernelPolicy(moe_tile_program_rows=rows)
+        assert [t.programs for t in bf16_tilings(slots, gate, policy)] == [programs] * 2, (slots, rows)
+    gq = fp8_experts(rng, D, I, E)[0][0]
+    assert [t.programs for t in expert_tilings(1280, gq, True, **fp8_tiling_options(KernelPolicy()))] == [132, 132]
 
 
 def test_cluster_rows_policy_tilings():
     """KernelPolicy.moe_cluster_rows's tilings: the prefill calls (bf16, and fp8 with its column clusters moved
     to row tiles) in clusters on row-tile pairs that the kernel takes, chained ones and decode tilings as
-    they were; with moe_tile_programs one program a tile too."""
+    they were; with one_tile one program a tile too."""
     from pallas_kernels.moe.dispatch import expert_tilings, fp8_tiling_options
     from pallas_kernels.moe.grouped_matmul import chained, shape_error
     rng = np.random.default_rng(18)
@@ -994,13 +1002,14 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
 
 @pytest.mark.gpu
 def test_moe_tile_programs_compiled_bit_equal():
-    """KernelPolicy.moe_tile_programs (one program a prefill tile) and moe_cluster_rows (clusters on row-tile
-    pairs, weights multicast), each and both, through the compiled dispatch, bf16 and fp8 experts, 16 and 256
-    experts: the persistent unclustered-by-rows programs' outputs bit for bit."""
+    """KernelPolicy.moe_tile_program_rows (one program a bf16 prefill tile; on by default at these rows an
+    expert: 256 and ~9) and moe_cluster_rows (clusters on row-tile pairs, weights multicast), each and both,
+    through the compiled dispatch, bf16 and fp8 experts, 16 and 256 experts: the persistent unclustered-by-rows
+    programs' outputs bit for bit."""
     rng = np.random.default_rng(14)
-    off = KernelPolicy()
-    ons = [KernelPolicy(moe_tile_programs=True), KernelPolicy(moe_cluster_rows=True),
-           KernelPolicy(moe_tile_programs=True, moe_cluster_rows=True)]
+    off = KernelPolicy(moe_tile_program_rows=0)
+    ons = [KernelPolicy(), KernelPolicy(moe_tile_program_rows=0, moe_cluster_rows=True),
+           KernelPolicy(moe_cluster_rows=True)]
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)):
         x, gate, up, down = mlp_inputs(rng, N, D, I, E)
         fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)

@@ -254,7 +254,15 @@ def fp8_tiling_options(policy: KernelPolicy) -> dict:
     return dict(compute_wgs=policy.fp8_moe_compute_wgs, interleaved=policy.fp8_moe_interleaved_gate_up,
                 chain=policy.chained_tiles, running=policy.fp8_running_scale, step_blocks=policy.fp8_step_blocks,
                 gmem_row_scales=policy.fp8_row_scales_from_gmem, wide_down=policy.fp8_wide_tiles,
-                three_wgs=policy.fp8_three_wgs, one_tile=policy.moe_tile_programs, row_pairs=policy.moe_cluster_rows)
+                three_wgs=policy.fp8_three_wgs, row_pairs=policy.moe_cluster_rows)
+
+
+def bf16_tilings(slots: int, gate, policy: KernelPolicy) -> tuple[Tiling, Tiling]:
+    """The policy's (gate_up, down) tilings of the bf16 kernel over plain experts gate [E, D, I]: one program a
+    tile where an expert averages at most policy.moe_tile_program_rows routed rows."""
+    return expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.chained_tiles,
+                          one_tile=slots <= policy.moe_tile_program_rows * gate.shape[0],
+                          row_pairs=policy.moe_cluster_rows)
 
 
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
@@ -310,8 +318,7 @@ def expert_mlp(x, flat_expert, gate, up, down, topk: int, *, policy: KernelPolic
             return expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk, up_tiling=up_t,
                                           down_tiling=down_t, policy=policy)
         gate, up, down = (fp8_experts_as_plain(w, s, x.dtype) for w, s in zip((gate, up, down), scales))
-    up_t, down_t = expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.chained_tiles,
-                                  one_tile=policy.moe_tile_programs, row_pairs=policy.moe_cluster_rows)
+    up_t, down_t = bf16_tilings(slots, gate, policy)
     if policy.on_gpu() and policy.moe_kernel and blocked_shape_error(x, gate, down, slots, up_t, down_t) is None:
         return expert_mlp_blocked(x, flat_expert, gate, up, down, topk, up_tiling=up_t, down_tiling=down_t,
                                   policy=policy)
