@@ -33,8 +33,8 @@
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   close26  issue 26's last owed numbers, on the H200: the whole decode call over 256 experts at 1/8/64 tokens
 #           (DECODE_TOKENS) by the device's busy time, then the kernel grid (MOE_CASES) under the defaults (three
-#           compute warpgroups from 1024 rows an expert; the two-warpgroup tilings beside) and bf16 in three
-#           and four stages (bf16 at 256 experts is 45% of the matmul rate on the H100)
+#           compute warpgroups from 1024 rows an expert; the two-warpgroup tilings beside) and bf16 persistent and
+#           one program a tile (the default at 256 rows an expert: 65% of the matmul rate on the H100)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
 #   e2e_profile  issue 26: profile of that prefill (16 experts, fp8) by scope, default kernels and running scales
@@ -174,7 +174,7 @@ part_close26() {   # issue 26: fp8 / bf16 >= 1.6x per call and the decode call >
     --moe-decode-tokens "${DECODE_TOKENS:-1,8,64}" --moe-fp8-variants fp8_kernel --moe-device-time \
     --json "$OUT/moe_fp8_decode_device.json"
   MOE_TAG=_close26 MOE_CASES=${MOE_CASES:-8192x16,32768x16,8192x64,8192x256} \
-    MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n128_s4,2wg_n256_s3,${g}_c2_il,${g}_c2_ch,2wg_n128_g16_c2_il_k2s3,2wg_n192_g16_c2_ch} \
+    MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n128_s3_np,2wg_n256_s3,2wg_n256_s3_np,${g}_c2_il,${g}_c2_ch,2wg_n128_g16_c2_il_k2s3,2wg_n192_g16_c2_ch} \
     part_moe
 }
 
