@@ -1006,11 +1006,16 @@ def test_moe_tile_programs_compiled_bit_equal():
     expert: 256 and ~9) and moe_cluster_rows (clusters on row-tile pairs, weights multicast), each and both,
     through the compiled dispatch, bf16 and fp8 experts, 16 and 256 experts: the persistent unclustered-by-rows
     programs' outputs bit for bit."""
-    rng = np.random.default_rng(14)
-    off = KernelPolicy(moe_tile_program_rows=0)
-    ons = [KernelPolicy(), KernelPolicy(moe_tile_program_rows=0, moe_cluster_rows=True),
-           KernelPolicy(moe_cluster_rows=True)]
-    for N, k, D, I, E in ((512, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)):
+    assert_policies_bit_equal(np.random.default_rng(14), ((512, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)),
+                              KernelPolicy(moe_tile_program_rows=0),
+                              [KernelPolicy(), KernelPolicy(moe_tile_program_rows=0, moe_cluster_rows=True),
+                               KernelPolicy(moe_cluster_rows=True)])
+
+
+def assert_policies_bit_equal(rng, cases, off: KernelPolicy, ons):
+    """The compiled dispatch under each policy of ons gives off's outputs bit for bit, for bf16 and fp8 experts
+    at each (tokens N, top-k, D, I, experts E) of cases, on random routings with dummies."""
+    for N, k, D, I, E in cases:
         x, gate, up, down = mlp_inputs(rng, N, D, I, E)
         fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
         (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
@@ -1221,7 +1226,8 @@ def lower_fp8_grouped_for_cuda(t, rows: int, K: int, N: int, E: int, up: bool = 
     w, ws = sds((E, N, K), jnp.float8_e4m3fn), sds((E, N // 128, K // 128), jnp.float32)
 
     def f(x, te, xs, w, ws, u=None, us=None):
-        return grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=ws, **(dict(up=u, up_scale=us) if up else {}))
+        return grouped_matmul(x, w, te, tiling=t, x_scale=xs, w_scale=ws, **(dict(up=u, up_scale=us) if up else {}),
+                              tile_rows=te if t.skip_padding_parts else None)
     args = (sds((rows, K), jnp.float8_e4m3fn), sds((rows // t.block_m,), jnp.int32), sds((K // 128, rows), jnp.float32),
             w, ws, *((w, ws) if up else ()))
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -1879,3 +1885,152 @@ def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
             f = functools.partial(fp8_linear, step_blocks=p.fp8_step_blocks, gmem_row_scales=p.fp8_row_scales_from_gmem)
             jax.jit(f).trace(sds((tokens, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn),
                              sds((-(-N // 128), K // 128), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+SKIP_TILE_ROWS = {128: [1, 128, 0, 64, 65, 127], 192: [1, 192, 0, 64, 128, 129]}
+"""Filled rows of each row tile in skip_padding_case (tile 2 unused): warpgroups (64 rows each) with a filled
+row, and without one, in every position."""
+
+
+def skip_padding_case(kind: str, bm: int):
+    """(call(tiling) -> float64 output, tile_expert, tile_rows) for Tiling.skip_padding_parts' tests: six row
+    tiles of three experts (one unused, SKIP_TILE_ROWS filled), x's padding rows NOT zero, so a warpgroup that
+    multiplied them shows. kind: fp8 "gate_up" (interleaved) or "down" (one weight), or bf16 "gate_up"."""
+    from pallas_kernels.moe import grouped_matmul, quantize_rows
+    rng = np.random.default_rng(23)
+    E, K, N = 3, 256, 128
+    tile_expert = jnp.asarray([0, 1, -1, 1, 2, 0], jnp.int32)
+    tile_rows = jnp.asarray(SKIP_TILE_ROWS[bm], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((6 * bm, K)), jnp.float32)
+    if kind == "bf16":
+        _, gate, up, _ = mlp_inputs(rng, 1, K, N, E)
+        xb = x.astype(jnp.bfloat16)
+        return (lambda t, **kw: np.asarray(grouped_matmul(xb, gate, tile_expert, up=up, tiling=t, tile_rows=tile_rows,
+                                                          **kw), np.float64)), tile_expert, tile_rows
+    xq, xs = quantize_rows(x)
+    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
+    extra = dict(up=uq, up_scale=us) if kind == "gate_up" else {}
+    return (lambda t, **kw: np.asarray(grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs,
+                                                      tile_rows=tile_rows, **extra, **kw), np.float64)), \
+        tile_expert, tile_rows
+
+
+def check_skipped_parts(got, ref, tile_expert, tile_rows, bm):
+    """got (skip_padding_parts) against ref (not): a used tile's 64-row parts holding a filled row equal ref's bit
+    for bit (its padding rows too: that warpgroup multiplied them), the others are zero where ref's are not."""
+    skipped = 0
+    for i, (e, n) in enumerate(zip(np.asarray(tile_expert), np.asarray(tile_rows))):
+        for part in range(bm // 64):
+            rows = slice(i * bm + part * 64, i * bm + part * 64 + 64)
+            if e < 0:
+                continue
+            if n > part * 64:
+                np.testing.assert_array_equal(got[rows], ref[rows], err_msg=f"tile {i} part {part}")
+            else:
+                skipped += 1
+                assert (got[rows] == 0).all() and np.abs(ref[rows]).min() > 0, (i, part)
+    assert skipped == sum(bm // 64 - -(-n // 64) for e, n in zip(np.asarray(tile_expert), np.asarray(tile_rows))
+                          if e >= 0) > 0
+
+
+@pytest.mark.parametrize("kind,bm,step_blocks", [("gate_up", 192, 1), ("down", 192, 1), ("gate_up", 128, 2),
+                                                 ("bf16", 128, 1)])
+def test_skip_padding_parts_interpret(kind, bm, step_blocks):
+    """Tiling.skip_padding_parts (interpreter, races detected): a compute warpgroup whose 64 rows of a tile hold
+    no filled row (tile_rows) leaves them zero; every other row equals the unskipped kernel's bit for bit: fp8
+    interleaved gate_up and one weight in three warpgroups (192-row tiles), gate_up in two (128 rows, two-block
+    steps), bf16 gate_up in two."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    call, tile_expert, tile_rows = skip_padding_case(kind, bm)
+    t = skip_padding_tiling(kind, bm, step_blocks)
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    ref = call(t, interpret=interp)
+    got = call(dataclasses.replace(t, skip_padding_parts=True), interpret=interp)
+    check_skipped_parts(got, ref, tile_expert, tile_rows, bm)
+
+
+def skip_padding_tiling(kind: str, bm: int, step_blocks: int) -> Tiling:
+    """The unskipped tiling of skip_padding_case's call `kind` at bm rows a tile."""
+    fp8 = kind != "bf16"
+    return Tiling(block_m=bm, block_n=128 if fp8 else 64, block_k=128 if fp8 else 64, stages=2, grid_block_n=1,
+                  programs=4, compute_wgs=bm // 64, interleaved_gate_up=kind == "gate_up", step_blocks=step_blocks)
+
+
+def test_skip_padding_parts_refusals_and_policy():
+    """skip_padding_parts needs warpgroups splitting the rows, unchained, without running scales, and the tiles'
+    filled rows; KernelPolicy.moe_skip_padding_parts gives it to the prefill tilings that take it (fp8 gate_up;
+    bf16 both calls; fp8 down stays chained) and not to decode's 64-row tiles, nor with moe_cluster_rows."""
+    from pallas_kernels.moe import grouped_matmul
+    from pallas_kernels.moe.dispatch import bf16_tilings, expert_tilings, fp8_tiling_options
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((256, 128), jnp.bfloat16), sds((2, 128, 128), jnp.bfloat16)
+    t = Tiling(block_m=128, block_n=64, compute_wgs=2, skip_padding_parts=True)
+    assert shape_error(x, w, t) is None
+    for bad in (dict(compute_wgs=1), dict(block_m=64, block_n=128), dict(chained_tiles=True),
+                dict(running_scale=True), dict(cluster_m=2)):
+        assert "skip_padding_parts" in shape_error(x, w, dataclasses.replace(t, **bad)), bad
+    te = jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="needs tile_rows"):
+        grouped_matmul(jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2, 128, 128), jnp.bfloat16), te, tiling=t)
+    D, I = 6144, 2048
+    for E, slots in ((16, 8192 * 8), (256, 8192 * 8), (256, 64 * 8)):
+        g8, gb = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.bfloat16)
+        prefill = slots >= 4 * E
+        off = expert_tilings(slots, g8, True, **fp8_tiling_options(KernelPolicy()))
+        on = expert_tilings(slots, g8, True, **fp8_tiling_options(KernelPolicy(moe_skip_padding_parts=True)))
+        assert [u.skip_padding_parts for u in on] == [prefill, False], (E, slots)
+        assert on[1].chained_tiles == prefill and all(dataclasses.replace(u, skip_padding_parts=False) == v
+                                                      for u, v in zip(on, off))
+        bf = bf16_tilings(slots, gb, KernelPolicy(moe_skip_padding_parts=True))
+        assert [u.skip_padding_parts for u in bf] == [prefill] * 2, (E, slots)
+        assert not any(u.skip_padding_parts for u in off + bf16_tilings(slots, gb, KernelPolicy()))
+        both = KernelPolicy(moe_skip_padding_parts=True, moe_cluster_rows=True)
+        assert not any(u.skip_padding_parts for u in bf16_tilings(slots, gb, both)), (E, slots)
+
+
+def test_tile_rows_counts_each_tiles_filled_rows():
+    """plan.tile_rows: each row tile's filled rows, from the plan's row_slot, for both plans."""
+    from pallas_kernels.moe.plan import tile_rows
+    rng = np.random.default_rng(3)
+    for pairwise in (0, 10_000):
+        for fe in routings(rng, 150, 6):
+            _, row_slot, te = block_plan(jnp.asarray(fe, jnp.int32), 6, 64, pairwise_slots=pairwise)
+            got = np.asarray(tile_rows(row_slot, 64))
+            sizes = np.bincount(np.asarray(fe)[np.asarray(fe) < 6], minlength=6)
+            want = []
+            for e in np.asarray(te):
+                if e < 0:
+                    want.append(0)
+                else:
+                    want.append(min(64, sizes[e]))
+                    sizes[e] -= want[-1]
+            np.testing.assert_array_equal(got, want)
+
+
+def test_skip_padding_parts_lower_for_cuda_at_glm5_widths():
+    """The three-warpgroup fp8 tilings (8192 tokens x top-8 over 16 experts; down unchained) with
+    skip_padding_parts, lowered for CUDA here."""
+    from pallas_kernels.moe.dispatch import three_wg_tilings
+    for t, (K, N, up) in zip(three_wg_tilings(), ((6144, 2048, True), (2048, 6144, False))):
+        t = dataclasses.replace(t, skip_padding_parts=True, chained_tiles=False)
+        assert "mosaic_gpu" in lower_fp8_grouped_for_cuda(t, 192 * 352, K=K, N=N, E=16, up=up)
+
+
+@pytest.mark.gpu
+def test_skip_padding_parts_compiled_kernels():
+    """Compiled on the GPU: the skipping kernels' skipped parts zero and every other row the unskipped kernel's,
+    bit for bit (skip_padding_case)."""
+    for kind, bm, blocks in (("gate_up", 192, 1), ("down", 192, 1), ("gate_up", 128, 2), ("bf16", 128, 1)):
+        call, tile_expert, tile_rows = skip_padding_case(kind, bm)
+        t = skip_padding_tiling(kind, bm, blocks)
+        ref = call(t)
+        check_skipped_parts(call(dataclasses.replace(t, skip_padding_parts=True)), ref, tile_expert, tile_rows, bm)
+
+
+@pytest.mark.gpu
+def test_skip_padding_parts_compiled_dispatch():
+    """KernelPolicy.moe_skip_padding_parts through the compiled dispatch, bf16 and fp8 experts at 16 experts
+    (fp8 in three warpgroups) and 256: the unskipped outputs bit for bit."""
+    assert_policies_bit_equal(np.random.default_rng(17), ((2048, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)),
+                              KernelPolicy(), [KernelPolicy(moe_skip_padding_parts=True)])
