@@ -26,6 +26,25 @@ def run(cmd, timeout):
     return r
 
 
+MIN_HF_CHUNK = 2048
+
+
+def hf_peer(args, E: str, L: str) -> dict:
+    """HF's prefill of L tokens over E experts (scripts/hf_peer.py's JSON, or {"error": ...}): in chunks of
+    --hf-chunk tokens, halved after each run out of GPU memory down to MIN_HF_CHUNK (an H100 cannot hold
+    HF's 8192-token chunks at 32768 tokens; docs/perf.md, 2026-12-07 twenty-ninth session). A retry's
+    result lists the chunk sizes that ran out of memory first (`out_of_memory_chunks`)."""
+    chunk, failed = min(args.hf_chunk, int(L)), []
+    while True:
+        r = run([sys.executable, "scripts/hf_peer.py", "--model", args.model, "--num-layers", str(args.num_layers),
+                 "--num-experts", E, "--prompt-lens", L, "--chunk", str(chunk)], args.timeout)
+        out = r if isinstance(r, dict) else json.loads(r.stdout.strip().splitlines()[-1])
+        if "OutOfMemoryError" not in out.get("error", "") or chunk // 2 < MIN_HF_CHUNK:
+            return dict(out, out_of_memory_chunks=failed) if failed else out
+        failed.append(chunk)
+        chunk //= 2
+
+
 def policy_order(policies: list[str], round_: int) -> list[str]:
     """The order the policies run in a round: as given in even rounds, reversed in odd ones, so that
     over two rounds each policy runs once in each place (the process that runs second was up to 2.5%
@@ -57,7 +76,8 @@ def main():
                    help="our model keeps its linears fp8 (block scales) as a GLM-5 checkpoint stores them; "
                         "HF stays bf16")
     p.add_argument("--hf-chunk", type=int, default=8192,
-                   help="HF prefills longer prompts in chunks of this many tokens through its cache")
+                   help="HF prefills longer prompts in chunks of this many tokens through its cache (halved "
+                        "while it runs out of GPU memory, down to MIN_HF_CHUNK)")
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--rounds", type=int, default=1,
                    help="run the policies this many times, their order reversed every other round; a summary "
@@ -69,10 +89,7 @@ def main():
         for L in args.prompt_lens.split(","):
             hf = None
             if not args.no_hf:
-                r = run([sys.executable, "scripts/hf_peer.py", "--model", args.model, "--num-layers",
-                         str(args.num_layers), "--num-experts", E, "--prompt-lens", L,
-                         "--chunk", str(args.hf_chunk)], args.timeout)
-                hf = r if isinstance(r, dict) else json.loads(r.stdout.strip().splitlines()[-1])
+                hf = hf_peer(args, E, L)
                 results.append({"experts": int(E), "prompt_len": int(L), "runner": "hf", **hf})
                 if "error" in hf:
                     rows.append((E, L, "hf", "ERR", hf["error"].splitlines()[-1][:60], "", ""))

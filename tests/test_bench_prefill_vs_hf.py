@@ -53,3 +53,36 @@ def test_main_runs_each_policy_per_round_in_alternating_order(monkeypatch, tmp_p
     assert [r["runner"] for r in summary] == ["cpkv default", "cpkv x=true"]
     assert summary[0]["runs_s"] == pytest.approx([0.06, 0.09]) and summary[1]["runs_s"] == pytest.approx([0.07, 0.08])
     assert "cpkv default, mean of 2" in capsys.readouterr().out
+
+
+def test_hf_peer_halves_its_chunks_while_out_of_memory(monkeypatch):
+    """An HF run out of GPU memory is retried in half the chunk, down to MIN_HF_CHUNK; other errors are not
+    retried; a prompt shorter than the chunk starts from its own length."""
+    import json
+    import types
+    chunks = []
+
+    def fake_run(cmd, timeout, oom_above=4096, error=None):
+        chunk = int(cmd[cmd.index("--chunk") + 1])
+        chunks.append(chunk)
+        if error or chunk > oom_above:
+            return {"error": error or "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory."}
+        return types.SimpleNamespace(stdout=json.dumps({"prefill": {"32768": {"seconds": 2.0, "chunk": chunk}}}))
+
+    args = types.SimpleNamespace(model="glm-5", num_layers=4, hf_chunk=8192, timeout=10)
+    monkeypatch.setattr(bench, "run", fake_run)
+    got = bench.hf_peer(args, "16", "32768")
+    assert chunks == [8192, 4096] and got["prefill"]["32768"]["chunk"] == 4096
+    assert got["out_of_memory_chunks"] == [8192]
+    chunks.clear()
+    monkeypatch.setattr(bench, "run", lambda cmd, timeout: fake_run(cmd, timeout, oom_above=0))
+    got = bench.hf_peer(args, "16", "32768")
+    assert chunks == [8192, 4096, 2048] and "OutOfMemoryError" in got["error"]
+    assert got["out_of_memory_chunks"] == [8192, 4096]
+    chunks.clear()
+    monkeypatch.setattr(bench, "run", lambda cmd, timeout: fake_run(cmd, timeout, error="ValueError: bad"))
+    assert bench.hf_peer(args, "16", "32768") == {"error": "ValueError: bad"} and chunks == [8192]
+    chunks.clear()
+    monkeypatch.setattr(bench, "run", fake_run)
+    bench.hf_peer(args, "16", "6000")
+    assert chunks == [6000, 3000]
