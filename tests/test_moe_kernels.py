@@ -1949,6 +1949,35 @@ def test_skip_padding_parts_interpret(kind, bm, step_blocks):
     check_skipped_parts(got, ref, tile_expert, tile_rows, bm)
 
 
+def test_expert_mlp_with_skipped_padding_interpret_bit_equal():
+    """Both expert paths (interpreter) with skip_padding_parts on their tilings (the dispatch passes the tiles'
+    filled rows) give the unskipped paths' outputs bit for bit: bf16 in two warpgroups, fp8 in three."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe import expert_mlp_blocked_fp8
+    from pallas_kernels.moe.dispatch import with_padding_skipped
+    rng = np.random.default_rng(29)
+    N, k, D, I, E = 200, 2, 256, 256, 3
+    x, gate, up, down = mlp_inputs(rng, N, D, I, E)
+    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
+    fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
+    interp = plgpu.InterpretGPUParams()
+    bf = Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=4, compute_wgs=2)
+    three = Tiling(block_m=192, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=4, compute_wgs=3)
+    il = dataclasses.replace(three, interleaved_gate_up=True)
+
+    def runs(skip):
+        u, d, fu, fd = (with_padding_skipped(t, skip) for t in (bf, bf, il, three))
+        return (np.asarray(expert_mlp_blocked(x, fe, gate, up, down, k, up_tiling=u, down_tiling=d,
+                                              interpret=interp).slots(), np.float64),
+                np.asarray(expert_mlp_blocked_fp8(x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=fu, down_tiling=fd,
+                                                  interpret=interp).slots(), np.float64))
+    assert all(t.skip_padding_parts for t in (with_padding_skipped(bf), with_padding_skipped(three)))
+    for got, want in zip(runs(True), runs(False)):
+        assert np.abs(want).max() > 0
+        np.testing.assert_array_equal(got, want)
+
+
 def skip_padding_tiling(kind: str, bm: int, step_blocks: int) -> Tiling:
     """The unskipped tiling of skip_padding_case's call `kind` at bm rows a tile."""
     fp8 = kind != "bf16"

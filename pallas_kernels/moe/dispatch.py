@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, column_step, column_tiles, grouped_matmul, shape_error
 from pallas_kernels.moe.grouped_matmul import WIDE_TILE, can_run_scale, scale_slices, with_gmem_row_scales
-from pallas_kernels.moe.grouped_matmul import split_rows, warp_specialized, with_running_scale, with_step_blocks
+from pallas_kernels.moe.grouped_matmul import can_skip_padding, warp_specialized, with_running_scale, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows, tile_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -72,7 +72,7 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
     slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m,
                                                  pairwise_slots=policy.moe_pairwise_plan_slots)
     xp = gather_rows(x, jnp.where(row_slot >= 0, row_slot // topk, -1), policy=policy)
-    rows = tile_rows(row_slot, up_tiling.block_m)
+    rows = skipped_tile_rows(row_slot, up_tiling, down_tiling)
     with jax.named_scope("gate_up"):
         h = grouped_matmul(xp, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret, tile_rows=rows)
     with jax.named_scope("down"):
@@ -153,11 +153,15 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
 
 
 def with_padding_skipped(t: Tiling, on: bool = True) -> Tiling:
-    """t with Tiling.skip_padding_parts where it takes it (compute warpgroups splitting the tile's rows; not
-    chained, running scales or clusters on row-tile pairs). Else t."""
-    if not on or not (warp_specialized(t) and split_rows(t)) or t.chained_tiles or t.running_scale or t.cluster_m == 2:
-        return t
-    return dataclasses.replace(t, skip_padding_parts=True)
+    """t with Tiling.skip_padding_parts where it takes it (can_skip_padding). Else t."""
+    return dataclasses.replace(t, skip_padding_parts=True) if on and can_skip_padding(t) else t
+
+
+def skipped_tile_rows(row_slot, up_t: Tiling, down_t: Tiling):
+    """plan.tile_rows of the layout row_slot where either call's tiling skips padding (skip_padding_parts), else
+    None (nothing reads them)."""
+    skip = up_t.skip_padding_parts or down_t.skip_padding_parts
+    return tile_rows(row_slot, up_t.block_m) if skip else None
 
 
 def with_cluster_rows(t: Tiling) -> Tiling:
@@ -303,7 +307,7 @@ def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *,
         xq = jax.lax.bitcast_convert_type(
             gather_rows(jax.lax.bitcast_convert_type(tq, jnp.uint8), src, policy=policy), jnp.float8_e4m3fn)
         xs = jnp.where(src >= 0, ts[:, jnp.maximum(src, 0)], 1.0)    # padding rows: zeros at scale 1
-    rows = tile_rows(row_slot, up_tiling.block_m)
+    rows = skipped_tile_rows(row_slot, up_tiling, down_tiling)
     with jax.named_scope("gate_up"):
         h = grouped_matmul(xq, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret,
                            x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype, tile_rows=rows)

@@ -173,8 +173,7 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"compute_wgs {tiling.compute_wgs}: 1, 2 or 3"
     if tiling.compute_wgs == 2 and (tiling.block_m not in (64, 128) or tiling.block_m == 64 and tiling.block_n % 128):
         return f"two compute warpgroups split 128 rows or, at block_m 64, a multiple of 128 columns ({tiling})"
-    if tiling.skip_padding_parts and not (warp_specialized(tiling) and split_rows(tiling) and not (
-            tiling.chained_tiles or tiling.running_scale or tiling.cluster_m == 2)):
+    if tiling.skip_padding_parts and not can_skip_padding(tiling):
         return (f"skip_padding_parts: the tile's rows split among compute warpgroups, neither chained tiles, running "
                 f"scales nor clusters on row-tile pairs ({tiling})")
     if tiling.compute_wgs == 3 and tiling.block_m != 192:
@@ -290,6 +289,13 @@ def can_chain(t: Tiling, K: int) -> bool:
 def chained(t: Tiling, K: int) -> Tiling:
     """t with chained_tiles where it applies (can_chain), else t."""
     return dataclasses.replace(t, chained_tiles=True) if can_chain(t, K) else t
+
+
+def can_skip_padding(t: Tiling) -> bool:
+    """Whether tiling t can take Tiling.skip_padding_parts: compute warpgroups splitting the tile's rows, and
+    neither chained tiles, running scales nor clusters on row-tile pairs."""
+    return (warp_specialized(t) and split_rows(t)
+            and not (t.chained_tiles or t.running_scale or t.cluster_m == 2))
 
 
 def can_run_scale(t: Tiling) -> bool:
