@@ -60,12 +60,6 @@ class KernelPolicy:
     (docs/perf.md, 2026-12-07 twenty-eighth session; 8192 x 256): the fp8 gate_up call 4.805 ms against 4.014
     unclustered by rows, bf16 gate_up 8.535 against 8.740 persistent, and under one program a tile 7.66-7.72
     against 6.49-6.52, bf16 down 4.31-4.33 against 3.64-3.67."""
-    moe_skip_padding_parts: bool = False
-    """Prefill expert calls whose compute warpgroups split a tile's rows (64 each; not chained) run a
-    warpgroup's part of an expert's last tile with idle steps where its rows are all padding
-    (Tiling.skip_padding_parts, decided once a tile). Bit-equal outputs (the padding rows of x are zero). Off:
-    deciding it a step ran slower on the H100 (docs/perf.md, 2026-12-07 twenty-ninth session: fp8 gate_up at
-    8192 x 64 3.016 -> 3.245 ms, bf16 4.752 -> 5.962), and the once-a-tile form is not yet timed."""
     moe_pairwise_plan_slots: int = 512
     """Expert calls of at most this many routed slots (tokens x top-k; decode, verify) compute their
     block plan pairwise (plan._pairwise_plan: a few fused comparisons) instead of by a sort, searches

@@ -20,8 +20,8 @@ from cpkv_jax.perf import fitted_pipelined_time, measure_ceilings, report, save_
 from pallas_kernels.moe import grouped_matmul, quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, can_run_scale, chained, scale_slices
 from pallas_kernels.moe.grouped_matmul import with_running_scale
-from pallas_kernels.moe.dispatch import with_cluster_rows, with_padding_skipped
-from pallas_kernels.moe.plan import block_plan, tile_rows
+from pallas_kernels.moe.dispatch import with_cluster_rows
+from pallas_kernels.moe.plan import block_plan
 
 
 def tilings(bm: int, fp8: bool):
@@ -54,9 +54,7 @@ def tilings(bm: int, fp8: bool):
     (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132 persistent), and
     every unchained warp-specialized one as `<name>_cm2` (Tiling.cluster_m 2: clusters of two programs on a
     pair of row tiles, the weight blocks multicast where both hold one expert; a `_c2` tiling's clusters
-    move from column blocks to row tiles), one program a tile too (`<name>_cm2_np`), and every unchained one whose
-    compute warpgroups split the tile's rows as `<name>_sk` (Tiling.skip_padding_parts: a warpgroup whose rows of a
-    tile are all padding skips its steps there)."""
+    move from column blocks to row tiles), one program a tile too (`<name>_cm2_np`)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm >= 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -124,8 +122,6 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
         group = {**group, **{f"{n}_cm2": paired for n, t in group.items() if (paired := with_cluster_rows(t)) != t}}
         group = {**group, **{f"{n}_np": dataclasses.replace(t, programs=0) for n, t in group.items()
                              if t.compute_wgs >= 2 and not t.chained_tiles}}
-        group = {**group, **{f"{n}_sk": skipping for n, t in group.items()
-                             if (skipping := with_padding_skipped(t)) != t}}
         out[call] = group
     return out
 
@@ -175,7 +171,6 @@ def main():
                                             for grp in timed_groups(bm, fp8, D, I).values() for n in grp):
                 continue
             _, row_slot, te = block_plan(fe, E, bm)
-            tr = tile_rows(row_slot, bm)
             xp = jnp.where((row_slot >= 0)[:, None], x[jnp.maximum(row_slot, 0) // k], 0)
             h = jnp.where((row_slot >= 0)[:, None], h_slot[jnp.maximum(row_slot, 0)], 0)
             rs = np.asarray(row_slot)
@@ -188,16 +183,14 @@ def main():
                     (xq, xs), (hq, hs) = quantize_rows(xp), quantize_rows(h)
                     calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(
                                              a[0], b[0], te, up=c[0], tiling=t, x_scale=a[1], w_scale=b[1],
-                                             up_scale=c[1], tile_rows=tr), ((xq, xs), (g, gs), (u, us))),
+                                             up_scale=c[1]), ((xq, xs), (g, gs), (u, us))),
                              "down": (lambda t: lambda a, b: grouped_matmul(a[0], b[0], te, tiling=t, x_scale=a[1],
-                                                                            w_scale=b[1], tile_rows=tr),
-                                      ((hq, hs), (d, ds)))}
+                                                                            w_scale=b[1]), ((hq, hs), (d, ds)))}
                 else:
                     gb, ub, db = (jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16) for w in (g, u, d))   # [E, K, N]
-                    calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a, b, te, up=c, tiling=t,
-                                                                                        tile_rows=tr),
+                    calls = {"gate_up": (lambda t: lambda a, b, c: grouped_matmul(a, b, te, up=c, tiling=t),
                                          (xp, gb, ub)),
-                             "down": (lambda t: lambda a, b: grouped_matmul(a, b, te, tiling=t, tile_rows=tr), (h, db))}
+                             "down": (lambda t: lambda a, b: grouped_matmul(a, b, te, tiling=t), (h, db))}
                 for call, group in groups.items():
                     make, operands = calls[call]
                     for name, t in group.items():

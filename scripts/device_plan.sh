@@ -35,10 +35,6 @@
 #           (DECODE_TOKENS) by the device's busy time, then the kernel grid (MOE_CASES) under the defaults (three
 #           compute warpgroups from 1024 rows an expert; the two-warpgroup tilings beside) and bf16 persistent and
 #           one program a tile (the default at 256 rows an expert: 65% of the matmul rate on the H100)
-#   skip    issue 26: Tiling.skip_padding_parts (a compute warpgroup whose rows of a tile are all padding runs that
-#           tile's pipeline with idle steps, chosen once a tile: `_sk`): its compiled tests, then the defaults with
-#           and without it at 8192x16 and 8192x64 (fp8 in three warpgroups, down unchained beside; bf16 persistent)
-#           and at 8192x256 (fp8 two warpgroups, bf16 one program a tile)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
 #   e2e_profile  issue 26: profile of that prefill (16 experts, fp8) by scope, default kernels and running scales
@@ -198,16 +194,6 @@ part_one_tile() {   # issue 26: do an expert's row tiles share its weight reads:
 part_one_tile_e2e() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=.95 E2E_LAYERS=${E2E_LAYERS:-3} E2E_FP8=0 E2E_EXPERTS=${E2E_EXPERTS:-256} \
     E2E_POLICIES="${E2E_POLICIES:-default;moe_tile_program_rows=0;moe_cluster_rows=true}" part_e2e
-}
-
-part_skip() {   # issue 26: skip a warpgroup's all-padding rows of an expert's last tile
-  TESTS_K="skip_padding_parts_compiled" TESTS_BUDGET=240 part_tests
-  local g=3wg_n128_g16_c2 b=2wg_n128_s3 d=2wg_n256_s3 n
-  local names=$b,${b}_sk,$d,${d}_sk,${g}_il,${g}_il_sk,$g,${g}_sk,${g}_ch
-  MOE_TAG=_skip MOE_CASES=${MOE_CASES:-8192x16,8192x64} MOE_TILINGS=$names part_moe
-  names=${b}_np,${b}_np_sk,${d}_np,${d}_np_sk
-  names+=,2wg_n128_g16_c2_il_k2s3,2wg_n128_g16_c2_il_k2s3_sk,2wg_n192_g16_c2_ch,2wg_n192_g16_c2,2wg_n192_g16_c2_sk
-  MOE_TAG=_skip_256 MOE_CASES=8192x256 MOE_TILINGS=$names part_moe
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, column_step, column_tiles, grouped_matmul, shape_error
 from pallas_kernels.moe.grouped_matmul import WIDE_TILE, can_run_scale, scale_slices, with_gmem_row_scales
-from pallas_kernels.moe.grouped_matmul import can_skip_padding, warp_specialized, with_running_scale, with_step_blocks
+from pallas_kernels.moe.grouped_matmul import warp_specialized, with_running_scale, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
-from pallas_kernels.moe.plan import block_plan, padded_rows, tile_rows
+from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
 from pallas_kernels.row_gather import combine_rows, expert_order, gather_rows, gather_rows_reference
 
@@ -72,11 +72,10 @@ def expert_mlp_blocked(x, flat_expert, gate, up, down, topk: int, *, up_tiling: 
     slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m,
                                                  pairwise_slots=policy.moe_pairwise_plan_slots)
     xp = gather_rows(x, jnp.where(row_slot >= 0, row_slot // topk, -1), policy=policy)
-    rows = skipped_tile_rows(row_slot, up_tiling, down_tiling)
     with jax.named_scope("gate_up"):
-        h = grouped_matmul(xp, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret, tile_rows=rows)
+        h = grouped_matmul(xp, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret)
     with jax.named_scope("down"):
-        y = grouped_matmul(h, down, tile_expert, tiling=down_tiling, interpret=interpret, tile_rows=rows)
+        y = grouped_matmul(h, down, tile_expert, tiling=down_tiling, interpret=interpret)
     return ExpertRows(y, slot_row)
 
 
@@ -120,8 +119,7 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
                    chain: bool = False, running: bool = False, step_blocks: int = 1,
                    gmem_row_scales: bool = False, wide_down: bool = False,
-                   three_wgs: bool = False, one_tile: bool = False, row_pairs: bool = False,
-                   skip_padding: bool = False) -> tuple[Tiling, Tiling]:
+                   three_wgs: bool = False, one_tile: bool = False, row_pairs: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
@@ -139,8 +137,7 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     (docs/perf.md, 2026-12-06 nineteenth session). three_wgs (fp8, interleaved, two compute warpgroups
     asked for): calls with at least THREE_WG_ROWS rows an expert take three_wg_tilings instead. one_tile:
     prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0); row_pairs: those that
-    can (with_cluster_rows) run in clusters on pairs of row tiles (Tiling.cluster_m 2); skip_padding: those
-    whose compute warpgroups split the rows take Tiling.skip_padding_parts (with_padding_skipped)."""
+    can (with_cluster_rows) run in clusters on pairs of row tiles (Tiling.cluster_m 2)."""
     tilings = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks,
                               gmem_row_scales, wide_down, three_wgs)
     if tilings[0].block_m < 128:
@@ -149,19 +146,7 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
         tilings = tuple(map(with_cluster_rows, tilings))
     if one_tile:
         tilings = tuple(dataclasses.replace(t, programs=0) for t in tilings)
-    return tuple(with_padding_skipped(t, skip_padding) for t in tilings)
-
-
-def with_padding_skipped(t: Tiling, on: bool = True) -> Tiling:
-    """t with Tiling.skip_padding_parts where it takes it (can_skip_padding). Else t."""
-    return dataclasses.replace(t, skip_padding_parts=True) if on and can_skip_padding(t) else t
-
-
-def skipped_tile_rows(row_slot, up_t: Tiling, down_t: Tiling):
-    """plan.tile_rows of the layout row_slot where either call's tiling skips padding (skip_padding_parts), else
-    None (nothing reads them)."""
-    skip = up_t.skip_padding_parts or down_t.skip_padding_parts
-    return tile_rows(row_slot, up_t.block_m) if skip else None
+    return tilings
 
 
 def with_cluster_rows(t: Tiling) -> Tiling:
@@ -251,14 +236,13 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
                     chain: bool = False, running: bool = False, step_blocks: int = 1,
                     gmem_row_scales: bool = False, wide_down: bool = False, three_wgs: bool = False,
-                    row_pairs: bool = False, skip_padding: bool = False) -> str | None:
+                    row_pairs: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
     up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks,
-                                  gmem_row_scales, wide_down, three_wgs, row_pairs=row_pairs,
-                                  skip_padding=skip_padding)
+                                  gmem_row_scales, wide_down, three_wgs, row_pairs=row_pairs)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -270,8 +254,7 @@ def fp8_tiling_options(policy: KernelPolicy) -> dict:
     return dict(compute_wgs=policy.fp8_moe_compute_wgs, interleaved=policy.fp8_moe_interleaved_gate_up,
                 chain=policy.chained_tiles, running=policy.fp8_running_scale, step_blocks=policy.fp8_step_blocks,
                 gmem_row_scales=policy.fp8_row_scales_from_gmem, wide_down=policy.fp8_wide_tiles,
-                three_wgs=policy.fp8_three_wgs, row_pairs=policy.moe_cluster_rows,
-                skip_padding=policy.moe_skip_padding_parts)
+                three_wgs=policy.fp8_three_wgs, row_pairs=policy.moe_cluster_rows)
 
 
 def bf16_tilings(slots: int, gate, policy: KernelPolicy) -> tuple[Tiling, Tiling]:
@@ -279,7 +262,7 @@ def bf16_tilings(slots: int, gate, policy: KernelPolicy) -> tuple[Tiling, Tiling
     tile where an expert averages at most policy.moe_tile_program_rows routed rows."""
     return expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.chained_tiles,
                           one_tile=slots <= policy.moe_tile_program_rows * gate.shape[0],
-                          row_pairs=policy.moe_cluster_rows, skip_padding=policy.moe_skip_padding_parts)
+                          row_pairs=policy.moe_cluster_rows)
 
 
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
@@ -307,14 +290,13 @@ def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *,
         xq = jax.lax.bitcast_convert_type(
             gather_rows(jax.lax.bitcast_convert_type(tq, jnp.uint8), src, policy=policy), jnp.float8_e4m3fn)
         xs = jnp.where(src >= 0, ts[:, jnp.maximum(src, 0)], 1.0)    # padding rows: zeros at scale 1
-    rows = skipped_tile_rows(row_slot, up_tiling, down_tiling)
     with jax.named_scope("gate_up"):
         h = grouped_matmul(xq, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret,
-                           x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype, tile_rows=rows)
+                           x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype)
     with jax.named_scope("down"):
         hq, hs = quantize_rows(h)
         y = grouped_matmul(hq, down, tile_expert, tiling=down_tiling, interpret=interpret, x_scale=hs,
-                           w_scale=scales[2], out_dtype=x.dtype, tile_rows=rows)
+                           w_scale=scales[2], out_dtype=x.dtype)
     return ExpertRows(y, slot_row)
 
 

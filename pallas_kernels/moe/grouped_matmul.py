@@ -124,18 +124,6 @@ class Tiling:
     global memory (L2: every column tile of a row tile reads the same) instead of from the step's
     shared-memory slot, where the producer's TMA wrote them. No TMA load of the scales, and no fence
     between the read and the slot's release (fence_row_scales has nothing to order)."""
-    skip_padding_parts: bool = False
-    """Warp-specialized, a tile's rows split among the compute warpgroups (64 each), not chained, not running
-    scales: grouped_matmul takes each row tile's filled rows (tile_rows: an expert's rows fill its tiles from
-    the first, so only its last tile holds padding), and a warpgroup whose 64 rows of a tile are all padding
-    runs the tile's pipeline with idle steps (no products, no wait, no promotion): the choice is made once a
-    tile, outside the K loop. Its sums stay zero, as the products of the zero padding rows of x leave them,
-    and its share of the tensor cores goes to the tile's other warpgroups. An expert's last 192-row tile
-    holds ~96 rows on average: one of three warpgroups idles in it (at 8192 x 64 the fp8 gate_up call's
-    192-row tiles are ~11% padding). The choice made a step instead (a branch around each step's products,
-    or around their issue alone) ran slower than no skip on the H100 (docs/perf.md, 2026-12-07 twenty-ninth
-    session); chained tiles and clusters on row-tile pairs are refused (chained, the per-step form did not
-    finish on the H100)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -173,9 +161,6 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"compute_wgs {tiling.compute_wgs}: 1, 2 or 3"
     if tiling.compute_wgs == 2 and (tiling.block_m not in (64, 128) or tiling.block_m == 64 and tiling.block_n % 128):
         return f"two compute warpgroups split 128 rows or, at block_m 64, a multiple of 128 columns ({tiling})"
-    if tiling.skip_padding_parts and not can_skip_padding(tiling):
-        return (f"skip_padding_parts: the tile's rows split among compute warpgroups, neither chained tiles, running "
-                f"scales nor clusters on row-tile pairs ({tiling})")
     if tiling.compute_wgs == 3 and tiling.block_m != 192:
         return f"three compute warpgroups split 192 rows ({tiling})"
     pair = 2 if tiling.column_pairs else 1
@@ -289,13 +274,6 @@ def can_chain(t: Tiling, K: int) -> bool:
 def chained(t: Tiling, K: int) -> Tiling:
     """t with chained_tiles where it applies (can_chain), else t."""
     return dataclasses.replace(t, chained_tiles=True) if can_chain(t, K) else t
-
-
-def can_skip_padding(t: Tiling) -> bool:
-    """Whether tiling t can take Tiling.skip_padding_parts: compute warpgroups splitting the tile's rows, and
-    neither chained tiles, running scales nor clusters on row-tile pairs."""
-    return (warp_specialized(t) and split_rows(t)
-            and not (t.chained_tiles or t.running_scale or t.cluster_m == 2))
 
 
 def can_run_scale(t: Tiling) -> bool:
@@ -519,9 +497,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     cm = tiling.cluster_m
     if cm == 2:                   # [tasks, 2]: each cluster's two row tiles (plan.row_tile_pairs)
         row_pairs_ref, *refs = refs
-    skip = tiling.skip_padding_parts
-    if skip:                      # [grid_m]: each row tile's filled rows (plan.tile_rows)
-        tile_rows_ref, *refs = refs
     xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
     n_w = len(w_refs)
     n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
@@ -724,11 +699,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 plgpu.wgmma_wait(0)
                 return accs
 
-            def step_idle(idx, *refs):
-                """skip_padding_parts, a warpgroup whose rows of the tile are all padding: its sums (or
-                accumulators) as they are, zero."""
-                return refs[-1]
-
             def step_running(idx, x_smem, xs_smem, *rest):
                 """fp8 running_scale: the first accumulator rescaled from the previous step's units to this
                 step's and its product issued onto it; each next one rescaled while the product before it
@@ -825,26 +795,18 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             step, context = ((step_in_place, context_in_place) if in_place else
                              (step_running, context_running) if tiling.running_scale else (step_fp8, context_fp8))
 
-            def run(state=None, share_weights=False, body=None):
+            def run(state=None, share_weights=False):
                 own = allocs if share_weights or cm == 1 else dict(allocs, flat_consumed_barrier_refs=own_consumed)
                 if share_weights:
                     # every warpgroup of both programs here first: the other program's last tile, run apart, has
                     # released its slots before this pipeline's first loads (unawaited) write into them
                     plgpu.barrier_arrive(pair_sync)
                     plgpu.barrier_wait(pair_sync)
-                pipeline(body or step, context, start, steps, state, share_weights)(*operands(mi, ni, expert),
-                                                                                 allocations=own)
+                pipeline(step, context, start, steps, state, share_weights)(*operands(mi, ni, expert), allocations=own)
 
             if cm == 2:
                 pl.when((expert >= 0) & share)(functools.partial(run, share_weights=True))
                 pl.when((expert >= 0) & ~share)(run)
-                return
-            if skip:
-                # the tile's pipeline, whose K loop then has no branch, with this warpgroup's steps idle where its
-                # rows are all padding (the producer's part is the same pipeline either way: it takes the second)
-                filled = tile_rows_ref[mi] > wg * sm
-                pl.when((expert >= 0) & filled)(run)
-                pl.when((expert >= 0) & ~filled)(functools.partial(run, body=step_idle))
                 return
             if not tiling.chained_tiles:
                 pl.when(expert >= 0)(run)
@@ -862,13 +824,11 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
 
 def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), interpret=False, x_scale=None,
-                   w_scale=None, up_scale=None, out_dtype=None, tile_rows=None):
+                   w_scale=None, up_scale=None, out_dtype=None):
     """x [P, K] in the padded layout (P a multiple of block_m), w [E, K, N], tile_expert [P // block_m]
     int32. Returns [P, N] in x's dtype: x @ w per tile, or silu(x @ w) * (x @ up) with up [E, K, N].
-    Rows of unused tiles are left unwritten. tile_rows [P // block_m] int32 (plan.tile_rows: each tile's
-    filled rows, its first ones): what Tiling.skip_padding_parts reads, and only it; its padding rows of x
-    must be zero (the plan's gathers make them so) for the outputs to equal the unskipped kernel's.
-    interpret: True (or plgpu.InterpretGPUParams) runs Mosaic GPU's interpreter, on any backend.
+    Rows of unused tiles are left unwritten. interpret: True (or plgpu.InterpretGPUParams) runs Mosaic
+    GPU's interpreter, on any backend.
     fp8 (x_scale given): x [P, K] e4m3 with x_scale [K / 128, P] fp32; w (and up) [E, N, K] e4m3 with
     w_scale (up_scale) [E, ceil(N / 128), K / 128] fp32; out_dtype (default bf16)."""
     fp8 = x_scale is not None
@@ -893,9 +853,6 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     if tile_expert.shape != (P // tiling.block_m,):
         raise ValueError(f"grouped_matmul: tile_expert {tile_expert.shape} must hold one expert per "
                          f"{tiling.block_m}-row tile of {P} rows")
-    if tiling.skip_padding_parts and (tile_rows is None or tile_rows.shape != tile_expert.shape):
-        raise ValueError(f"grouped_matmul: skip_padding_parts needs tile_rows, each {tiling.block_m}-row tile's "
-                         f"filled rows {tile_expert.shape}, got {None if tile_rows is None else tile_rows.shape}")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     if tiling.column_pairs and up is not None:
@@ -923,8 +880,6 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     out_dtype = out_dtype or (jnp.bfloat16 if fp8 else x.dtype)
     S = tiling.k_splits
     tiles = grid["grid_m"] * grid["grid_n"]
-    if tiling.skip_padding_parts:
-        weights = (tile_rows.astype(jnp.int32),) + weights
     if tiling.cluster_m == 2:     # the clusters' pairs of row tiles, before the operands
         row_pairs = row_tile_pairs(tile_expert)
         weights = (row_pairs,) + weights

@@ -40,12 +40,6 @@ def block_plan(flat_expert, experts: int, block_m: int, *, pairwise_slots: int =
     return _sorted_plan(flat_expert, experts, block_m)
 
 
-def tile_rows(row_slot, block_m: int):
-    """[P // block_m] int32: the filled rows of each row tile of the plan's row_slot [P] (an expert's rows
-    fill its tiles from their first row, so they are its first ones; 0: an unused tile)."""
-    return jnp.sum(row_slot.reshape(-1, block_m) >= 0, axis=1, dtype=jnp.int32)
-
-
 def _sorted_plan(flat_expert, experts: int, block_m: int):
     S = flat_expert.shape[0]
     P = padded_rows(S, experts, block_m)
