@@ -52,28 +52,12 @@ class KernelPolicy:
     8192 tokens 63.2 / 63.2 ms against 67.8 / 65.0. At 512 rows an expert even (gate_up -1.7%, down +3.4%),
     from 1024 slower (gate_up +5%; +8-12% at 4096 and 16384). fp8 calls keep persistent programs: one program
     a tile ran their gate_up 5% slower at 256 rows an expert. 0: never."""
-    moe_cluster_rows: bool = False
-    """Prefill expert calls (128 rows a tile or more; warp-specialized tilings that are not chained) run in
-    clusters of two programs on a pair of row tiles (Tiling.cluster_m 2, plan.row_tile_pairs), each weight
-    block multicast to both where they hold one expert: DeepGEMM's answer to the same second read. A tiling
-    clustered on column blocks (x multicast) moves its clusters to row tiles. Off: slower on the H100
-    (docs/perf.md, 2026-12-07 twenty-eighth session; 8192 x 256): the fp8 gate_up call 4.805 ms against 4.014
-    unclustered by rows, bf16 gate_up 8.535 against 8.740 persistent, and under one program a tile 7.66-7.72
-    against 6.49-6.52, bf16 down 4.31-4.33 against 3.64-3.67."""
     moe_pairwise_plan_slots: int = 512
     """Expert calls of at most this many routed slots (tokens x top-k; decode, verify) compute their
     block plan pairwise (plan._pairwise_plan: a few fused comparisons) instead of by a sort, searches
     and scatters (~27 small XLA ops of 1-3 us at 1 token). H200 (docs/perf.md, 2026-12-04 third
     session), fp8 experts over 256: 1 token 0.157 vs 0.172 ms, 8 tokens 0.707 vs 0.705, 64 tokens 2.612
     vs 2.637. 0: always sort."""
-    fp8_quantize_gathered_slots: int = 0
-    """fp8 expert calls of at most this many routed slots gather the tokens' bf16 rows into the plan's
-    padded rows and quantize those (quantize_rows over gather_rows_reference: XLA ops it can fuse),
-    instead of quantizing each token, gathering its bytes (the row-gather kernel) and gathering its
-    scales: bit-equal rows and scales, fewer small ops where a decode call's plan, quantization, gathers
-    and combine take ~45 us beside its two kernels' ~90 (docs/perf.md, 2026-12-04 sixth session). 0:
-    never. Off: timed on the H100 (docs/perf.md, 2026-12-06 twenty-second session) it is no faster at one
-    token over 256 experts (0.149 against 0.146 ms of device time) and 6% slower at 64 tokens."""
     fp8_moe_kernel: bool = True
     """fp8 routed experts stay fp8 through the grouped matmul (fp8 x fp8, block scales, fp32 sums;
     rows quantized per 128 columns) where its shapes fit; off: they are dequantized to the compute
@@ -100,16 +84,6 @@ class KernelPolicy:
     the fp8 prefill of 8192 tokens (4 layers, two runs each) over 16 experts 61.8 / 64.1 ms against 64.5 /
     65.0, over 256 70.7 / 69.7 against 69.0 / 70.0: within the runs' order effect (up to 2.5%), where the
     calls' difference predicts -1.9% and -0.9%."""
-    fp8_running_scale: bool = False
-    """The fp8 prefill gate_up call keeps each weight's sum in its wgmma accumulator, in units of the
-    step's scale (grouped_matmul.Tiling.running_scale; moe.dispatch.expert_tilings), instead of promoting
-    every 128-deep product into fp32 sums. On the H100 (docs/perf.md, 2026-12-05 twelfth session, 8192
-    tokens, GLM-5 widths) 2.73 ms against 3.47 over 16 experts (1.61x bf16's 4.40 instead of 1.27x), 3.73
-    against 4.54 over 256. The price: the tensor cores add every product into the running sum with fewer
-    bits than fp32, so outputs move from the promoting kernel's by up to ~1% of the largest output (0.75%
-    against float64 at K 6144, where promoting stays within bf16 rounding). Off: DeepGEMM's fp32
-    promotion is the default arithmetic. On, it takes the prefill gate_up call in place of
-    fp8_moe_interleaved_gate_up's tiling."""
     fp8_step_blocks: int = 2
     """2: the fp8 expert calls and dense linears whose tiling takes it (with_step_blocks: two compute
     warpgroups, three stages fit or 64-row tiles: the interleaved gate_up calls, decode-sized linears and

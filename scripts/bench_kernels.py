@@ -883,14 +883,13 @@ def bench_moe_fp8(args, ceil):
             "fp8_kernel_1wg": (q8, KernelPolicy(fp8_moe_compute_wgs=1), scales),
             "fp8_kernel": (q8, KernelPolicy(fp8_moe_compute_wgs=2), scales),
             "fp8_kernel_pairwise_plan": (q8, KernelPolicy(moe_pairwise_plan_slots=slots), scales),
-            "fp8_kernel_quantize_gathered": (q8, KernelPolicy(fp8_quantize_gathered_slots=slots), scales),
         }
         chosen = args.moe_fp8_variants.split(",") if args.moe_fp8_variants else list(variants)
         unknown = set(chosen) - set(variants)
         if unknown:
             raise SystemExit(f"--moe-fp8-variants: unknown {sorted(unknown)}; known: {list(variants)}")
-        if kind == "prefill":   # the pairwise plan's [S, S] comparisons and the fused gather: decode-sized calls only
-            chosen = [name for name in chosen if name not in ("fp8_kernel_pairwise_plan", "fp8_kernel_quantize_gathered")]
+        if kind == "prefill":   # the pairwise plan's [S, S] comparisons: decode-sized calls only
+            chosen = [name for name in chosen if name != "fp8_kernel_pairwise_plan"]
         variants = {name: variants[name] for name in chosen}
         busy_time = args.moe_device_time and kind == "decode"
         if busy_time:   # 8 calls in one executable on distinct tokens and routings (identical ones could be
@@ -1028,8 +1027,7 @@ def main() -> int:
     p.add_argument("--moe-decode-experts", type=int, default=256)
     p.add_argument("--moe-fp8-variants", default="",
                    help="moe_fp8: comma-separated variants to time (default: all of bf16_weights, bf16_weights_2wg, "
-                        "fp8_dequantized, fp8_kernel_1wg, fp8_kernel, and at decode fp8_kernel_pairwise_plan and "
-                        "fp8_kernel_quantize_gathered)")
+                        "fp8_dequantized, fp8_kernel_1wg, fp8_kernel, and at decode fp8_kernel_pairwise_plan)")
     p.add_argument("--moe-mgpu-tilings", default=MOE_MGPU_TILINGS,
                    help="jax's ragged_dot_mgpu tilings (prefill), block_m x block_n x block_k x "
                         "max_concurrent_steps x grid_block_n, a trailing 't' for weights stored [E, N, K] "

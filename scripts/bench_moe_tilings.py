@@ -18,9 +18,7 @@ import numpy as np
 
 from cpkv_jax.perf import fitted_pipelined_time, measure_ceilings, report, save_results
 from pallas_kernels.moe import grouped_matmul, quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, can_run_scale, chained, scale_slices
-from pallas_kernels.moe.grouped_matmul import with_running_scale
-from pallas_kernels.moe.dispatch import with_cluster_rows
+from pallas_kernels.moe.grouped_matmul import Tiling, can_chain, chained, scale_slices
 from pallas_kernels.moe.plan import block_plan
 
 
@@ -40,21 +38,14 @@ def tilings(bm: int, fp8: bool):
     Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
     (Tiling.chained_tiles: a program's tiles as one continued pipeline), and every fp8 one as `<name>_u`
     (Tiling.unscaled_probe: the products accumulated in place without block scales, what the tiling takes
-    without the per-step promotion; its err is against the group's first `_u`), and every fp8 one that is
-    not interleaved as `<name>_rs` (Tiling.running_scale, its products issued one after the other: the
-    sums kept in the wgmma accumulators in units of the step's scale; its err, against the group's first
-    scaled tiling, is what the tensor cores' accumulation costs in precision), and every scaled warp-specialized
+    without the per-step promotion; its err is against the group's first `_u`), and every scaled warp-specialized
     fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read), and
     every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
     two K blocks a step, the first's product added while the second's runs; half the stages, so the same
-    bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every two-warpgroup one but
-    running scales as `<name>_gs` (Tiling.row_scales_from_gmem: each thread reads its row scales from
+    bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every two-warpgroup one as `<name>_gs` (Tiling.row_scales_from_gmem: each thread reads its row scales from
     global memory; no fence), those in two-block steps chained too (`<name>_gs_ch`: interleaved gate_up
     in two-block steps chains only so, can_chain), and every unchained warp-specialized one as `<name>_np`
-    (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132 persistent), and
-    every unchained warp-specialized one as `<name>_cm2` (Tiling.cluster_m 2: clusters of two programs on a
-    pair of row tiles, the weight blocks multicast where both hold one expert; a `_c2` tiling's clusters
-    move from column blocks to row tiles), one program a tile too (`<name>_cm2_np`)."""
+    (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132 persistent)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm >= 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,
@@ -95,18 +86,16 @@ def tilings(bm: int, fp8: bool):
 
 
 def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
-    """{call: {name: tiling}}: tilings(bm, fp8) with the `_ch` variants where they apply and, fp8, `_u` and
-    `_rs` (also chained: `_ch_rs`)."""
+    """{call: {name: tiling}}: tilings(bm, fp8) with the variants of tilings' docstring where they apply."""
     out = {}
     for call, group in zip(("gate_up", "down"), tilings(bm, fp8)):
         K = D if call == "gate_up" else I
         group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items() if can_chain(t, K)}}
         if fp8:
             group = {**group, **{f"{n}_u": dataclasses.replace(t, unscaled_probe=True)
-                                 for n, t in group.items() if t.compute_wgs >= 2 and not n.endswith("_ch")},
-                     **{f"{n}_rs": with_running_scale(t) for n, t in group.items() if can_run_scale(t)}}
+                                 for n, t in group.items() if t.compute_wgs >= 2 and not n.endswith("_ch")}}
             group = {**group, **{f"{n}_{tag}": dataclasses.replace(t, step_blocks=blocks, stages=st)
-                                 for n, t in group.items() if "_ch" not in n and not t.running_scale
+                                 for n, t in group.items() if "_ch" not in n
                                  and scale_slices(t) == 1
                                  and (t.interleaved_gate_up or call == "down" and t.compute_wgs >= 2
                                       and not (t.column_pairs or t.joint_products))
@@ -114,12 +103,10 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
             group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
                                  if t.compute_wgs >= 2 and not t.unscaled_probe}}
             group = {**group, **{f"{n}_gs": dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
-                                 for n, t in group.items() if t.compute_wgs >= 2 and not t.running_scale
-                                 and not n.endswith("_nf")}}
+                                 for n, t in group.items() if t.compute_wgs >= 2 and not n.endswith("_nf")}}
             group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items()   # chained once they can be
                                  if t.row_scales_from_gmem and t.step_blocks > 1 and not t.chained_tiles
                                  and can_chain(t, K)}}
-        group = {**group, **{f"{n}_cm2": paired for n, t in group.items() if (paired := with_cluster_rows(t)) != t}}
         group = {**group, **{f"{n}_np": dataclasses.replace(t, programs=0) for n, t in group.items()
                              if t.compute_wgs >= 2 and not t.chained_tiles}}
         out[call] = group

@@ -23,13 +23,12 @@
 #           and bf16 at 8192x16 and 8192x256 (MOE_CASES), their compiled test first
 #   three_wgs_e2e  issue 26: KernelPolicy.fp8_three_wgs through the model: its compiled tests and the fp8 prefill beside
 #           HF at 16 experts against fp8_three_wgs=false (then, a call of its own: MOE_CASES=8192x16,32768x16,8192x64 three_wgs)
-#   one_tile  issue 26: one tile a program (Tiling.programs 0, `_np`) and clusters on row-tile pairs (cluster_m 2,
-#           `_cm2`, weights multicast): their compiled tests, then against the persistent walk for bf16 and the fp8
-#           defaults at 8192x256 (MOE_CASES: 8192x16,8192x64 in a second call), then ncu of the bf16 and fp8 gate_up `_np` and `_cm2`
-#           calls at 8192x256 (the persistent bf16 call reads 24 GB from DRAM where its weights are 12.9 GB);
-#           ONE_TILE_TESTS=0: no tests; CLUSTER_ROWS_TIMEOUT (200) / MOE_TIMEOUT: the two benches' limits
-#   one_tile_e2e  issue 26: KernelPolicy.moe_tile_program_rows (on) and moe_cluster_rows (off) through the model: the
-#           bf16 prefill of a 3-layer slice (4 layers of bf16 256 experts do not fit an H100) at 256 experts, HF beside
+#   one_tile  issue 26: one tile a program (Tiling.programs 0, `_np`): its compiled tests, then against the persistent
+#           walk for bf16 and the fp8 defaults at 8192x256 (MOE_CASES: 8192x16,8192x64 in a second call), then ncu
+#           of the bf16 gate_up `_np` call at 8192x256 (the persistent bf16 call reads 24 GB from DRAM where its
+#           weights are 12.9 GB); ONE_TILE_TESTS=0: no tests
+#   one_tile_e2e  issue 26: KernelPolicy.moe_tile_program_rows (on) through the model: the bf16 prefill of a 3-layer
+#           slice (4 layers of bf16 256 experts do not fit an H100) at 256 experts, HF beside
 #   moe_decode  the same at 64 tokens x 256 experts (the decode tilings)
 #   close26  issue 26's last owed numbers, on the H200: the whole decode call over 256 experts at 1/8/64 tokens
 #           (DECODE_TOKENS) by the device's busy time, then the kernel grid (MOE_CASES) under the defaults (three
@@ -37,7 +36,7 @@
 #           one program a tile (the default at 256 rows an expert: 65% of the matmul rate on the H100)
 #   e2e     issue 26: fp8 prefill at 8192 (E2E_EXPERTS, default 16) under each candidate policy (E2E_POLICIES), in
 #           E2E_ROUNDS (2) rounds of alternating order, HF transformers beside
-#   e2e_profile  issue 26: profile of that prefill (16 experts, fp8) by scope, default kernels and running scales
+#   e2e_profile  issue 26: profile of that prefill (16 experts, fp8) by scope, default kernels and two warpgroups
 #           (PROFILE_POLICIES: space-separated --kernels values; fp8_moe_kernel=true is the default policy)
 #   mla     issue 28: sparse MLA decode at 1..128 queries with the device's busy time (MLA_DECODE: query counts,
 #           MLA_TILINGS: bench_kernels' decode variants; MLA_OPS=1: command buffers off, the time op by op)
@@ -105,7 +104,7 @@ part_sass() {
   # Mosaic prints SASS only where it finds nvdisasm on the PATH (the image has one off it); where it does
   # not, the printed modules' cubins are kept for sass_summary --nvdisasm here
   nv=$(command -v nvdisasm || ls /usr/local/cuda*/bin/nvdisasm /opt/nvidia/*/bin/nvdisasm 2>/dev/null | head -n 1)
-  for name in $(echo "${SASS_TILINGS:-2wg_n128_g16_c2,2wg_n128_g16_c2_u,2wg_n128_g16_c2_nf,2wg_n128_g16_c2_rs}" | tr , ' '); do
+  for name in $(echo "${SASS_TILINGS:-2wg_n128_g16_c2,2wg_n128_g16_c2_u,2wg_n128_g16_c2_nf}" | tr , ' '); do
     PATH="${nv:+$(dirname "$nv"):}$PATH" MOSAIC_GPU_DUMP_TO="$OUT/sass/$name" MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 \
       run "sass_$name" "$PY" scripts/bench_moe_tilings.py --cases 8192x16 --tilings "2wg_n128_s3,$name" \
       --json "$OUT/sass_$name.json"
@@ -178,22 +177,19 @@ part_close26() {   # issue 26: fp8 / bf16 >= 1.6x per call and the decode call >
     part_moe
 }
 
-part_one_tile() {   # issue 26: do an expert's row tiles share its weight reads: started in order, or multicast?
+part_one_tile() {   # issue 26: do an expert's row tiles share its weight reads when started in order?
   # ONE_TILE_TESTS=0 leaves the compiled tests out (the bench still gives each tiling's error against its group's first)
-  [ "${ONE_TILE_TESTS:-1}" = 0 ] || TESTS_K="moe_tile_programs_compiled or cluster_rows_compiled" TESTS_BUDGET=200 part_tests
-  local il=2wg_n128_g16_c2_il_k2s3 g=3wg_n128_g16 n
-  local names=2wg_n128_s3,2wg_n256_s3,$il,2wg_n192_g16_c2_ch,2wg_n192_g16_c2 pairs=2wg_n128_s3,$il
-  for n in 2wg_n128_s3 2wg_n256_s3 $il 2wg_n192_g16_c2; do names+=,${n}_np; pairs+=,${n}_cm2,${n}_cm2_np; done
-  # apart and first: a clustered tiling that hangs (the first compiled cm2 did, 2026-12-06 twenty-fifth session) costs
-  # only its rows, and a call cut short still has them
-  MOE_TAG=_cluster_rows MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$pairs MOE_TIMEOUT=${CLUSTER_ROWS_TIMEOUT:-200} part_moe
+  [ "${ONE_TILE_TESTS:-1}" = 0 ] || TESTS_K="moe_tile_programs_compiled" TESTS_BUDGET=200 part_tests
+  local il=2wg_n128_g16_c2_il_k2s3 n
+  local names=2wg_n128_s3,2wg_n256_s3,$il,2wg_n192_g16_c2_ch,2wg_n192_g16_c2
+  for n in 2wg_n128_s3 2wg_n256_s3 $il 2wg_n192_g16_c2; do names+=,${n}_np; done
   MOE_TAG=_one_tile MOE_CASES=${MOE_CASES:-8192x256} MOE_TILINGS=$names part_moe
-  NCU_CASES=8192x256 NCU_TILINGS="${NCU_TILINGS:-2wg_n128_s3_np 2wg_n128_s3_cm2 ${il}_cm2}" part_ncu
+  NCU_CASES=8192x256 NCU_TILINGS="${NCU_TILINGS:-2wg_n128_s3 2wg_n128_s3_np}" part_ncu
 }
 
 part_one_tile_e2e() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=.95 E2E_LAYERS=${E2E_LAYERS:-3} E2E_FP8=0 E2E_EXPERTS=${E2E_EXPERTS:-256} \
-    E2E_POLICIES="${E2E_POLICIES:-default;moe_tile_program_rows=0;moe_cluster_rows=true}" part_e2e
+    E2E_POLICIES="${E2E_POLICIES:-default;moe_tile_program_rows=0}" part_e2e
 }
 
 part_moe_decode() {   # the same names at the decode case (64 tokens over 256 experts: rows-first, chained)
@@ -204,12 +200,12 @@ part_e2e() {   # two rounds, the policies' order reversed in the second (a chang
   # E2E_FP8=0: bf16 weights (fp8 by default); E2E_LAYERS: the slice's depth (4)
   local fp8=(--fp8-weights) name=e2e_fp8; [ "${E2E_FP8:-1}" = 1 ] || { fp8=(); name=e2e_bf16; }
   run e2e "$PY" scripts/bench_prefill_vs_hf.py --num-layers "${E2E_LAYERS:-4}" --experts "${E2E_EXPERTS:-16}" --prompt-lens 8192 "${fp8[@]}" \
-    --policies "${E2E_POLICIES:-default;fp8_running_scale=true}" --rounds "${E2E_ROUNDS:-2}" \
+    --policies "${E2E_POLICIES:-default;fp8_three_wgs=false}" --rounds "${E2E_ROUNDS:-2}" \
     --timeout 500 --json "$OUT/$name.json"
 }
 
-part_e2e_profile() {   # issue 26: where the fp8 16-expert prefill of 8192 goes, with and without running scales
-  for policy in ${PROFILE_POLICIES:-fp8_moe_kernel=true fp8_running_scale=true}; do
+part_e2e_profile() {   # issue 26: where the fp8 16-expert prefill of 8192 goes, in three and in two warpgroups
+  for policy in ${PROFILE_POLICIES:-fp8_moe_kernel=true fp8_three_wgs=false}; do
     run "profile_${policy//[=,]/_}" "$PY" scripts/profile_prefill.py "${GLM[@]}" --num-experts "${E2E_EXPERTS:-16}" \
       --fp8-weights --lengths 8192 --budget 8192 --kernels "$policy" --json "$OUT/profile_${policy//[=,]/_}.json"
   done

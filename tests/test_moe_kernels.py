@@ -317,135 +317,6 @@ def test_unscaled_probe_interpret_equals_the_unscaled_products(kind):
                                            one_wg, fp8=True)
 
 
-def running_case(rng, kind: str):
-    """A running_scale case: (fp8 operands, the tiling, float64 reference rows per used tile). K = 640
-    (5 steps over 2 stages), each step's weight block scale its own, x's column groups 1e-3 to 1e3
-    apart (the units change by up to 1e6 between steps), and one of expert 1's weight blocks at scale
-    zero (the units' floor: its step adds nothing)."""
-    from pallas_kernels.moe import quantize_rows
-    from pallas_kernels.moe.fp8_rows import dequantize_rows
-    E, K = 2, 640
-    bm = 64 if kind == "pairs_64" else 128
-    te = jnp.asarray([1, -1, 0, 1], jnp.int32)
-    groups = np.repeat(np.asarray([[1e-3, 1e3, 1.0, 30.0, 1e-2]]), 128, axis=1)
-    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((4 * bm, K)) * groups, jnp.float32))
-    N = 512 if kind == "pairs_64" else 256       # clustered column pairs: an even number of pair blocks
-    (gq, gs), (uq, us) = fp8_experts(rng, K, N, E)[:2]
-    gs = (gs * jnp.asarray(rng.uniform(0.25, 4.0, gs.shape), jnp.float32)).at[1, 0, 3].set(0.0)
-    us = us * jnp.asarray(rng.uniform(0.25, 4.0, us.shape), jnp.float32)
-    t = Tiling(block_m=bm, block_n=128, block_k=128, stages=2, grid_block_n=2, programs=4, compute_wgs=2,
-               cluster_n=2 if kind in ("gate_up_c2", "pairs_64") else 1, column_pairs=kind == "pairs_64",
-               k_splits=5 if kind == "k_splits" else 1, running_scale=True)
-    if kind == "chained":
-        t = dataclasses.replace(t, k_splits=1, chained_tiles=True, stages=5)
-    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
-    gd, ud = (np.asarray(plain_f32(w, sc), np.float64) for w, sc in ((gq, gs), (uq, us)))
-    two = kind in ("gate_up", "gate_up_c2", "chained")
-
-    def want(rows, e):
-        a = xd[rows] @ gd[e]
-        with np.errstate(over="ignore"):      # the 1e3 column group: exp(-a) overflows to inf, silu to 0
-            return a / (1 + np.exp(-a)) * (xd[rows] @ ud[e]) if two else a
-    operands = dict(x=xq, w=gq, x_scale=xs, w_scale=gs, **(dict(up=uq, up_scale=us) if two else {}))
-    return operands, te, t, want
-
-
-@pytest.mark.parametrize("kind", ["gate_up", "gate_up_c2", "plain", "pairs_64", "k_splits", "chained"])
-def test_running_scale_interpret_equals_reference(kind):
-    """Tiling.running_scale (the sums held in the wgmma accumulators in units of the step's scale) in
-    the interpreter (races detected) against float64 products of the dequantized operands and against
-    the same tiling promoting each step: gate_up (alone and in clusters of two), one weight, column
-    pairs on 64-row tiles, K split over 5 programs, tiles chained; scales 1e6 apart from step to step
-    and a zero weight block scale (running_case)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.moe import grouped_matmul
-    ops, te, t, want = running_case(np.random.default_rng(41), kind)
-    interp = plgpu.InterpretGPUParams(detect_races=True)
-    call = lambda tt: np.asarray(  # noqa: E731
-        grouped_matmul(tile_expert=te, tiling=tt, interpret=interp, **ops), np.float64)
-    got, promoted = call(t), call(dataclasses.replace(t, running_scale=False))
-    for rows, e in used_tiles(te, t.block_m, got, promoted):
-        w = want(rows, e)
-        assert np.abs(got[rows] - w).max() <= 8e-3 * np.abs(w).max(), kind           # bf16 output rounding
-        assert np.abs(got[rows] - promoted[rows]).max() <= 8e-3 * np.abs(w).max(), kind
-
-
-def test_running_scale_refusals():
-    """running_scale is refused where its products would not be issued one after the other by it: joint
-    products, interleaved gate/up, one compute warpgroup, the unscaled probe, bf16."""
-    from pallas_kernels.moe.grouped_matmul import shape_error, with_running_scale
-    sds = jax.ShapeDtypeStruct
-    x, w = sds((256, 256), jnp.float8_e4m3fn), sds((2, 256, 256), jnp.float8_e4m3fn)
-    base = Tiling(block_m=128, block_n=128, block_k=128, stages=2, compute_wgs=2, running_scale=True)
-    assert shape_error(x, w, base, fp8=True) is None
-    for bad in (dict(joint_products=True, block_n=64), dict(interleaved_gate_up=True), dict(compute_wgs=1),
-                dict(unscaled_probe=True)):
-        assert "running_scale" in shape_error(x, w, dataclasses.replace(base, **bad), fp8=True), bad
-    assert "running_scale" in shape_error(sds((256, 256), jnp.bfloat16), sds((2, 256, 256), jnp.bfloat16),
-                                          dataclasses.replace(base, block_k=64), fp8=False)
-    joint = Tiling(block_m=128, block_n=64, block_k=128, compute_wgs=2, joint_products=True)
-    assert with_running_scale(joint) == dataclasses.replace(joint, joint_products=False, running_scale=True)
-
-
-@pytest.mark.parametrize("chain", [False, True])
-def test_running_scale_lowers_for_cuda_at_glm5_widths(chain):
-    """KernelPolicy.fp8_running_scale's tilings at GLM-5's widths over 256 experts: the prefill gate_up
-    call in running scales (128 columns of each weight, clusters of two), plain and chained, lowered for
-    CUDA from shapes; down, decode and interleaved gate_up keep promoting."""
-    from pallas_kernels.moe import grouped_matmul
-    from pallas_kernels.moe.dispatch import expert_tilings
-    sds = jax.ShapeDtypeStruct
-    E, D, I, rows = 256, 6144, 2048, 8192 * 8
-    gate = sds((E, I, D), jnp.float8_e4m3fn)
-    up_t, down_t = expert_tilings(rows, gate, True, 2, chain=chain, running=True)
-    assert (up_t.running_scale, up_t.block_n, up_t.cluster_n, up_t.chained_tiles) == (True, 128, 2, chain)
-    assert (up_t, down_t)[1] == expert_tilings(rows, gate, True, 2, chain=chain)[1]
-    assert not any(t.running_scale for t in expert_tilings(64 * 8, gate, True, 2, chain=chain, running=True))
-    both = expert_tilings(rows, gate, True, 2, chain=chain, interleaved=True, running=True)
-    assert both == (up_t, down_t)                           # at prefill running scales win over interleaving
-    assert expert_tilings(64 * 8, gate, True, 2, interleaved=True, running=True)[0].interleaved_gate_up
-    P = padded_rows(rows, E, up_t.block_m)
-    ws = sds((E, I // 128, D // 128), jnp.float32)
-    traced = jax.jit(lambda x, g, u, te, xs, gs, us: grouped_matmul(
-        x, g, te, up=u, tiling=up_t, x_scale=xs, w_scale=gs, up_scale=us)).trace(
-        sds((P, D), jnp.float8_e4m3fn), gate, gate, sds((P // up_t.block_m,), jnp.int32),
-        sds((D // 128, P), jnp.float32), ws, ws)
-    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.gpu
-def test_running_scale_compiled_error_is_bounded():
-    """running_scale compiled on the GPU at GLM-5's gate_up depth (K 6144, 48 steps; 16 experts, rows
-    routed by block_plan) against float64 products of the dequantized operands, beside the promoting
-    tiling: Hopper's fp8 wgmma adds into its accumulator with fewer bits than fp32, and running_scale
-    keeps the whole sum there. Both errors printed. The promoting kernel within bf16 output rounding
-    (2^-8 of the largest output); running_scale within 2^-6 of it (measured on the H100, 2026-12-05:
-    0.75%) and its mean error within 2^-5 of the mean output: a wrong ratio or a missed step moves
-    outputs by their own size."""
-    from pallas_kernels.moe import grouped_matmul, quantize_rows
-    from pallas_kernels.moe.fp8_rows import dequantize_rows
-    rng = np.random.default_rng(43)
-    E, D, I, slots = 16, 6144, 512, 2048
-    (gq, gs), (uq, us) = fp8_experts(rng, D, I, E)[:2]
-    fe = jnp.asarray(rng.integers(0, E, slots), jnp.int32)
-    _, row_slot, te = block_plan(fe, E, 128)
-    xq, xs = quantize_rows(jnp.asarray(rng.standard_normal((row_slot.shape[0], D)), jnp.bfloat16))
-    xd = np.asarray(dequantize_rows(xq, xs), np.float64)
-    gd = np.asarray(plain_f32(gq, gs), np.float64)
-    used = np.asarray(te)
-    want = np.concatenate([xd[i * 128:(i + 1) * 128] @ gd[e] for i, e in enumerate(used) if e >= 0])
-    promoted = Tiling(block_m=128, block_n=128, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2)
-    errs = {}
-    for name, t in (("promoted", promoted), ("running", dataclasses.replace(promoted, running_scale=True))):
-        out = np.asarray(grouped_matmul(xq, gq, te, tiling=t, x_scale=xs, w_scale=gs), np.float64)
-        got = np.concatenate([out[i * 128:(i + 1) * 128] for i, e in enumerate(used) if e >= 0])
-        errs[name] = (np.abs(got - want).max() / np.abs(want).max(), np.abs(got - want).mean() / np.abs(want).mean())
-    print(f"fp8 grouped matmul vs float64, (max, mean) relative: {errs}")
-    assert errs["promoted"][0] <= 2.0 ** -8
-    assert errs["running"][0] <= 2.0 ** -6
-    assert errs["running"][1] <= 2.0 ** -5
-
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_unscaled_probe_lowers_for_cuda_at_glm5_widths(interleaved):
@@ -577,36 +448,6 @@ def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
     x_sds = sds((4 * bm, K), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     assert "k_splits 4" in shape_error(x_sds, w_sds, dataclasses.replace(t, k_splits=4), fp8=fp8)
 
-
-def test_quantize_gathered_slots_bit_equal_the_gathered_bytes(monkeypatch):
-    """KernelPolicy.fp8_quantize_gathered_slots (decode-sized calls gather the tokens' rows, then quantize
-    them) gives the fp8 path's outputs bit for bit against quantizing each token and gathering its bytes
-    and scales (interpreter; 64-row tiles over 8 experts, a zero token, dummies and padding rows); a call
-    over more slots than the policy's keeps the bytes path (traced with the fused gather poisoned)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    import pallas_kernels.moe.dispatch as dispatch
-    from pallas_kernels.moe import expert_mlp_blocked_fp8
-    rng = np.random.default_rng(12)
-    N, k, D, I, E = 3, 4, 256, 128, 8
-    x = jnp.asarray(rng.standard_normal((N, D)) * np.array([1.0, 0.0, 1e-3])[:, None], jnp.bfloat16)  # a zero token
-    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
-    fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
-    t = Tiling(block_m=64, block_n=64, block_k=128, stages=2, grid_block_n=1, programs=3)
-
-    def run(slots_limit):
-        policy = KernelPolicy(fp8_quantize_gathered_slots=slots_limit)
-        return expert_mlp_blocked_fp8(x, fe, gq, uq, dq, (gs, us, ds), k, up_tiling=t, down_tiling=t, policy=policy,
-                                      interpret=plgpu.InterpretGPUParams()).slots()
-    got, want = (np.asarray(run(limit), np.float64) for limit in (N * k, 0))
-    assert np.isfinite(got).all() and np.abs(want).max() > 0 and (got[np.asarray(fe) == E] == 0).all()
-    np.testing.assert_array_equal(got, want)
-    # over the limit the fused gather is not taken
-    monkeypatch.setattr(dispatch, "gather_rows_reference",
-                        lambda *a: (_ for _ in ()).throw(AssertionError("fused gather taken")))
-    jax.eval_shape(lambda: run(N * k - 1))
-    with pytest.raises(AssertionError, match="fused gather taken"):
-        jax.eval_shape(lambda: run(N * k))
 
 
 def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
@@ -859,94 +700,6 @@ def test_one_program_a_tile_interpret_bit_equal_persistent():
     assert [t.programs for t in expert_tilings(1280, gq, True, **fp8_tiling_options(KernelPolicy()))] == [132, 132]
 
 
-def test_cluster_rows_policy_tilings():
-    """KernelPolicy.moe_cluster_rows's tilings: the prefill calls (bf16, and fp8 with its column clusters moved
-    to row tiles) in clusters on row-tile pairs that the kernel takes, chained ones and decode tilings as
-    they were; with one_tile one program a tile too."""
-    from pallas_kernels.moe.dispatch import expert_tilings, fp8_tiling_options
-    from pallas_kernels.moe.grouped_matmul import chained, shape_error
-    rng = np.random.default_rng(18)
-    E, D, I, slots = 16, 1024, 512, 4096
-    _, gate, _, _ = mlp_inputs(rng, 4, D, I, E)
-    gq = fp8_experts(rng, D, I, E)[0][0]
-    P = padded_rows(slots, E, 128)
-    for w, fp8, kw in ((gate, False, dict(compute_wgs=2)),
-                       (gq, True, fp8_tiling_options(KernelPolicy(fp8_moe_kernel=True)))):
-        plain = expert_tilings(slots, w, fp8, **kw)
-        paired = expert_tilings(slots, w, fp8, **dict(kw, row_pairs=True))
-        assert [t.cluster_m for t in paired] == [1 if t.chained_tiles else 2 for t in plain], plain
-        assert all(t.cluster_n == 1 for t in paired if t.cluster_m == 2)
-        assert [dataclasses.replace(t, cluster_n=1, cluster_m=1) for t in paired] == [
-            dataclasses.replace(t, cluster_n=1) for t in plain]
-        x_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-        assert shape_error(jax.ShapeDtypeStruct((P, D), x_dtype), w, paired[0], fp8=fp8) is None
-        both = expert_tilings(slots, w, fp8, **dict(kw, row_pairs=True, one_tile=True))
-        assert both == tuple(dataclasses.replace(t, programs=0) for t in paired)
-        assert expert_tilings(8, w, fp8, **dict(kw, row_pairs=True)) == expert_tilings(8, w, fp8, **kw)
-    assert fp8_tiling_options(KernelPolicy(moe_cluster_rows=True))["row_pairs"]
-    _, gate, _, _ = mlp_inputs(rng, 4, 1536, I, E)     # gate_up's 24 K steps chain in its 3 stages
-    plain = expert_tilings(slots, gate, False, 2, chain=True)
-    assert plain[0] == chained(expert_tilings(slots, gate, False, 2)[0], 1536) and plain[0].chained_tiles
-    assert expert_tilings(slots, gate, False, 2, chain=True, row_pairs=True) == tuple(
-        t if t.chained_tiles else dataclasses.replace(t, cluster_m=2) for t in plain)
-
-
-def test_row_tile_pairs_pair_each_experts_tiles_first():
-    """plan.row_tile_pairs on random block plans (and one expert's tiles, none used): every used tile in
-    exactly one pair, no unused one; as many pairs of one expert as its runs hold (floor(n / 2) each), those
-    first, then the odd ones out two by two in tile order."""
-    from pallas_kernels.moe.plan import row_tile_pairs
-    rng = np.random.default_rng(16)
-    plans = [np.repeat(np.arange(E), rng.integers(0, 5, E)) for E in (1, 2, 7, 40) for _ in range(3)]
-    plans += [np.zeros(5, int), np.zeros(0, int)]
-    for run_tiles in plans:
-        te = np.concatenate([run_tiles, np.full(int(rng.integers(0, 4)), -1)]).astype(np.int32)
-        if te.size == 0:
-            continue
-        pairs = np.asarray(row_tile_pairs(jnp.asarray(te)))
-        assert pairs.shape == ((te.size + 1) // 2, 2)
-        flat = pairs[pairs >= 0]
-        assert sorted(flat) == list(np.flatnonzero(te >= 0)), te
-        runs = [int(np.sum(te == e)) for e in np.unique(te[te >= 0])]
-        same = [(a, b) for a, b in pairs if a >= 0 and b >= 0 and te[a] == te[b]]
-        assert len(same) == sum(n // 2 for n in runs) and all(b == a + 1 for a, b in same), te
-        assert [tuple(p) for p in pairs[:len(same)]] == same                      # shared pairs first
-        lone = [t for p in pairs[len(same):] for t in p if t >= 0]
-        assert lone == sorted(lone) and len(lone) == sum(n % 2 for n in runs)
-        assert (pairs[len(same) + (len(lone) + 1) // 2:] == -1).all()
-
-
-def test_cluster_rows_interpret_bit_equal_unclustered():
-    """Tiling.cluster_m 2 in the interpreter (races detected): its two pipelines (weight blocks multicast for a
-    pair of one expert's tiles, loaded apart with the program's own consumed barriers otherwise) and its walk
-    over plan.row_tile_pairs, persistent and one program a tile, give the unclustered outputs bit for bit,
-    unused tiles unwritten. (The interpreter loads a multicast block whole into each program, so that the
-    pair's tiles really share it is the compiled test's: test_cluster_rows_compiled_bit_equal.)"""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels.moe import grouped_matmul, quantize_rows
-    rng = np.random.default_rng(17)
-    interp = plgpu.InterpretGPUParams(detect_races=True)
-    E, D, I = 5, 128, 128
-    te = jnp.asarray([0, 0, 1, 1, 1, 2, 3, 4, -1], jnp.int32)   # pairs (0, 1), (2, 3); (4, 5), (6, 7), (8?) apart
-    P = te.shape[0] * 128
-    used = np.repeat(np.asarray(te) >= 0, 128)
-    x, gate, up, _ = mlp_inputs(rng, P, D, I, E)
-    t = Tiling(block_m=128, block_n=64, stages=2, grid_block_n=1, programs=2, compute_wgs=2)
-    (gq, gs), (uq, us) = fp8_experts(rng, D, I, E)[:2]
-    xq, xs = quantize_rows(jnp.asarray(x, jnp.float32))
-    t8 = Tiling(block_m=128, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2,
-                interleaved_gate_up=True)
-    for tiling, args, kw in ((t, (x, gate, te), dict(up=up)),
-                             (t8, (xq, gq, te), dict(up=uq, x_scale=xs, w_scale=gs, up_scale=us))):
-        want = np.asarray(grouped_matmul(*args, tiling=tiling, interpret=interp, **kw), np.float64)
-        assert np.isfinite(want[used]).all() and np.abs(want[used]).max() > 0
-        for programs in (2, 0):
-            clustered = dataclasses.replace(tiling, cluster_m=2, programs=programs)
-            got = np.asarray(grouped_matmul(*args, tiling=clustered, interpret=interp, **kw), np.float64)
-            np.testing.assert_array_equal(got[used], want[used], err_msg=str(clustered))
-            assert np.isnan(got[~used]).all()
-
 
 @functools.partial(jax.jit, static_argnums=5, static_argnames="policy")
 def slots_compiled(x, fe, gate, up, down, k, *, policy, scales=None):
@@ -974,18 +727,16 @@ def test_expert_mlp_kernel_compiled_equals_reference(compute_wgs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compute_wgs,interleaved,chain,running", [
-    (1, False, False, False), (2, False, False, False), (2, True, False, False), (2, False, True, False),
-    (2, False, False, True), (2, False, True, True)])
-def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs, interleaved, chain, running):
+@pytest.mark.parametrize("compute_wgs,interleaved,chain", [
+    (1, False, False), (2, False, False), (2, True, False), (2, False, True)])
+def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs, interleaved, chain):
     """fp8 experts through the compiled fp8 kernel (policy.fp8_moe_kernel; one compute warpgroup or the
-    warp-specialized two, with gate_up's blocks side by side or not, tiles chained or not, sums in
-    running scales or promoted) against the same weights dequantized to bf16 (the bf16 kernel path,
+    warp-specialized two, with gate_up's blocks side by side or not, tiles chained or not) against the same weights dequantized to bf16 (the bf16 kernel path,
     chained as well): prefill and decode row counts, 16 and 256 experts."""
     from pallas_kernels.moe import fp8_kernel_applies
     rng = np.random.default_rng(6)
     on = KernelPolicy(fp8_moe_kernel=True, fp8_moe_compute_wgs=compute_wgs, fp8_moe_interleaved_gate_up=interleaved,
-                      chained_tiles=chain, fp8_running_scale=running)
+                      chained_tiles=chain)
     off = KernelPolicy(fp8_moe_kernel=False, chained_tiles=chain)
     run = slots_compiled
     for N, k, D, I, E in ((512, 8, 1024, 512, 16), (4, 8, 1024, 512, 256), (300, 8, 512, 256, 256)):
@@ -1003,13 +754,10 @@ def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs,
 @pytest.mark.gpu
 def test_moe_tile_programs_compiled_bit_equal():
     """KernelPolicy.moe_tile_program_rows (one program a bf16 prefill tile; on by default at these rows an
-    expert: 256 and ~9) and moe_cluster_rows (clusters on row-tile pairs, weights multicast), each and both,
-    through the compiled dispatch, bf16 and fp8 experts, 16 and 256 experts: the persistent unclustered-by-rows
-    programs' outputs bit for bit."""
+    expert: 256 and ~9) through the compiled dispatch, bf16 and fp8 experts, 16 and 256 experts: the
+    persistent programs' outputs bit for bit."""
     assert_policies_bit_equal(np.random.default_rng(14), ((512, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)),
-                              KernelPolicy(moe_tile_program_rows=0),
-                              [KernelPolicy(), KernelPolicy(moe_tile_program_rows=0, moe_cluster_rows=True),
-                               KernelPolicy(moe_cluster_rows=True)])
+                              KernelPolicy(moe_tile_program_rows=0), [KernelPolicy()])
 
 
 def assert_policies_bit_equal(rng, cases, off: KernelPolicy, ons):
@@ -1028,70 +776,6 @@ def assert_policies_bit_equal(rng, cases, off: KernelPolicy, ons):
                 assert np.isfinite(got).all(), (N, E, on)
                 np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens over {E} experts, {on}")
 
-
-@pytest.mark.gpu
-def test_cluster_rows_compiled_bit_equal():
-    """Tiling.cluster_m 2 compiled: weight blocks multicast to a cluster's pair of one expert's row tiles,
-    loaded apart for a pair of two experts' tiles or a tile alone; persistent and one program a tile; bf16
-    gate_up and down, fp8 gate_up (interleaved, two-block steps) and down: bit for bit the unclustered
-    tiling's outputs. The plan holds pairs of one expert, odd ones out of two experts, one alone, unused
-    tiles; sharing a pair of two experts would mix their weights' halves. Then the gate_up calls over a
-    random routing's plan (64 experts, 2-3 tiles each: many programs switching between shared and apart
-    pipelines, where one program's multicast must wait for the other's last tile to release its slots)."""
-    from pallas_kernels.moe import grouped_matmul, quantize_rows
-    from pallas_kernels.moe.grouped_matmul import shape_error
-    from pallas_kernels.moe.plan import row_tile_pairs
-    rng = np.random.default_rng(15)
-    D, I = 1024, 512
-    # pairs (0, 1), (3, 4), (6, 7) of one expert; odd ones out (2, 5), (8, 9) of two, (10) alone
-    small = np.asarray([0, 0, 0, 1, 1, 2, 3, 3, 3, 4, 5, -1, -1])
-    routed = np.asarray(block_plan(jnp.asarray(rng.integers(0, 64, 2048 * 8), jnp.int32), 64, 128)[2])
-    cases = []
-    for te, calls in ((small, 4), (routed, 2)):
-        E, P = int(te.max()) + 1, te.size * 128
-        te = jnp.asarray(te, jnp.int32)
-        x, gate, up, down = mlp_inputs(rng, P, D, I, E)
-        (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
-        xq, xsc = quantize_rows(jnp.asarray(x, jnp.float32))
-        h = jnp.asarray(rng.standard_normal((P, I)), jnp.bfloat16)
-        hq, hsc = quantize_rows(jnp.asarray(h, jnp.float32))
-        bf16 = functools.partial(Tiling, block_m=128, stages=3, compute_wgs=2)
-        fp8 = functools.partial(Tiling, block_m=128, block_k=128, compute_wgs=2, grid_block_n=16)
-        cases += [(te, *c) for c in [
-            (bf16(block_n=128), (x, gate, te), dict(up=up)),
-            (fp8(block_n=128, stages=3, interleaved_gate_up=True, step_blocks=2), (xq, gq, te),
-             dict(up=uq, x_scale=xsc, w_scale=gs, up_scale=us)),
-            (bf16(block_n=256), (h, down, te), {}),
-            (fp8(block_n=128, stages=4), (hq, dq, te), dict(x_scale=hsc, w_scale=ds))][:calls]]
-    pairs = [(routed[a], routed[b]) for a, b in np.asarray(row_tile_pairs(jnp.asarray(routed))) if min(a, b) >= 0]
-    assert sum(a == b for a, b in pairs) > 40 and sum(a != b for a, b in pairs) > 10   # shared and apart
-    for te, tiling, args, kw in cases:
-        used = np.repeat(np.asarray(te) >= 0, 128)
-        assert shape_error(args[0], args[1], tiling, fp8="x_scale" in kw) is None, tiling
-        want = np.asarray(jax.jit(functools.partial(grouped_matmul, tiling=tiling, **kw))(*args), np.float64)
-        assert np.isfinite(want[used]).all() and np.abs(want[used]).max() > 0, tiling
-        for programs in (132, 0):
-            clustered = dataclasses.replace(tiling, cluster_m=2, programs=programs)
-            got = np.asarray(jax.jit(functools.partial(grouped_matmul, tiling=clustered, **kw))(*args), np.float64)
-            np.testing.assert_array_equal(got[used], want[used], err_msg=str(clustered))
-
-
-@pytest.mark.gpu
-def test_quantize_gathered_slots_compiled_bit_equal():
-    """KernelPolicy.fp8_quantize_gathered_slots through the compiled dispatch at decode sizes (1, 8 and 64
-    tokens x top-8 over 256 experts, dummies among the slots): the same outputs bit for bit as quantizing
-    each token and gathering its bytes with the row-gather kernel."""
-    rng = np.random.default_rng(13)
-    D, I, E, k = 1024, 512, 256, 8
-    (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
-    on, off = KernelPolicy(fp8_quantize_gathered_slots=512), KernelPolicy(fp8_quantize_gathered_slots=0)
-    for N in (1, 8, 64):
-        x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
-        fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
-        got = np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=on, scales=(gs, us, ds)), np.float64)
-        want = np.asarray(slots_compiled(x, fe, gq, uq, dq, k, policy=off, scales=(gs, us, ds)), np.float64)
-        assert np.isfinite(got).all() and np.abs(want).max() > 0, N
-        np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens")
 
 
 @pytest.mark.gpu
@@ -1374,7 +1058,7 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     runs) makes the same additions in the same order as one block a step: the interpreter (races
     detected) gives bit-equal outputs, gate_up interleaved and one weight (down's shape), over 6 K steps
     with distinct block scales, the unused tile unwritten; K steps not a multiple of the blocks, 3 blocks,
-    joint products, running scales, and gate and up not interleaved are refused; chained tiles bit-equal
+    joint products, and gate and up not interleaved are refused; chained tiles bit-equal
     for one weight and for interleaved gate_up with its row scales from global memory, refused for it
     with them in shared memory. (The unscaled probe's two-block steps: the compiled test and the bench's
     err.)"""
@@ -1411,8 +1095,7 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     sds = jax.ShapeDtypeStruct
     w = sds(operands[2].shape, jnp.float8_e4m3fn)
     for K, blocks, bad in ((640, 2, {}), (768, 3, {}),
-                           (768, 2, dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True)),
-                           (768, 2, dict(running_scale=True))):
+                           (768, 2, dict(interleaved_gate_up=False, block_n=64, cluster_n=1, joint_products=True))):
         t = dataclasses.replace(il, step_blocks=blocks, **bad)
         assert "step_blocks" in shape_error(sds((3 * bm, K), jnp.float8_e4m3fn), sds(w.shape[:2] + (K,), w.dtype), t,
                                             fp8=True)
@@ -1431,8 +1114,8 @@ def test_wide_tiles_interpret_bit_equal_128_column_tiles():
     """192-column fp8 tiles (scale_slices: each warpgroup promotes its product's 64-column slices with
     their own weight block scales) give the 128-column tiles' outputs bit for bit in the interpreter
     (races detected), in clusters of two and without, scaled and as the unscaled probe, and float64's
-    within bf16 rounding; gate and up, two-block steps, 64-row tiles, joint products and running scales
-    are refused with them."""
+    within bf16 rounding; gate and up, two-block steps, 64-row tiles and joint products are refused with
+    them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe import grouped_matmul
@@ -1456,7 +1139,7 @@ def test_wide_tiles_interpret_bit_equal_128_column_tiles():
     with pytest.raises(ValueError, match="straddle"):
         grouped_matmul(xq, gq, tile_expert, up=uq, tiling=wide, x_scale=xs, w_scale=gs, up_scale=us, interpret=True)
     sds = jax.ShapeDtypeStruct
-    for bad in (dict(step_blocks=2), dict(block_m=64), dict(joint_products=True), dict(running_scale=True)):
+    for bad in (dict(step_blocks=2), dict(block_m=64), dict(joint_products=True)):
         t = dataclasses.replace(wide, **bad)
         assert scale_slices(t) == 0
         assert shape_error(sds((256, 384), jnp.float8_e4m3fn), sds((2, 384, 384), jnp.float8_e4m3fn), t, fp8=True)
@@ -1477,7 +1160,7 @@ def test_wide_tiles_lower_for_cuda_at_glm5_down_widths(variant):
 
 def test_wide_down_tiles_policy():
     """KernelPolicy.fp8_wide_tiles gives the prefill down call 192-column tiles in clusters of two,
-    chained, one K block a step (two-block steps and running scales leave it alone), the gate_up call and the
+    chained, one K block a step (two-block steps leave it alone), the gate_up call and the
     decode tiles unchanged; a hidden size not a multiple of 192 keeps 128."""
     from pallas_kernels.moe.dispatch import expert_tilings, fp8_shape_error
     from pallas_kernels.policy import KernelPolicy
@@ -1486,15 +1169,14 @@ def test_wide_down_tiles_policy():
     gate, down = sds((E, I, D), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn)
     for slots in (8192 * 8, 8):          # prefill; one token (64-row tiles)
         base = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2)
-        up_t, down_t = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2, running=True,
-                                      wide_down=True)
+        up_t, down_t = expert_tilings(slots, gate, True, 2, interleaved=True, step_blocks=2, wide_down=True)
         assert up_t.block_m == base[0].block_m
         if slots == 8:
             assert down_t == base[1]
             continue
-        assert (down_t.block_n, down_t.cluster_n, down_t.step_blocks, down_t.running_scale) == (192, 2, 1, False)
+        assert (down_t.block_n, down_t.cluster_n, down_t.step_blocks) == (192, 2, 1)
         assert down_t == dataclasses.replace(base[1], block_n=192, chained_tiles=True)
-        assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, False, 2, False,
+        assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, 2, False,
                                True) is None
     odd = sds((E, I, 6016), jnp.float8_e4m3fn)       # 47 x 128: not a multiple of 192
     assert expert_tilings(8192 * 8, odd, True, 2, wide_down=True)[1].block_n == 128
@@ -1550,7 +1232,7 @@ def test_interleaved_wide_gate_up_interpret_bit_equal(I, cluster_n):
                                   call(dataclasses.replace(ref_t, unscaled_probe=True)))
     sds = jax.ShapeDtypeStruct
     x, w = sds((256, 384), jnp.float8_e4m3fn), sds((2, I, 384), jnp.float8_e4m3fn)
-    for bad in (dict(step_blocks=2), dict(running_scale=True), dict(joint_products=True), dict(cluster_n=1, k_splits=3)):
+    for bad in (dict(step_blocks=2), dict(joint_products=True), dict(cluster_n=1, k_splits=3)):
         assert shape_error(x, w, dataclasses.replace(wide, **bad), fp8=True)
     assert "column_step" in shape_error(x, sds((2, 336, 384), jnp.float8_e4m3fn), wide, fp8=True)   # 336 % 32
 
@@ -1647,8 +1329,8 @@ def test_three_compute_warpgroups_lower_for_cuda_at_glm5_widths(call):
 def test_three_wgs_policy():
     """KernelPolicy.fp8_three_wgs gives prefill calls with at least THREE_WG_ROWS rows an expert (8192 tokens
     x top-8 over 16 and 64 experts) 192-row tiles in three compute warpgroups for both calls (gate_up
-    interleaved, down chained, clusters of two) and leaves 256 experts (256 rows each), decode, the running
-    scales' opt-in and the policy without it as they were."""
+    interleaved, down chained, clusters of two) and leaves 256 experts (256 rows each), decode and the policy
+    without it as they were."""
     from pallas_kernels.moe.dispatch import THREE_WG_ROWS, expert_tilings, fp8_shape_error, three_wg_tilings
     from pallas_kernels.policy import KernelPolicy
     sds = jax.ShapeDtypeStruct
@@ -1661,12 +1343,10 @@ def test_three_wgs_policy():
             got = expert_tilings(slots, gate, True, 2, three_wgs=True, **kw)
             if slots >= THREE_WG_ROWS * E:
                 assert got == three_wg_tilings() and got[0].compute_wgs == got[1].compute_wgs == 3
-                assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, False, 2,
+                assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, 2,
                                        False, True, True) is None
             else:
                 assert got == base
-            assert expert_tilings(slots, gate, True, 2, three_wgs=True, running=True, **kw) == expert_tilings(
-                slots, gate, True, 2, running=True, **kw)
         assert (E == 256) == (8192 * 8 < THREE_WG_ROWS * E)
     assert KernelPolicy().fp8_three_wgs and not KernelPolicy.parse("fp8_three_wgs=false").fp8_three_wgs
 
@@ -1739,8 +1419,8 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
     gmem_row_scales, last): the interleaved gate_up call at
     prefill (128-row tiles, 3 stages) and decode (64 x 256 tiles, 2 stages) take two K blocks a step; the
     clustered prefill down call (three stages do not fit with its row scales in shared memory) only with
-    them from global memory; decode's joint column-pair down, the joint gate_up (interleaving off),
-    running scales and an odd number of K blocks keep one; each picked tiling passes shape_error."""
+    them from global memory; decode's joint column-pair down, the joint gate_up (interleaving off) and an
+    odd number of K blocks keep one; each picked tiling passes shape_error."""
     from pallas_kernels.moe.dispatch import expert_tilings
     from pallas_kernels.moe.grouped_matmul import shape_error
     sds = jax.ShapeDtypeStruct
@@ -1765,14 +1445,13 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
     assert expert_tilings(8192 * 8, gate, True, 2, step_blocks=2)[0].step_blocks == 1          # joint gate_up
     up_t, down_t = expert_tilings(8192 * 8, gate, True, 2, interleaved=True, chain=True, step_blocks=2)
     assert (up_t.step_blocks, up_t.chained_tiles, down_t.step_blocks, down_t.chained_tiles) == (2, False, 1, True)
-    assert expert_tilings(8192 * 8, gate, True, 2, running=True, step_blocks=2)[0].step_blocks == 1
     odd = sds((E, I, 640), jnp.float8_e4m3fn)
     assert expert_tilings(8192 * 8, odd, True, 2, interleaved=True, step_blocks=2)[0].step_blocks == 1
-    # gmem_row_scales: every two-warpgroup tiling but running scales, fence off with it
+    # gmem_row_scales: every two-warpgroup tiling, fence off with it
     for rows in (8192 * 8, 64 * 8):
         ts = expert_tilings(rows, sds((256, I, D), jnp.float8_e4m3fn), True, 2, interleaved=True, gmem_row_scales=True)
         assert all(t.row_scales_from_gmem and not t.fence_row_scales for t in ts)
-    assert not expert_tilings(8192 * 8, gate, True, 2, running=True, gmem_row_scales=True)[0].row_scales_from_gmem
+    assert not any(t.row_scales_from_gmem for t in expert_tilings(8192 * 8, gate, True, 1, gmem_row_scales=True))
 
 
 def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fence(bm=128):
@@ -1781,7 +1460,7 @@ def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fenc
     interpreter, with the race detector on and fence_row_scales off (nothing in shared memory to order):
     interleaved gate_up with one and two K blocks a step, and one weight, on 128-row tiles (each warpgroup
     its own 64 rows: the row offset is what can go wrong; 64-row tiles read from row 0, lowered below);
-    refused with running scales."""
+    refused without compute warpgroups."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe.grouped_matmul import shape_error
@@ -1797,10 +1476,9 @@ def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fenc
     np.testing.assert_array_equal(down(dataclasses.replace(one, row_scales_from_gmem=True, fence_row_scales=False)),
                                   down(one))
     sds = jax.ShapeDtypeStruct
-    running = Tiling(block_m=128, block_n=128, block_k=128, compute_wgs=2, running_scale=True,
-                     row_scales_from_gmem=True)
+    one_wg = Tiling(block_m=128, block_n=128, block_k=128, compute_wgs=1, row_scales_from_gmem=True)
     assert "row_scales_from_gmem" in shape_error(sds((256, 768), jnp.float8_e4m3fn),
-                                                 sds((2, 256, 768), jnp.float8_e4m3fn), running, fp8=True)
+                                                 sds((2, 256, 768), jnp.float8_e4m3fn), one_wg, fp8=True)
 
 
 @pytest.mark.gpu

@@ -24,12 +24,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, column_step, column_tiles, grouped_matmul, shape_error
-from pallas_kernels.moe.grouped_matmul import WIDE_TILE, can_run_scale, scale_slices, with_gmem_row_scales
-from pallas_kernels.moe.grouped_matmul import warp_specialized, with_running_scale, with_step_blocks
+from pallas_kernels.moe.grouped_matmul import WIDE_TILE, scale_slices, with_gmem_row_scales, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
-from pallas_kernels.row_gather import combine_rows, expert_order, gather_rows, gather_rows_reference
+from pallas_kernels.row_gather import combine_rows, expert_order, gather_rows
 
 
 class ExpertRows(NamedTuple):
@@ -117,64 +116,41 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 
 
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
-                   chain: bool = False, running: bool = False, step_blocks: int = 1,
-                   gmem_row_scales: bool = False, wide_down: bool = False,
-                   three_wgs: bool = False, one_tile: bool = False, row_pairs: bool = False) -> tuple[Tiling, Tiling]:
+                   chain: bool = False, step_blocks: int = 1, gmem_row_scales: bool = False,
+                   wide_down: bool = False, three_wgs: bool = False, one_tile: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
-    call's tiling `chained` where it applies; running (fp8, two compute warpgroups): the prefill gate_up
-    call (128-row tiles) with Tiling.running_scale on 128 columns of each weight in clusters of two, in
-    place of the interleaved tiling (running scales sum each weight apart; an explicit opt-in). Measured
-    on the H100 (docs/perf.md, 2026-12-05 twelfth session): 8192 tokens over 16 experts 2.73 ms against
-    the promoting joint tiling's 3.47 (bf16 4.40), over 256 3.73 against 4.54; down (one weight, nothing
-    to rescale under) ran slower with it (2.44 against 2.30 ms), and the decode tilings were not timed,
-    so they keep promoting. step_blocks (fp8): Tiling.step_blocks where the tiling takes it
+    call's tiling `chained` where it applies; step_blocks (fp8): Tiling.step_blocks where the tiling takes it
     (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies; wide_down (fp8):
     the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
     scale_slices; one block a step), chained where it can be (as they were timed fastest). The prefill
     gate_up call stays in 128 x 128 interleaved tiles: interleaved 128 x WIDE_TILE ones ran slower
     (docs/perf.md, 2026-12-06 nineteenth session). three_wgs (fp8, interleaved, two compute warpgroups
     asked for): calls with at least THREE_WG_ROWS rows an expert take three_wg_tilings instead. one_tile:
-    prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0); row_pairs: those that
-    can (with_cluster_rows) run in clusters on pairs of row tiles (Tiling.cluster_m 2)."""
-    tilings = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks,
-                              gmem_row_scales, wide_down, three_wgs)
-    if tilings[0].block_m < 128:
-        return tilings
-    if row_pairs:
-        tilings = tuple(map(with_cluster_rows, tilings))
-    if one_tile:
+    prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0)."""
+    tilings = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_blocks, gmem_row_scales,
+                              wide_down, three_wgs)
+    if one_tile and tilings[0].block_m >= 128:
         tilings = tuple(dataclasses.replace(t, programs=0) for t in tilings)
     return tilings
 
 
-def with_cluster_rows(t: Tiling) -> Tiling:
-    """t in clusters of two programs on a pair of row tiles (Tiling.cluster_m 2; column-block clusters
-    dropped) where it can be: warp-specialized, not chained, no K splits. Else t."""
-    if not warp_specialized(t) or t.chained_tiles or t.k_splits != 1:
-        return t
-    return dataclasses.replace(t, cluster_n=1, cluster_m=2)
-
-
-def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, running, step_blocks, gmem_row_scales,
+def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_blocks, gmem_row_scales,
                     wide_down, three_wgs) -> tuple[Tiling, Tiling]:
     """expert_tilings in persistent programs (one_tile applied after)."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
-    if fp8 and three_wgs and interleaved and compute_wgs == 2 and not running and slots >= THREE_WG_ROWS * E:
+    if fp8 and three_wgs and interleaved and compute_wgs == 2 and slots >= THREE_WG_ROWS * E:
         up_t, down_t = three_wg_tilings()
         if I % column_step(up_t) == 0 and D % down_t.block_n == 0:
             up_t, down_t = paired(up_t, I), paired(down_t, D)
             return with_gmem_row_scales(up_t, gmem_row_scales), with_gmem_row_scales(down_t, gmem_row_scales)
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
-    running = fp8 and running and up_t.block_m == 128 and can_run_scale(up_t)
-    if fp8 and interleaved and compute_wgs == 2 and not running:
+    if fp8 and interleaved and compute_wgs == 2:
         il = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
                                  joint_products=False, interleaved_gate_up=True)
         up_t = il if I % column_step(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
-    if running:
-        up_t = with_running_scale(dataclasses.replace(up_t, block_n=128, cluster_n=2))
     wide_t = dataclasses.replace(down_t, block_n=WIDE_TILE)     # scale_slices: 128-row tiles only
     wide = fp8 and wide_down and D % WIDE_TILE == 0 and scale_slices(wide_t) > 1
     if wide:
@@ -234,15 +210,14 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
-                    chain: bool = False, running: bool = False, step_blocks: int = 1,
-                    gmem_row_scales: bool = False, wide_down: bool = False, three_wgs: bool = False,
-                    row_pairs: bool = False) -> str | None:
+                    chain: bool = False, step_blocks: int = 1, gmem_row_scales: bool = False,
+                    wide_down: bool = False, three_wgs: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
-    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, running, step_blocks,
-                                  gmem_row_scales, wide_down, three_wgs, row_pairs=row_pairs)
+    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, step_blocks, gmem_row_scales,
+                                  wide_down, three_wgs)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -252,17 +227,16 @@ def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved
 def fp8_tiling_options(policy: KernelPolicy) -> dict:
     """The policy's choices for the fp8 kernel's tilings, as expert_tilings and fp8_shape_error take them."""
     return dict(compute_wgs=policy.fp8_moe_compute_wgs, interleaved=policy.fp8_moe_interleaved_gate_up,
-                chain=policy.chained_tiles, running=policy.fp8_running_scale, step_blocks=policy.fp8_step_blocks,
+                chain=policy.chained_tiles, step_blocks=policy.fp8_step_blocks,
                 gmem_row_scales=policy.fp8_row_scales_from_gmem, wide_down=policy.fp8_wide_tiles,
-                three_wgs=policy.fp8_three_wgs, row_pairs=policy.moe_cluster_rows)
+                three_wgs=policy.fp8_three_wgs)
 
 
 def bf16_tilings(slots: int, gate, policy: KernelPolicy) -> tuple[Tiling, Tiling]:
     """The policy's (gate_up, down) tilings of the bf16 kernel over plain experts gate [E, D, I]: one program a
     tile where an expert averages at most policy.moe_tile_program_rows routed rows."""
     return expert_tilings(slots, gate, False, policy.moe_compute_wgs, chain=policy.chained_tiles,
-                          one_tile=slots <= policy.moe_tile_program_rows * gate.shape[0],
-                          row_pairs=policy.moe_cluster_rows)
+                          one_tile=slots <= policy.moe_tile_program_rows * gate.shape[0])
 
 
 def fp8_kernel_applies(x, gate, down, slots: int, policy: KernelPolicy) -> bool:
@@ -283,13 +257,10 @@ def expert_mlp_blocked_fp8(x, flat_expert, gate, up, down, scales, topk: int, *,
     slot_row, row_slot, tile_expert = block_plan(flat_expert, E, up_tiling.block_m,
                                                  pairwise_slots=policy.moe_pairwise_plan_slots)
     src = jnp.where(row_slot >= 0, row_slot // topk, -1)
-    if flat_expert.shape[0] <= policy.fp8_quantize_gathered_slots:
-        xq, xs = quantize_rows(gather_rows_reference(x, src))    # padding rows: zero rows, scale 1
-    else:
-        tq, ts = quantize_rows(x)      # each token once, then its rows gathered as bytes (half of bf16's)
-        xq = jax.lax.bitcast_convert_type(
-            gather_rows(jax.lax.bitcast_convert_type(tq, jnp.uint8), src, policy=policy), jnp.float8_e4m3fn)
-        xs = jnp.where(src >= 0, ts[:, jnp.maximum(src, 0)], 1.0)    # padding rows: zeros at scale 1
+    tq, ts = quantize_rows(x)          # each token once, then its rows gathered as bytes (half of bf16's)
+    xq = jax.lax.bitcast_convert_type(
+        gather_rows(jax.lax.bitcast_convert_type(tq, jnp.uint8), src, policy=policy), jnp.float8_e4m3fn)
+    xs = jnp.where(src >= 0, ts[:, jnp.maximum(src, 0)], 1.0)    # padding rows: zeros at scale 1
     with jax.named_scope("gate_up"):
         h = grouped_matmul(xq, gate, tile_expert, up=up, tiling=up_tiling, interpret=interpret,
                            x_scale=xs, w_scale=scales[0], up_scale=scales[1], out_dtype=x.dtype)

@@ -14,8 +14,7 @@ the [rows, 2 * width] intermediate never reaches HBM.
 fp8 (DeepSeek/DeepGEMM's block scaling): x is e4m3 with one fp32 scale per row per 128 columns, the
 weights e4m3 stored K-major ([E, N, K], as the checkpoints hold them: 8-bit wgmma takes both operands
 K-major) with one fp32 scale per 128 x 128 block. Each 128-wide K step's product goes to a fresh
-accumulator and is added to the fp32 sum in registers times its row scales and its block's scale
-(Tiling.running_scale instead keeps the sum in the accumulator, in units of the step's scale).
+accumulator and is added to the fp32 sum in registers times its row scales and its block's scale.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.fp8_rows import GROUP as FP8_BLOCK
-from pallas_kernels.moe.plan import row_tile_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +54,6 @@ class Tiling:
     """2 (warp-specialized kernel only): programs run in clusters of two on neighbouring column blocks
     of one row tile, and each x tile is loaded once for both by TMA multicast (half the x traffic
     from L2)."""
-    cluster_m: int = 1
-    """2 (warp-specialized kernel only, not with cluster_n 2, chained tiles or K splits): programs run in
-    clusters of two on one column block of two row tiles, paired by `plan.row_tile_pairs` (an expert's
-    tiles two by two first, then the odd ones out), and where both hold one expert each weight block is
-    loaded once for both by TMA multicast (half the weight reads; DeepGEMM's grouped GEMM does this where
-    a pair's row tiles share a group). Where they do not, each loads its own. At 256 experts an expert's
-    2-3 row tiles otherwise read its weights from DRAM ~1.7 times (docs/perf.md, 2026-12-06
-    twenty-fourth session)."""
     column_pairs: bool = False
     """fp8, warp-specialized, without `up`: each program takes two neighbouring column blocks of w as
     two accumulators fed by one x block per step (the gate_up call's shape: a [block_m, 2 block_n]
@@ -93,15 +83,6 @@ class Tiling:
     place with no block scales, as bf16's do (issued together, awaited once) - the same pipeline and
     wgmma shapes without the per-step promotion (a fresh zeroed accumulator, its wait, the scaled add).
     Its output ignores the scales (x_q @ w_q); timed beside the scaled tiling it says what promotion costs."""
-    running_scale: bool = False
-    """fp8, warp-specialized, neither joint nor interleaved: each weight's products accumulate in one wgmma
-    accumulator kept in units of the current step's scale (row scale x block scale): before a step's
-    product it is multiplied by the previous step's scale over this one's, and the sum is the accumulator
-    times the last step's scale. No fresh zeroed accumulator and one wait a step instead of one per
-    product: the first weight's rescale is exposed, the second's runs under the first's wgmma. The price
-    is precision: the sum is added up by the tensor cores (Hopper's fp8 wgmma accumulates with fewer bits
-    than fp32, which the per-step promotion exists to avoid) instead of in fp32 registers. Scales under
-    MIN_RUNNING_SCALE count as it (a zero scale has no units to hold the sum in)."""
     fence_row_scales: bool = True
     """fp8, warp-specialized: a proxy fence and warpgroup barrier (commit_smem) after each step's read of its
     row scales from shared memory, so every thread's read is ordered before the slot's release (one
@@ -120,7 +101,7 @@ class Tiling:
     as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and two
     fresh 64, where one block a step reaches R155 of the 232 a compute thread gets)."""
     row_scales_from_gmem: bool = False
-    """fp8, warp-specialized, not running_scale: each compute thread reads its rows' scales of a step from
+    """fp8, warp-specialized: each compute thread reads its rows' scales of a step from
     global memory (L2: every column tile of a row tile reads the same) instead of from the step's
     shared-memory slot, where the producer's TMA wrote them. No TMA load of the scales, and no fence
     between the read and the slot's release (fence_row_scales has nothing to order)."""
@@ -182,15 +163,12 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
                 f"each), without column pairs, joint products or K splits ({tiling})")
     if tiling.step_blocks not in (1, 2) or tiling.step_blocks > 1 and not (
             fp8 and warp_specialized(tiling) and k_steps % (tiling.step_blocks * tiling.k_splits) == 0
-            and not (tiling.joint_products or tiling.column_pairs or tiling.running_scale)):
+            and not (tiling.joint_products or tiling.column_pairs)):
         return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, warp-specialized, one product a K "
-                f"block (no joint or column-pair products, no running scales) and the K steps of a split a multiple "
+                f"block (no joint or column-pair products) and the K steps of a split a multiple "
                 f"of it ({tiling})")
-    if tiling.row_scales_from_gmem and not (fp8 and warp_specialized(tiling) and not tiling.running_scale):
-        return f"row_scales_from_gmem: fp8, warp-specialized, not running_scale ({tiling})"
-    if tiling.running_scale and not (fp8 and can_run_scale(tiling) and not tiling.joint_products):
-        return (f"running_scale: fp8, two compute warpgroups, neither joint products nor interleaved gate/up "
-                f"(its products are issued back to back already) ({tiling})")
+    if tiling.row_scales_from_gmem and not (fp8 and warp_specialized(tiling)):
+        return f"row_scales_from_gmem: fp8, warp-specialized ({tiling})"
     if tiling.unscaled_probe and not (fp8 and warp_specialized(tiling)):
         return f"unscaled_probe: fp8, warp-specialized ({tiling})"
     if tiling.chained_tiles and not can_chain(tiling, K):
@@ -201,11 +179,6 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
             not warp_specialized(tiling) or (column_tiles(tiling, N) // pair) % 2 or tiling.programs % 2):
         return (f"cluster_n {tiling.cluster_n}: 1, or 2 with two compute warpgroups, an even number of column "
                 f"blocks ({column_tiles(tiling, N) // pair}) and of programs")
-    if tiling.cluster_m not in (1, 2) or tiling.cluster_m == 2 and (
-            not warp_specialized(tiling) or tiling.cluster_n != 1 or tiling.chained_tiles or tiling.k_splits != 1
-            or tiling.programs % 2):
-        return (f"cluster_m {tiling.cluster_m}: 1, or 2 with compute warpgroups, an even number of programs, and "
-                f"neither cluster_n 2, chained tiles nor K splits ({tiling})")
     return None
 
 
@@ -225,13 +198,13 @@ def scale_slices(t: Tiling) -> int:
     128-wide scale block (they divide it), else 3: a 192-column tile of one weight straddles two blocks
     (DeepGEMM's widest Hopper tile with 128 x 128 weight blocks) in 64-column slices, a 96-column chunk
     of gate or up (interleaved wide tiles) in 32-column ones. Only 128-row tiles in two compute
-    warpgroups, one K block a step, neither joint, paired nor in running scales, take slices (0: t
+    warpgroups, one K block a step, neither joint nor paired, take slices (0: t
     cannot)."""
     _, _, out_sn = warpgroup_part(t)
     if FP8_BLOCK % out_sn == 0:
         return 1
     if (out_sn % 32 or t.compute_wgs != 2 or t.block_m != 128 or t.step_blocks != 1
-            or t.joint_products or t.column_pairs or t.running_scale):
+            or t.joint_products or t.column_pairs):
         return 0
     return out_sn // slice_columns(t)
 
@@ -274,20 +247,6 @@ def can_chain(t: Tiling, K: int) -> bool:
 def chained(t: Tiling, K: int) -> Tiling:
     """t with chained_tiles where it applies (can_chain), else t."""
     return dataclasses.replace(t, chained_tiles=True) if can_chain(t, K) else t
-
-
-def can_run_scale(t: Tiling) -> bool:
-    """Whether fp8 tiling t can keep its sums in running scales (running_scale, its products issued one
-    after the other): two compute warpgroups, gate and up not interleaved, not the unscaled probe, its
-    columns in one scale block."""
-    return t.compute_wgs == 2 and not (t.interleaved_gate_up or t.unscaled_probe or scale_slices(t) > 1)
-
-
-def with_running_scale(t: Tiling) -> Tiling:
-    """An fp8 tiling with running_scale (joint_products off) where it applies (can_run_scale); else t."""
-    if not can_run_scale(t):
-        return t
-    return dataclasses.replace(t, running_scale=True, joint_products=False)
 
 
 def warp_specialized(t: Tiling) -> bool:
@@ -342,7 +301,7 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     if step_blocks not in (1, 2):
         raise ValueError(f"step_blocks {step_blocks}: 1 or 2 K blocks a pipeline step")
     if step_blocks == 1 or not (warp_specialized(t) and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
-            t.joint_products or t.column_pairs or t.running_scale or scale_slices(t) > 1)):
+            t.joint_products or t.column_pairs or scale_slices(t) > 1)):
         return t
     fits = [dataclasses.replace(t, step_blocks=step_blocks, stages=s)
             for s in range(STEP_BLOCK_STAGES, 2 if t.block_m == 128 else 1, -1)]
@@ -352,8 +311,8 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
 
 def with_gmem_row_scales(t: Tiling, on: bool = True) -> Tiling:
     """fp8 tiling t reading its row scales from global memory (Tiling.row_scales_from_gmem, no fence)
-    where it can (two compute warpgroups, not running scales); else t."""
-    if not on or not warp_specialized(t) or t.running_scale:
+    where it can (compute warpgroups); else t."""
+    if not on or not warp_specialized(t):
         return t
     return dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
 
@@ -364,19 +323,10 @@ def tile_columns(tiling: Tiling) -> int:
     return tiling.block_n // 2 if tiling.interleaved_gate_up else tiling.block_n
 
 
-MIN_RUNNING_SCALE = 2.0 ** -100
-"""running_scale's least step scale: an accumulator in these units still holds a sum of 1e4 within fp32."""
-
-
-def _scaled(part, scale):
-    """part x scale [rows], each row by its own."""
-    return part * jax.lax.broadcast_in_dim(scale, part.shape, [0])
-
-
 def _add_scaled(total, part, scale):
     """total + part x scale [rows]: the step's row scales times its weight block's scale (multiplied
     first, before the step's products are issued), so one multiply and one add per element."""
-    return total + _scaled(part, scale)
+    return total + part * jax.lax.broadcast_in_dim(scale, part.shape, [0])
 
 
 def _step_scales(row_scale, load, step, n: int, slices: int = 1):
@@ -488,15 +438,12 @@ def _kernel(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: 
 
 
 def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_n: int, k_steps: int,
-               fp8: bool, interpret: bool = False):
+               fp8: bool):
     """The kernel with a producer warpgroup and two compute warpgroups (axis "wg": 0, 1 compute, 2
     memory), which each own half of the tile: 64 of its 128 rows, or half of its columns when block_m
     is 64. bf16: each accumulates its wgmma in place. fp8: every step each waits on its own 128-deep
     product and adds it scaled into its fp32 sums while the other's wgmma occupies the tensor cores."""
     interleaved = tiling.interleaved_gate_up
-    cm = tiling.cluster_m
-    if cm == 2:                   # [tasks, 2]: each cluster's two row tiles (plan.row_tile_pairs)
-        row_pairs_ref, *refs = refs
     xs_ref, w_refs, ws_refs, o_ref = _operand_refs(refs, fp8)
     n_w = len(w_refs)
     n_out = n_w if tiling.column_pairs else 1      # output column blocks per tile (w passed twice: pairs)
@@ -519,27 +466,22 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     wg = jax.lax.axis_index("wg")
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
-    # in a cluster_n cluster the two programs share the row tile: its x (and row scales) arrive by multicast;
-    # in a cluster_m one they share the weight blocks where both row tiles hold one expert
-    multicast = dict(collective_axes=("cluster",))
-    shared = multicast if cn == 2 else {}
+    # in a cluster the two programs share the row tile: its x (and row scales) arrive by multicast
+    shared = dict(collective_axes=("cluster",)) if cn == 2 else {}
 
-    def pipeline(body, context, start=0, steps=k_steps, state=None, share_weights=False):
+    def pipeline(body, context, start=0, steps=k_steps, state=None):
         """The tile's K pipeline over `steps` K blocks from block `start` (k_splits: the split's
         consecutive blocks), step_blocks of them a step; state: its place in the program's chain of
-        pipelines (chained_tiles); share_weights: the weight blocks multicast to the cluster (cluster_m).
-        A step's refs: its blocks' x, their row scales (fp8), their weights."""
+        pipelines (chained_tiles). A step's refs: its blocks' x, their row scales (fp8), their weights."""
         def kb(s):
             return lambda k: S * k + s + start
 
-        w_shared = multicast if share_weights else {}
-
         def w_spec(s):
             if interleaved:
-                return plgpu.BlockSpec((half, bk), lambda k: (0, kb(s)(k)), **w_shared)
+                return plgpu.BlockSpec((half, bk), lambda k: (0, kb(s)(k)))
             if fp8:
-                return plgpu.BlockSpec((bn, bk), lambda k: (0, kb(s)(k)), **w_shared)
-            return plgpu.BlockSpec((bk, bn), lambda k: (kb(s)(k), 0), **w_shared)
+                return plgpu.BlockSpec((bn, bk), lambda k: (0, kb(s)(k)))
+            return plgpu.BlockSpec((bk, bn), lambda k: (kb(s)(k), 0))
         specs = ([plgpu.BlockSpec((bm, bk), lambda k, s=s: (0, kb(s)(k)), **shared) for s in range(S)]
                  + [plgpu.BlockSpec((1, bm), lambda k, s=s: (kb(s)(k), 0), **shared) for s in range(n_xs)]
                  + [w_spec(s) for s in range(S) for _ in range(n_blocks)])
@@ -567,12 +509,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
     ignore = lambda *_, **__: None   # noqa: E731 (allocations depend on neither the body nor the tile)
 
-    allocs = pipeline(ignore, ignore, share_weights=cm == 2).get_allocations(*operands(0, 0, 0))
+    allocs = pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0))
     pairs_alloc = {}
-    if cm == 2:                   # a pair of two experts' tiles runs each on its own: consumed barriers of its own
-        pairs_alloc["own_consumed"] = pipeline(ignore, ignore).get_allocations(
-            *operands(0, 0, 0))["flat_consumed_barrier_refs"]
-        pairs_alloc["pair_sync"] = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=W + 1)
     if interleaved:               # one buffer for the weight blocks, each block a view of it (_scope)
         in_allocs = allocs["flat_in_smem_refs"]   # x's, the row scales', then the weight blocks' (slots first)
         block = in_allocs[-1]
@@ -583,29 +521,19 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=o_smem,
                        collective_axes="wg", **pairs_alloc)
-    def _scope(allocs, o_smem, pairs=None, own_consumed=None, pair_sync=None):
+    def _scope(allocs, o_smem, pairs=None):
         if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
             allocs = dict(allocs, flat_in_smem_refs=[
                 *allocs["flat_in_smem_refs"], *[pairs.at[:, pl.ds(b * half, half)] for b in range(S * n_blocks)]])
 
-        loop = (grid_m * grid_n // cn * tiling.k_splits,) if cm == 1 else (row_pairs_ref.shape[0] * grid_n,)
+        loop = (grid_m * grid_n // cn * tiling.k_splits,)
 
         def tile_at(info):
-            """(row tile, column block, its expert or -1, K split, its steps, its first step, and with cluster_m
-            whether the cluster's pair of row tiles holds one expert (its weight blocks then multicast to both;
-            else None)) of a loop step."""
+            """(row tile, column block, its expert or -1, K split, its steps, its first step) of a loop step."""
             tile, split, steps, start = _split_tile(info.index[0], tiling.k_splits, k_steps)
-            if cm == 2:           # the cluster's pair of row tiles (-1: none), this program's the first or second
-                task, ni = plgpu.planar_snake(tile, (row_pairs_ref.shape[0], grid_n), 1, tiling.grid_block_n)
-                pair = [row_pairs_ref[task, c] for c in range(2)]
-                experts = [jnp.where(t >= 0, tile_expert_ref[jnp.maximum(t, 0)], -1) for t in pair]
-                mine = jax.lax.axis_index("cluster")
-                share = (experts[0] >= 0) & (experts[0] == experts[1])
-                return (jnp.maximum(jnp.where(mine == 0, *pair), 0), ni, jnp.where(mine == 0, *experts), split, steps,
-                        start, share)
             mi, nc = plgpu.planar_snake(tile, (grid_m, grid_n // cn), 1, max(1, tiling.grid_block_n // cn))
             ni = nc * cn + jax.lax.axis_index("cluster") if cn == 2 else nc
-            return mi, ni, tile_expert_ref[mi], split, steps, start, None
+            return mi, ni, tile_expert_ref[mi], split, steps, start
 
         if tiling.chained_tiles:  # the program's first and last loop steps with a used tile (-1: none)
             @plgpu.nd_loop(loop, collective_axes="sm", init_carry=(jnp.int32(-1), jnp.int32(-1)))
@@ -617,7 +545,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
         @plgpu.nd_loop(loop, collective_axes="sm")
         def _tile(info):
-            mi, ni, expert, split, steps, start, share = tile_at(info)
+            mi, ni, expert, split, steps, start = tile_at(info)
             rows = pl.ds(wg * sm, sm) if by_rows else pl.ds(0, sm)
             cols = pl.ds(0, sn) if by_rows else pl.ds(wg * sn, sn)
 
@@ -699,40 +627,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                 plgpu.wgmma_wait(0)
                 return accs
 
-            def step_running(idx, x_smem, xs_smem, *rest):
-                """fp8 running_scale: the first accumulator rescaled from the previous step's units to this
-                step's and its product issued onto it; each next one rescaled while the product before it
-                runs, then issued; all awaited at the step's end (run_state's exit), before the step's
-                buffers are released. The interpreter sets no accumulator to a value, so there each
-                product goes to a fresh accumulator and is added to the rescaled sum: the same
-                arithmetic in fp32."""
-                *w_smems, (accs, units) = rest
-                row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                if tiling.fence_row_scales:   # the read above ordered before the producer's next TMA write there
-                    plgpu.commit_smem()
-                scales = tuple(jnp.maximum(s, MIN_RUNNING_SCALE)
-                               for s in _step_scales(row_scale, load_scale, idx[0], len(ws_refs)))
-                ratios = [unit / scale for unit, scale in zip(units, scales)]
-
-                def product(acc_ref, w_smem):
-                    plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem.at[cols].transpose((1, 0)))
-
-                if interpret:
-                    def fresh(acc_ref, w_smem):
-                        product(acc_ref, w_smem)
-                        return acc_ref[...]
-                    return tuple(_scaled(acc, ratio) + pl.run_scoped(functools.partial(fresh, w_smem=w_smem),
-                                                                     plgpu.ACC((sm, sn), jnp.float32))
-                                 for acc, ratio, w_smem in zip(accs, ratios, w_smems)), scales
-
-                def issue(acc_refs):
-                    for j, (acc_ref, w_smem) in enumerate(zip(acc_refs, w_smems)):
-                        if j:             # its registers are not in flight: no wait
-                            acc_ref[...] = _scaled(plgpu.wgmma_accumulator_load(acc_ref, wait_n=None), ratios[j])
-                        product(acc_ref, w_smem)
-                inits = [_scaled(accs[0], ratios[0]), *accs[1:]]
-                return tuple(pl.run_state(issue)(tuple(plgpu.ACC.init(v) for v in inits))), scales
-
             def store(outs):
                 """This warpgroup's part of each of the tile's output column blocks, through shared memory."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -785,29 +679,12 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     store(outputs(vals))
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * (1 if interleaved else n_w))
 
-            def context_running(run):
-                zeros = plgpu.layout_cast(jnp.zeros((sm, sn), jnp.float32), plgpu.Layout.WGMMA)
-                ones = plgpu.layout_cast(jnp.ones((sm,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                accs, units = run(((zeros,) * n_w, (ones,) * n_w))
-                store(outputs([_scaled(acc, unit) for acc, unit in zip(accs, units)]))
-
             in_place = tiling.unscaled_probe or not fp8
-            step, context = ((step_in_place, context_in_place) if in_place else
-                             (step_running, context_running) if tiling.running_scale else (step_fp8, context_fp8))
+            step, context = (step_in_place, context_in_place) if in_place else (step_fp8, context_fp8)
 
-            def run(state=None, share_weights=False):
-                own = allocs if share_weights or cm == 1 else dict(allocs, flat_consumed_barrier_refs=own_consumed)
-                if share_weights:
-                    # every warpgroup of both programs here first: the other program's last tile, run apart, has
-                    # released its slots before this pipeline's first loads (unawaited) write into them
-                    plgpu.barrier_arrive(pair_sync)
-                    plgpu.barrier_wait(pair_sync)
-                pipeline(step, context, start, steps, state, share_weights)(*operands(mi, ni, expert), allocations=own)
+            def run(state=None):
+                pipeline(step, context, start, steps, state)(*operands(mi, ni, expert), allocations=allocs)
 
-            if cm == 2:
-                pl.when((expert >= 0) & share)(functools.partial(run, share_weights=True))
-                pl.when((expert >= 0) & ~share)(run)
-                return
             if not tiling.chained_tiles:
                 pl.when(expert >= 0)(run)
                 return
@@ -871,20 +748,15 @@ def grouped_matmul(x, w, tile_expert, *, up=None, tiling: Tiling = Tiling(), int
     grid = dict(tiling=tiling, grid_m=P // tiling.block_m, grid_n=column_tiles(tiling, N) // pair,
                 k_steps=K // tiling.block_k)
     if warp_specialized(tiling):
-        body = functools.partial(_kernel_ws, fp8=fp8, interpret=bool(interpret), **grid)
+        body = functools.partial(_kernel_ws, fp8=fp8, **grid)
     else:
         body = functools.partial(_kernel, fp8=fp8, **grid)
     threads = dict(num_threads=tiling.compute_wgs + 1, thread_name="wg") if warp_specialized(tiling) else {}
-    if tiling.cluster_n == 2 or tiling.cluster_m == 2:
+    if tiling.cluster_n == 2:
         threads.update(cluster=(2,), cluster_names=("cluster",))
     out_dtype = out_dtype or (jnp.bfloat16 if fp8 else x.dtype)
     S = tiling.k_splits
-    tiles = grid["grid_m"] * grid["grid_n"]
-    if tiling.cluster_m == 2:     # the clusters' pairs of row tiles, before the operands
-        row_pairs = row_tile_pairs(tile_expert)
-        weights = (row_pairs,) + weights
-        tiles = row_pairs.size * grid["grid_n"]
-    clusters = program_count(tiling, tiles) // (tiling.cluster_n * tiling.cluster_m)
+    clusters = program_count(tiling, grid["grid_m"] * grid["grid_n"]) // tiling.cluster_n
     kernel = plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct((S, P, N), jnp.float32) if S > 1
                         else jax.ShapeDtypeStruct((P, N), out_dtype)),

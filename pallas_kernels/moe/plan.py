@@ -14,7 +14,6 @@ here is data-dependent in shape.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.row_gather import expert_order
@@ -86,29 +85,3 @@ def _pairwise_plan(flat_expert, experts: int, block_m: int):
     owns = first[None, :] & (tile_start[None, :] <= t) & (t < tile_start[None, :] + tiles[None, :])
     tile_expert = jnp.max(jnp.where(owns, e[None, :], -1), axis=1, initial=-1)
     return slot_row, row_slot, tile_expert
-
-
-def row_tile_pairs(tile_expert):
-    """[ceil(T / 2), 2] int32: the row tiles of tile_expert [T] in pairs, for the grouped matmul's clusters of
-    two programs on two row tiles (Tiling.cluster_m): each run of one expert's tiles two by two first (both
-    read the same weight blocks, which the cluster then loads once), then the odd ones out (the last tile of
-    a run of odd length) two by two in order; -1 fills the rest. Unused tiles (-1) join no pair."""
-    T = tile_expert.shape[0]
-    e = tile_expert.astype(jnp.int32)
-    t = jnp.arange(T, dtype=jnp.int32)
-    used = e >= 0
-    before = jnp.concatenate([jnp.full(1, -2, jnp.int32), e[:-1]])
-    after = jnp.concatenate([e[1:], jnp.full(1, -2, jnp.int32)])
-    rank = t - jax.lax.cummax(jnp.where(e != before, t, 0))       # place in its run of one expert's tiles
-    even = used & (rank % 2 == 0)
-    head = even & (after == e)                                      # first of a pair of one expert's tiles
-    lone = even & (after != e)
-    n_heads = jnp.sum(head, dtype=jnp.int32)
-    lone_rank = jnp.cumsum(lone, dtype=jnp.int32) - 1
-    tasks = (T + 1) // 2
-    pairs = jnp.full((tasks + 1, 2), -1, jnp.int32)               # row `tasks` takes the writes of no pair
-    head_task = jnp.where(head, jnp.cumsum(head, dtype=jnp.int32) - 1, tasks)
-    pairs = pairs.at[head_task, 0].set(t).at[head_task, 1].set(t + 1)
-    lone_task = jnp.where(lone, n_heads + lone_rank // 2, tasks)
-    pairs = pairs.at[lone_task, lone_rank % 2].set(t)
-    return pairs[:tasks]
