@@ -29,9 +29,8 @@ def tilings(bm: int, fp8: bool):
     (fp8 down: the gate_up call's two-accumulator shape); `_joint`: a step's two products issued together
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
     bytes in flight per SM); `_il`: each step's 64-row gate and up blocks side by side in shared memory,
-    one m64n128 product a step (Tiling.interleaved_gate_up); `_n192` (fp8): 192-column tiles promoted
-    in slices with their own block scales (scale_slices: down's 64 columns; interleaved gate_up's 96-row
-    chunks of gate and up in 32); `3wg` (where 128-row tiles are timed): 192-row tiles in three compute
+    one m64n128 product a step (Tiling.interleaved_gate_up); `_n192` (fp8 down): 192-column tiles promoted
+    in 64-column slices with their own block scales (scale_slices); `3wg` (where 128-row tiles are timed): 192-row tiles in three compute
     warpgroups, over the rows laid out in 192-row tiles (each output compared in slot order); `_rm`:
     64-row tiles walked row by row (grid_block_n over all column blocks: the padded buffer's unused row
     tiles last, as the dispatch does) instead of column by column.
@@ -60,8 +59,7 @@ def tilings(bm: int, fp8: bool):
                  "2wg_n128_g8_c2": T(128, 4, 2, 8, 2),
                  "2wg_n64_g16_joint": T(64, 4, 2, 16, joint=True),
                  "2wg_n128_g16_il": T(128, 4, 2, 16, il=True), "2wg_n128_g16_c2_il": T(128, 4, 2, 16, 2, il=True),
-                 "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True), "2wg_n128_g16_c2_il_s6": T(128, 6, 2, 16, 2, il=True),
-                 "2wg_n192_g16_il": T(192, 4, 2, 16, il=True), "2wg_n192_g16_c2_il": T(192, 4, 2, 16, 2, il=True)},
+                 "2wg_n128_g16_il_s5": T(128, 5, 2, 16, il=True), "2wg_n128_g16_c2_il_s6": T(128, 6, 2, 16, 2, il=True)},
                 {"1wg_n64": T(64, 4, 1), "2wg_n128_g16": T(128, 4, 2, 16), "2wg_n128_g16_c2": T(128, 4, 2, 16, 2),
                  "2wg_n192_g16": T(192, 4, 2, 16), "2wg_n192_g16_c2": T(192, 4, 2, 16, 2),
                  "2wg_n128_g16_pairs_s3": T(128, 3, 2, 16, 1, True),

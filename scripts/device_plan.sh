@@ -17,8 +17,6 @@
 #           and a 256-expert decode step (batch 32 x 2048), each against fp8_step_blocks=1
 #   wide    issue 26: 192-column fp8 tiles (scale_slices) against 128: their compiled tests, the expert calls over
 #           issue 26's grid with bf16 beside, the fp8 prefill beside HF without them (WIDE_SASS=1: ptxas)
-#   wide_gate_up  issue 26: interleaved gate_up in 128 x 192 tiles (a probe, no policy takes it): compiled tests,
-#           the gate_up calls at 8192x16 and 8192x256 (MOE_CASES) against the default and bf16, unscaled beside
 #   three_wgs  issue 26: 192-row tiles in three compute warpgroups (gate_up interleaved, down) against the defaults
 #           and bf16 at 8192x16 and 8192x256 (MOE_CASES), their compiled test first
 #   three_wgs_e2e  issue 26: KernelPolicy.fp8_three_wgs through the model: its compiled tests and the fp8 prefill beside
@@ -143,14 +141,6 @@ part_wide() {   # issue 26: each warpgroup one m64n192 product a K block, promot
     part_moe
   E2E_POLICIES="${E2E_POLICIES:-default;fp8_wide_tiles=false}" part_e2e
   [ -z "${WIDE_SASS:-}" ] || SASS_TILINGS=2wg_n192_g16_c2 part_sass
-}
-
-part_wide_gate_up() {   # issue 26: gate_up interleaved in 128 x 192 tiles (96 rows of gate and of up a warpgroup)
-  TESTS_K="wide_gate_up_compiled or wide_tiles_compiled" TESTS_BUDGET=120 part_tests
-  local w=2wg_n192_g16_c2_il
-  MOE_TAG=_wide_gate_up MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
-    MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n128_g16_c2_il_k2s3,$w,${w}_ch,2wg_n192_g16_il_ch,${w}_nf,${w}_u,2wg_n128_g16_c2_il_u_k2s3} \
-    part_moe
 }
 
 part_three_wgs() {   # issue 26: three compute warpgroups on 192-row tiles (one promotes while two multiply)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
-from pallas_kernels.moe.grouped_matmul import Tiling, chained, column_step, column_tiles, grouped_matmul, shape_error
+from pallas_kernels.moe.grouped_matmul import Tiling, chained, column_tiles, grouped_matmul, shape_error, tile_columns
 from pallas_kernels.moe.grouped_matmul import WIDE_TILE, scale_slices, with_gmem_row_scales, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
@@ -124,10 +124,9 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     call's tiling `chained` where it applies; step_blocks (fp8): Tiling.step_blocks where the tiling takes it
     (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies; wide_down (fp8):
     the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
-    scale_slices; one block a step), chained where it can be (as they were timed fastest). The prefill
-    gate_up call stays in 128 x 128 interleaved tiles: interleaved 128 x WIDE_TILE ones ran slower
-    (docs/perf.md, 2026-12-06 nineteenth session). three_wgs (fp8, interleaved, two compute warpgroups
-    asked for): calls with at least THREE_WG_ROWS rows an expert take three_wg_tilings instead. one_tile:
+    scale_slices; one block a step), chained where it can be (as they were timed fastest). three_wgs (fp8,
+    interleaved, two compute warpgroups asked for): calls with at least THREE_WG_ROWS rows an expert take
+    three_wg_tilings instead. one_tile:
     prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0)."""
     tilings = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_blocks, gmem_row_scales,
                               wide_down, three_wgs)
@@ -143,14 +142,14 @@ def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_bloc
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     if fp8 and three_wgs and interleaved and compute_wgs == 2 and slots >= THREE_WG_ROWS * E:
         up_t, down_t = three_wg_tilings()
-        if I % column_step(up_t) == 0 and D % down_t.block_n == 0:
+        if I % tile_columns(up_t) == 0 and D % down_t.block_n == 0:
             up_t, down_t = paired(up_t, I), paired(down_t, D)
             return with_gmem_row_scales(up_t, gmem_row_scales), with_gmem_row_scales(down_t, gmem_row_scales)
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
     if fp8 and interleaved and compute_wgs == 2:
         il = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
                                  joint_products=False, interleaved_gate_up=True)
-        up_t = il if I % column_step(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
+        up_t = il if I % tile_columns(il) == 0 else up_t   # else the plain tiling, not a dequantized fallback
     wide_t = dataclasses.replace(down_t, block_n=WIDE_TILE)     # scale_slices: 128-row tiles only
     wide = fp8 and wide_down and D % WIDE_TILE == 0 and scale_slices(wide_t) > 1
     if wide:

@@ -70,9 +70,7 @@ class Tiling:
     one shared-memory buffer (gate, up, gate, up: the tile's block_n rows), so a warpgroup's one m64n128
     product holds 64 gate and 64 up columns (the x tile read from shared memory once, not once per
     weight); its halves are summed apart with their own block scales and paired by the epilogue. A
-    tile computes block_n / 2 output columns. 128 x 192 tiles (96-row chunks of gate and up, promoted
-    in 32-column slices, scale_slices) are a probe: slower than 128 x 128 on the H200 (docs/perf.md,
-    2026-12-06 nineteenth session), so no policy takes them."""
+    tile computes block_n / 2 output columns."""
     chained_tiles: bool = False
     """Warp-specialized: a program's tiles run as one continued K pipeline (emit_pipeline_warp_specialized's
     pipeline_state: its first used tile START, the next STEADY, its last STOP), so the producer loads
@@ -129,9 +127,9 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return f"operands must be bf16 or f16 of one dtype (got {x.dtype}, {w.dtype})"
     if K != K2:
         return f"x has {K} columns, the weights {K2} rows"
-    if K % tiling.block_k or N % column_step(tiling) or N < tile_columns(tiling):
-        return (f"K {K} and N {N} must be multiples of block_k {tiling.block_k} and of {column_step(tiling)} "
-                f"(column_step), N at least a tile's output columns {tile_columns(tiling)}")
+    if K % tiling.block_k or N % tile_columns(tiling) or N == 0:
+        return (f"K {K} and N {N} must be multiples of block_k {tiling.block_k} and of a tile's output columns "
+                f"{tile_columns(tiling)}, N not 0")
     if P % tiling.block_m:
         return f"rows {P} must be a multiple of block_m {tiling.block_m} (the padded layout)"
     if tiling.block_m % 64 or tiling.block_n % 8 or tiling.block_k * x.dtype.itemsize != 128:
@@ -184,22 +182,20 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
 
 WIDE_TILE = 192
 """Weight rows of the wide fp8 tiles (KernelPolicy.fp8_wide_tiles): one m64n192 product a warpgroup,
-its fresh accumulator and its sums 96 fp32 registers each, within the 232 a compute thread gets. One
-weight's tile outputs 192 columns, gate and up interleaved 96 (a 96-row chunk of each)."""
-INTERLEAVED_TILES = ((128, 128), (64, 256), (128, WIDE_TILE), (192, 128))
+its fresh accumulator and its sums 96 fp32 registers each, within the 232 a compute thread gets (one
+weight's; gate and up interleaved in 128 x 192 tiles, 96-row chunks of each promoted in 32-column slices,
+ran slower than 128 x 128 on the H200: docs/perf.md, 2026-12-06 nineteenth session)."""
+INTERLEAVED_TILES = ((128, 128), (64, 256), (192, 128))
 """(block_m, block_n) of Tiling.interleaved_gate_up: a warpgroup's part holds one chunk of gate's rows and
-one of up's, 64 each (128 x 128 prefill, 64 x 256 decode tiles, 192 x 128 in three compute warpgroups)
-or 96 (wide prefill tiles)."""
+one of up's, 64 each (128 x 128 prefill, 64 x 256 decode tiles, 192 x 128 in three compute warpgroups)."""
 
 
 def scale_slices(t: Tiling) -> int:
     """Slices of slice_columns(t) columns, each with its own weight block scale, in which a warpgroup of
     fp8 tiling t promotes its product (of each weight, interleaved): 1 where its output columns lie in one
     128-wide scale block (they divide it), else 3: a 192-column tile of one weight straddles two blocks
-    (DeepGEMM's widest Hopper tile with 128 x 128 weight blocks) in 64-column slices, a 96-column chunk
-    of gate or up (interleaved wide tiles) in 32-column ones. Only 128-row tiles in two compute
-    warpgroups, one K block a step, neither joint nor paired, take slices (0: t
-    cannot)."""
+    (DeepGEMM's widest Hopper tile with 128 x 128 weight blocks) in 64-column slices. Only 128-row tiles in
+    two compute warpgroups, one K block a step, neither joint nor paired, take slices (0: t cannot)."""
     _, _, out_sn = warpgroup_part(t)
     if FP8_BLOCK % out_sn == 0:
         return 1
@@ -215,21 +211,9 @@ def slice_columns(t: Tiling) -> int:
     return math.gcd(warpgroup_part(t)[2], FP8_BLOCK)
 
 
-def column_step(t: Tiling) -> int:
-    """What N must be a multiple of: a tile's output columns, or where scale slices take a ragged last
-    tile (interleaved wide tiles: 2048 / 96 is not whole) the slice's: that tile starts at N minus its
-    columns, over columns of the one before it (tile_start), and stores only its new slices."""
-    return slice_columns(t) if t.interleaved_gate_up and scale_slices(t) > 1 else tile_columns(t)
-
-
 def column_tiles(t: Tiling, N: int) -> int:
-    """Column tiles of tiling t over N output columns (the last may overlap the one before: column_step)."""
-    return -(-N // tile_columns(t))
-
-
-def tile_start(t: Tiling, N: int, ni):
-    """First output column of column tile ni: ni x its columns, the last one's clamped within N."""
-    return jnp.minimum(ni * tile_columns(t), N - tile_columns(t)) if N % tile_columns(t) else ni * tile_columns(t)
+    """Column tiles of tiling t over N output columns."""
+    return N // tile_columns(t)
 
 
 def can_chain(t: Tiling, K: int) -> bool:
@@ -455,12 +439,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     n_slices = scale_slices(tiling) if fp8 else 1  # its slices, each with its own block scale (of each weight)
     slice_n = out_sn // n_slices                   # columns of a sum (and of an output block in o_smem)
     out_n = tile_columns(tiling)                   # output columns of a tile (interleaved: gate's half of its block)
-    N = o_ref.shape[-1]
     # interleaved: the tile's (gate, up) pairs of out_sn-row chunks, side by side in one buffer of bn rows
     half = out_sn
     n_blocks = bn // half if interleaved else n_w   # weight blocks a K block
-    # a ragged last column tile (column_step) overlaps the one before by this many columns: not stored again
-    overlap = column_tiles(tiling, N) * out_n - N
     S = tiling.step_blocks                          # K blocks a pipeline step (each its x, row scales, weights)
     n_xs = S if fp8 and not tiling.row_scales_from_gmem else 0   # row-scale blocks a step (in shared memory)
     wg = jax.lax.axis_index("wg")
@@ -491,9 +472,9 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
     def column(ni, j):
         """First output column of weight j's block in tile column ni (gate and up share one block; column
-        pairs take two neighbouring ones; interleaved: the tile's first output column, tile_start)."""
+        pairs take two neighbouring ones; interleaved: the tile's first output column)."""
         if interleaved:
-            return tile_start(tiling, N, ni)
+            return ni * out_n
         return (ni * n_out + min(j, n_out - 1)) * bn
 
     def operands(mi, ni, expert):
@@ -643,11 +624,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                                            pl.ds(column(ni, 0) + j * slice_n, slice_n)).at[rows]
                     else:
                         block = _out_block(o_ref, split, pl.ds(mi * bm, bm), pl.ds(column(ni, j), bn)).at[rows, cols]
-                    copy = functools.partial(plgpu.copy_smem_to_gmem, o_smem.at[wg * n_blocks_out + j], block)
-                    if (j + 1) * slice_n <= overlap:   # the ragged last tile's columns its neighbour stored
-                        pl.when(ni != column_tiles(tiling, N) - 1)(copy)
-                    else:
-                        copy()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg * n_blocks_out + j], block)
 
             def outputs(vals):
                 """The output blocks of sums vals (fused: gate's slices, then up's)."""
