@@ -50,8 +50,7 @@ class Dense(nnx.Module):
             w, scale = self.fp8_weight[...], self.scale_inv[...]
             if fp8_linear_applies(x, w, scale, kernels):
                 return fp8_linear(x, w, scale, split_k=kernels.fp8_linear_split_k, chain=kernels.chained_tiles,
-                                  step_blocks=kernels.fp8_step_blocks,
-                                  gmem_row_scales=kernels.fp8_row_scales_from_gmem, wide=kernels.fp8_wide_tiles)
+                                  step_blocks=kernels.fp8_step_blocks, wide=kernels.fp8_wide_tiles)
         return jnp.dot(x, self.weight(x.dtype))
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import GROUP, dequantize_blocks, dequantize_rows, quantize_rows
-from pallas_kernels.moe.grouped_matmul import WIDE_TILE, Tiling, chained, grouped_matmul, with_gmem_row_scales
+from pallas_kernels.moe.grouped_matmul import WIDE_TILE, Tiling, chained, grouped_matmul
 from pallas_kernels.moe.grouped_matmul import with_step_blocks
 from pallas_kernels.moe.grouped_matmul import shape_error as grouped_shape_error
 from pallas_kernels.policy import KernelPolicy
@@ -102,13 +102,12 @@ def fp8_linear_reference(x, w, scale_inv):
 
 @jax.named_call     # profiles name the ops inside by this scope
 def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, split_k: bool = False, chain: bool = False,
-               step_blocks: int = 1, gmem_row_scales: bool = False, wide: bool = False, interpret=False):
+               step_blocks: int = 1, wide: bool = False, interpret=False):
     """x [..., K] @ W^T -> [..., N] in x's dtype, for W = w * scale_inv's blocks (w [N, K] e4m3,
     scale_inv [ceil(N / 128), K / 128] fp32), fp8 x fp8 with the rows quantized per 128 columns.
     split_k: the default tiling splits a decode-sized call's K (linear_tiling; KernelPolicy.fp8_linear_split_k);
     chain: the default tiling `chained` where it fits (KernelPolicy.chained_tiles); step_blocks: the
     default tiling with Tiling.step_blocks where it takes them (KernelPolicy.fp8_step_blocks);
-    gmem_row_scales: with Tiling.row_scales_from_gmem where it applies (KernelPolicy.fp8_row_scales_from_gmem);
     wide: the default tiling's prefill calls in WIDE_TILE-column tiles where N takes them, chained
     (KernelPolicy.fp8_wide_tiles)."""
     err = shape_error(x, w, scale_inv, tiling)
@@ -119,7 +118,7 @@ def fp8_linear(x, w, scale_inv, *, tiling: Tiling | None = None, split_k: bool =
     rows = x.reshape(-1, K)
     t = tiling or linear_tiling(rows.shape[0], N, K, split_k=split_k, wide=wide)   # splits divide K's steps: fits too
     if tiling is None:
-        t = with_step_blocks(with_gmem_row_scales(t, gmem_row_scales), K, step_blocks)
+        t = with_step_blocks(t, K, step_blocks)
     if (chain or t.block_n == WIDE_TILE) and tiling is None:
         t = chained(t, K)
     P = _tile_rows(rows.shape[0], t)

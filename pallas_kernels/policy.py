@@ -92,12 +92,6 @@ class KernelPolicy:
     fp32 sums while the second's runs (grouped_matmul.Tiling.step_blocks): bit-equal outputs. On the H100 (docs/perf.md, 2026-12-06) the
     interleaved gate_up call 3.167 -> 2.947 ms at 8192 x 16 and 4.295 -> 3.994 at 8192 x 256, decode
     gate_up 2.093 -> 2.045 at 64 x 256; 1: one block a step."""
-    fp8_row_scales_from_gmem: bool = False
-    """The fp8 expert calls and dense linears with two compute warpgroups read each step's row scales
-    from global memory instead of the step's shared-memory slot (grouped_matmul.Tiling.row_scales_from_gmem,
-    with_gmem_row_scales): no TMA load of them and no fence a step; bit-equal outputs. Off: on the H100
-    (docs/perf.md, 2026-12-06) it cost every call 5-16% (gate_up 8192 x 16 3.167 -> 3.325 ms, down 1.603
-    -> 1.856), and with fp8_step_blocks the prefill end to end 64.6 ms against 63.8 without it."""
     fp8_wide_tiles: bool = True
     """fp8 one-weight prefill calls (128-row tiles) whose outputs are a multiple of 192 columns (the routed
     experts' down call; dense linears: a multiple of 384) take 192-column tiles instead of 128 (each

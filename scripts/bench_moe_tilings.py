@@ -41,9 +41,8 @@ def tilings(bm: int, fp8: bool):
     fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read), and
     every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
     two K blocks a step, the first's product added while the second's runs; half the stages, so the same
-    bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every two-warpgroup one as `<name>_gs` (Tiling.row_scales_from_gmem: each thread reads its row scales from
-    global memory; no fence), those in two-block steps chained too (`<name>_gs_ch`: interleaved gate_up
-    in two-block steps chains only so, can_chain), and every unchained warp-specialized one as `<name>_np`
+    bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every unchained warp-specialized one
+    as `<name>_np`
     (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132 persistent)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
@@ -100,11 +99,6 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
                                  for tag, blocks, st in (("k2", 2, max(1, t.stages // 2)), ("k2s3", 2, 3))}}
             group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
                                  if t.compute_wgs >= 2 and not t.unscaled_probe}}
-            group = {**group, **{f"{n}_gs": dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
-                                 for n, t in group.items() if t.compute_wgs >= 2 and not n.endswith("_nf")}}
-            group = {**group, **{f"{n}_ch": chained(t, K) for n, t in group.items()   # chained once they can be
-                                 if t.row_scales_from_gmem and t.step_blocks > 1 and not t.chained_tiles
-                                 and can_chain(t, K)}}
         group = {**group, **{f"{n}_np": dataclasses.replace(t, programs=0) for n, t in group.items()
                              if t.compute_wgs >= 2 and not t.chained_tiles}}
         out[call] = group

@@ -10,7 +10,7 @@
 #           unfenced (`_nf`) and unscaled (`_u`) probes; MOE_TILINGS: other names
 #   sass    issue 26: each fp8 tiling of SASS_TILINGS at 8192x16 (bf16 beside) timed with its kernels' cubins and
 #           ptxas reports kept under $OUT/cubins (sass_summary.py --extract; disassemble them where nvdisasm is)
-#   k2      issue 26: Tiling.step_blocks 2 (`_k2s3`: three stages, `_k2`: two) and row_scales_from_gmem (`_gs`)
+#   k2      issue 26: Tiling.step_blocks 2 (`_k2s3`: three stages, `_k2`: two)
 #           beside the interleaved gate_up and clustered down defaults, the unscaled probe and bf16 at 8192x16
 #           and 8192x256 (MOE_CASES) and 64x256; their compiled tests (~3 min); K2_SASS=1: cubins
 #   k2_default  issue 26: fp8_step_blocks 2 as the default: the linears' compiled test, the fp8 prefill beside HF
@@ -113,16 +113,13 @@ part_sass() {
 }
 
 part_k2() {   # issue 26: Tiling.step_blocks 2 (each block's product added while the next one's runs; `_k2s3` in
-  # three stages, `_k2` two) and row_scales_from_gmem (`_gs`: no TMA load of the row scales, no fence): their
-  # compiled tests and kernel calls (end to end: k2_default)
-  TESTS_K="two_block_steps_compiled or row_scales_from_gmem_compiled" TESTS_BUDGET=100 part_tests
+  # three stages, `_k2` two): their compiled tests and kernel calls (end to end: k2_default)
+  TESTS_K="two_block_steps_compiled" TESTS_BUDGET=100 part_tests
   local il=2wg_n128_g16_c2_il dn=2wg_n128_g16_c2
   MOE_TAG=_k2 MOE_CASES=${MOE_CASES:-8192x16,8192x256} \
-    MOE_TILINGS=2wg_n128_s3,$il,${il}_k2s3,${il}_gs,${il}_k2s3_gs,${il}_u_k2s3,2wg_n256_s3,$dn,${dn}_k2,${dn}_gs,${dn}_k2s3_gs \
-    part_moe
-  MOE_TAG=_k2_decode MOE_CASES=64x256 \
-    MOE_TILINGS=2wg_n256_c2_il_rm,2wg_n256_c2_il_rm_k2,2wg_n256_c2_il_rm_gs,2wg_n256_c2_il_rm_k2_gs part_moe
-  [ -z "${K2_SASS:-}" ] || SASS_TILINGS=${il}_k2s3,${il}_k2s3_gs part_sass
+    MOE_TILINGS=2wg_n128_s3,$il,${il}_k2s3,${il}_u_k2s3,2wg_n256_s3,$dn,${dn}_k2,${dn}_k2s3 part_moe
+  MOE_TAG=_k2_decode MOE_CASES=64x256 MOE_TILINGS=2wg_n256_c2_il_rm,2wg_n256_c2_il_rm_k2 part_moe
+  [ -z "${K2_SASS:-}" ] || SASS_TILINGS=${il}_k2s3 part_sass
 }
 
 part_k2_default() {   # issue 26: two-block steps by default (gate_up, decode linears) against one block a step

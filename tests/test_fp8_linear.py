@@ -164,15 +164,14 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     assert dense.kernel is None and dense.fp8_weight[...].shape == (192, 256) and dense.scale_inv[...].shape == (2, 2)
     seen = []
     monkeypatch.setattr(KernelPolicy, "on_gpu", lambda self: self.enabled)
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks, gmem_row_scales, wide:
-                        seen.append((w, s, split_k, chain, step_blocks, gmem_row_scales, wide))
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, s, split_k, chain, step_blocks, wide:
+                        seen.append((w, s, split_k, chain, step_blocks, wide))
                         or jnp.zeros((*x.shape[:-1], 192)))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 256)), jnp.bfloat16)
     dense(x)
     assert len(seen) == 1 and seen[0][0] is dense.fp8_weight[...] and seen[0][1] is dense.scale_inv[...]
-    dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True, fp8_step_blocks=1,
-                          fp8_row_scales_from_gmem=True, fp8_wide_tiles=False))
-    assert [a[2:] for a in seen] == [(True, False, 2, False, True), (False, True, 1, True, False)]   # default: split K
+    dense(x, KernelPolicy(fp8_linear_split_k=False, chained_tiles=True, fp8_step_blocks=1, fp8_wide_tiles=False))
+    assert [a[2:] for a in seen] == [(True, False, 2, True), (False, True, 1, False)]   # default: split K
     del seen[1:]
     tilings = []
 
@@ -188,7 +187,6 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     w8, sc8 = jnp.zeros((256, 1024), jnp.float8_e4m3fn), jnp.ones((2, 8), jnp.float32)   # 8 K steps: chained
     fp8_linear(x[..., :1].repeat(1024, -1), w8, sc8, chain=True)
     fp8_linear(x[..., :1].repeat(768, -1), w, sc, step_blocks=2)     # two blocks a step in three stages
-    fp8_linear(x[..., :1].repeat(768, -1), w, sc, gmem_row_scales=True)
     w384, sc384 = jnp.zeros((384, 1024), jnp.float8_e4m3fn), jnp.ones((3, 8), jnp.float32)
     fp8_linear(jnp.zeros((200, 1024), jnp.bfloat16), w384, sc384, wide=True)   # prefill rows: wide, chained
     fp8_linear(x[..., :1].repeat(1024, -1), w384, sc384, wide=True)             # 21 rows: a 64-row tile
@@ -197,8 +195,7 @@ def test_dense_hands_its_stored_fp8_weight_to_the_kernel(monkeypatch):
     del tilings[-2:]
     assert tilings == [linear_tiling(21, 256, 768, split_k=True), linear_tiling(21, 256, 768),
                        linear_tiling(21, 256, 768), dataclasses.replace(linear_tiling(21, 256, 1024), chained_tiles=True),
-                       dataclasses.replace(linear_tiling(21, 256, 768), step_blocks=2, stages=3),
-                       dataclasses.replace(linear_tiling(21, 256, 768), row_scales_from_gmem=True, fence_row_scales=False)]
+                       dataclasses.replace(linear_tiling(21, 256, 768), step_blocks=2, stages=3)]
     assert tilings[0].k_splits > 1 == tilings[1].k_splits
     off = dense(x, KernelPolicy(fp8_linear_kernel=False))
     want = np.asarray(x, np.float32) @ np.asarray(fp8.dequantize(dense.fp8_weight[...], dense.scale_inv[...],

@@ -1058,9 +1058,8 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     runs) makes the same additions in the same order as one block a step: the interpreter (races
     detected) gives bit-equal outputs, gate_up interleaved and one weight (down's shape), over 6 K steps
     with distinct block scales, the unused tile unwritten; K steps not a multiple of the blocks, 3 blocks,
-    joint products, and gate and up not interleaved are refused; chained tiles bit-equal
-    for one weight and for interleaved gate_up with its row scales from global memory, refused for it
-    with them in shared memory. (The unscaled probe's two-block steps: the compiled test and the bench's
+    joint products, and gate and up not interleaved are refused; chained tiles bit-equal for one weight,
+    refused for interleaved gate_up. (The unscaled probe's two-block steps: the compiled test and the bench's
     err.)"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -1084,8 +1083,6 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
     # gate_up in two-block steps is refused (chained, it never finished in the interpreter)
     np.testing.assert_array_equal(down(dataclasses.replace(one, step_blocks=2, stages=3, chained_tiles=True)), ref)
     chained_k2 = dataclasses.replace(il, step_blocks=2, stages=3, chained_tiles=True)
-    gmem_k2 = dataclasses.replace(il, step_blocks=2, stages=3, row_scales_from_gmem=True, fence_row_scales=False)
-    np.testing.assert_array_equal(call(dataclasses.replace(gmem_k2, chained_tiles=True)), call(gmem_k2))
     with pytest.raises(ValueError, match="chained_tiles"):
         grouped_matmul(xq, gq, tile_expert, up=operands[4], tiling=chained_k2, x_scale=xs, w_scale=gs,
                        up_scale=operands[5], interpret=True)
@@ -1145,8 +1142,7 @@ def test_wide_tiles_interpret_bit_equal_128_column_tiles():
         assert shape_error(sds((256, 384), jnp.float8_e4m3fn), sds((2, 384, 384), jnp.float8_e4m3fn), t, fp8=True)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(unscaled_probe=True), dict(chained_tiles=True),
-                                     dict(row_scales_from_gmem=True, fence_row_scales=False)])
+@pytest.mark.parametrize("variant", [{}, dict(unscaled_probe=True), dict(chained_tiles=True)])
 def test_wide_tiles_lower_for_cuda_at_glm5_down_widths(variant):
     """The 192-column down tiles (clusters of two, four stages) and their variants lowered for CUDA here
     at GLM-5's down widths (8192 tokens x top-8 over 16 experts: K 2048, N 6144): Mosaic GPU's wgmma
@@ -1176,8 +1172,8 @@ def test_wide_down_tiles_policy():
             continue
         assert (down_t.block_n, down_t.cluster_n, down_t.step_blocks) == (192, 2, 1)
         assert down_t == dataclasses.replace(base[1], block_n=192, chained_tiles=True)
-        assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, 2, False,
-                               True) is None
+        assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, interleaved=True, step_blocks=2,
+                               wide_down=True) is None
     odd = sds((E, I, 6016), jnp.float8_e4m3fn)       # 47 x 128: not a multiple of 192
     assert expert_tilings(8192 * 8, odd, True, 2, wide_down=True)[1].block_n == 128
     assert KernelPolicy().fp8_wide_tiles and not KernelPolicy.parse("fp8_wide_tiles=false").fp8_wide_tiles
@@ -1273,8 +1269,8 @@ def test_three_wgs_policy():
             got = expert_tilings(slots, gate, True, 2, three_wgs=True, **kw)
             if slots >= THREE_WG_ROWS * E:
                 assert got == three_wg_tilings() and got[0].compute_wgs == got[1].compute_wgs == 3
-                assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, True, False, 2,
-                                       False, True, True) is None
+                assert fp8_shape_error(sds((8192, D), jnp.bfloat16), gate, down, slots, 2, interleaved=True,
+                                       step_blocks=2, wide_down=True, three_wgs=True) is None
             else:
                 assert got == base
         assert (E == 256) == (8192 * 8 < THREE_WG_ROWS * E)
@@ -1345,12 +1341,10 @@ def test_two_block_steps_compiled_bit_equal_one_block_steps(bm):
 
 
 def test_step_blocks_policy_picks_the_tilings_that_take_it():
-    """KernelPolicy.fp8_step_blocks 2 (expert_tilings' step_blocks; and fp8_row_scales_from_gmem, its
-    gmem_row_scales, last): the interleaved gate_up call at
+    """KernelPolicy.fp8_step_blocks 2 (expert_tilings' step_blocks): the interleaved gate_up call at
     prefill (128-row tiles, 3 stages) and decode (64 x 256 tiles, 2 stages) take two K blocks a step; the
-    clustered prefill down call (three stages do not fit with its row scales in shared memory) only with
-    them from global memory; decode's joint column-pair down, the joint gate_up (interleaving off) and an
-    odd number of K blocks keep one; each picked tiling passes shape_error."""
+    clustered prefill down call (three stages do not fit), decode's joint column-pair down, the joint
+    gate_up (interleaving off) and an odd number of K blocks keep one; each picked tiling passes shape_error."""
     from pallas_kernels.moe.dispatch import expert_tilings
     from pallas_kernels.moe.grouped_matmul import shape_error
     sds = jax.ShapeDtypeStruct
@@ -1364,8 +1358,6 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
         P = padded_rows(rows, E, up_t.block_m)
         assert shape_error(sds((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True) is None
         assert down_t.step_blocks == 1
-        gmem_down = expert_tilings(rows, gate, True, 2, interleaved=True, step_blocks=2, gmem_row_scales=True)[1]
-        assert (gmem_down.step_blocks, gmem_down.stages) == ((2, 3) if rows > 64 * 8 else (1, 4))
         assert shape_error(sds((P, I), jnp.float8_e4m3fn), sds((E, D, I), jnp.float8_e4m3fn), down_t, fp8=True) is None
     E, gate = 16, sds((16, I, D), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="step_blocks 3"):
@@ -1377,72 +1369,18 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
     assert (up_t.step_blocks, up_t.chained_tiles, down_t.step_blocks, down_t.chained_tiles) == (2, False, 1, True)
     odd = sds((E, I, 640), jnp.float8_e4m3fn)
     assert expert_tilings(8192 * 8, odd, True, 2, interleaved=True, step_blocks=2)[0].step_blocks == 1
-    # gmem_row_scales: every two-warpgroup tiling, fence off with it
-    for rows in (8192 * 8, 64 * 8):
-        ts = expert_tilings(rows, sds((256, I, D), jnp.float8_e4m3fn), True, 2, interleaved=True, gmem_row_scales=True)
-        assert all(t.row_scales_from_gmem and not t.fence_row_scales for t in ts)
-    assert not any(t.row_scales_from_gmem for t in expert_tilings(8192 * 8, gate, True, 1, gmem_row_scales=True))
 
 
-def test_row_scales_from_gmem_interpret_bit_equal_and_race_free_without_the_fence(bm=128):
-    """Tiling.row_scales_from_gmem (each thread reads its rows' scales from global memory, no TMA load of
-    them, no fence): bit-equal to the row scales read from the step's shared-memory slot in the
-    interpreter, with the race detector on and fence_row_scales off (nothing in shared memory to order):
-    interleaved gate_up with one and two K blocks a step, and one weight, on 128-row tiles (each warpgroup
-    its own 64 rows: the row offset is what can go wrong; 64-row tiles read from row 0, lowered below);
-    refused without compute warpgroups."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.moe.grouped_matmul import shape_error
-    il, operands = interleaved_case(bm, K=768)
-    call = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True))
-    for base in (il, dataclasses.replace(il, step_blocks=2)):
-        got = call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False))
-        ref = call(base)
-        assert len(list(used_tiles(operands[-1], bm, got, ref))) == 2
-        np.testing.assert_array_equal(got, ref)
-    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
-    down = variant_call(operands, plgpu.InterpretGPUParams(detect_races=True), one_weight=True)
-    np.testing.assert_array_equal(down(dataclasses.replace(one, row_scales_from_gmem=True, fence_row_scales=False)),
-                                  down(one))
-    sds = jax.ShapeDtypeStruct
-    one_wg = Tiling(block_m=128, block_n=128, block_k=128, compute_wgs=1, row_scales_from_gmem=True)
-    assert "row_scales_from_gmem" in shape_error(sds((256, 768), jnp.float8_e4m3fn),
-                                                 sds((2, 256, 768), jnp.float8_e4m3fn), one_wg, fp8=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bm", [128, 64])
-def test_row_scales_from_gmem_compiled_bit_equal(bm):
-    """row_scales_from_gmem (fence off) compiled on the GPU, bit-equal to the compiled kernel reading the
-    row scales from shared memory: interleaved gate_up with one and two K blocks a step, and one weight."""
-    il, operands = interleaved_case(bm, K=768)
-    call = variant_call(operands)
-    for base in (il, dataclasses.replace(il, step_blocks=2)):
-        np.testing.assert_array_equal(
-            call(dataclasses.replace(base, row_scales_from_gmem=True, fence_row_scales=False)), call(base))
-    one = dataclasses.replace(il, interleaved_gate_up=False, block_n=128)
-    down = variant_call(operands, one_weight=True)
-    np.testing.assert_array_equal(down(dataclasses.replace(one, row_scales_from_gmem=True, fence_row_scales=False)),
-                                  down(one))
-
-
-@pytest.mark.parametrize("bm,variant", [
-    (128, dict(step_blocks=2)), (64, dict(step_blocks=2)),
-    (128, dict(row_scales_from_gmem=True)), (64, dict(step_blocks=2, row_scales_from_gmem=True)),
-    (128, dict(step_blocks=2, row_scales_from_gmem=True))])
-def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, variant):
-    """The interleaved gate_up kernel's variants (step_blocks in with_step_blocks' stages,
-    row_scales_from_gmem with the fence off) lowered for CUDA on this machine at
-    GLM-5's gate_up widths (8192 tokens x top-8 over 16 experts), the dispatch's interleaved tiles:
-    Mosaic GPU's layout, wgmma and shared-memory checks run here."""
+@pytest.mark.parametrize("bm,blocks", [(128, 2), (64, 2)])
+def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, blocks):
+    """The interleaved gate_up kernel in two-block steps (in with_step_blocks' stages) lowered for CUDA on
+    this machine at GLM-5's gate_up widths (8192 tokens x top-8 over 16 experts), the dispatch's interleaved
+    tiles: Mosaic GPU's layout, wgmma and shared-memory checks run here."""
     from pallas_kernels.moe.grouped_matmul import with_step_blocks
     E, D, I = 16, 6144, 2048
-    blocks = variant.get("step_blocks", 1)
     t = Tiling(block_m=bm, block_n=128 if bm == 128 else 256, block_k=128, stages=4, compute_wgs=2,
-               grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True,
-               fence_row_scales=not variant.get("row_scales_from_gmem"),
-               **{k: v for k, v in variant.items() if k != "step_blocks"})
+               grid_block_n=16 if bm == 128 else 1, cluster_n=2, interleaved_gate_up=True)
     t = with_step_blocks(t, D, blocks)
     assert t.step_blocks == blocks
     assert "mosaic_gpu" in lower_fp8_grouped_for_cuda(t, 8192 * 8 + E * bm, D, I, E, up=True)
@@ -1452,9 +1390,8 @@ def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
     """ws_fp8_smem_bytes against Mosaic GPU's own check, lowering for CUDA here at the edge the H100
     found (8192 x 16, down): two blocks a step in three stages with the row scales in shared memory do
     not fit (233520 bytes), and two lower but lost on the H100, so with_step_blocks leaves that tile one
-    block a step; read from global memory they fit in three. The interleaved gate_up tile (half the
-    output tile) fits three either way."""
-    from pallas_kernels.moe.grouped_matmul import SMEM_BYTES, with_gmem_row_scales, with_step_blocks, ws_fp8_smem_bytes
+    block a step. The interleaved gate_up tile (half the output tile) fits three."""
+    from pallas_kernels.moe.grouped_matmul import SMEM_BYTES, with_step_blocks, ws_fp8_smem_bytes
     E, D, I = 16, 6144, 2048
     down = Tiling(block_m=128, block_n=128, block_k=128, stages=4, compute_wgs=2, grid_block_n=16, cluster_n=2)
     il = dataclasses.replace(down, interleaved_gate_up=True)
@@ -1464,15 +1401,13 @@ def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
     with pytest.raises(Exception, match="shared memory"):
         lower(over)
     assert with_step_blocks(down, I, 2) == down and "mosaic_gpu" in lower(dataclasses.replace(over, stages=2))
-    gmem = with_step_blocks(with_gmem_row_scales(down), I, 2)
-    assert gmem.stages == 3 and ws_fp8_smem_bytes(gmem) <= SMEM_BYTES and "mosaic_gpu" in lower(gmem)
     assert with_step_blocks(il, D, 2).stages == 3
 
 
 @pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
 def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
     """The tilings the policies device_plan's k2 part runs end to end give the fp8 experts and GLM-5's
-    fp8 dense linears (fp8_step_blocks 2, with row scales from shared and from global memory), at
+    fp8 dense linears (fp8_step_blocks 2), at
     prefill and decode row counts, lowered for CUDA on this machine: a shared-memory or
     layout failure shows here, not in the GPU call."""
     from pallas_kernels.fp8_linear import GLM5_LINEARS, fp8_linear
@@ -1481,15 +1416,14 @@ def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
     D, I, k = 6144, 2048, 8
     sds = jax.ShapeDtypeStruct
     gate = sds((experts, I, D), jnp.float8_e4m3fn)
-    for text in ("fp8_step_blocks=2", "fp8_step_blocks=2,fp8_row_scales_from_gmem=true"):
-        p = KernelPolicy.parse(text + ",fp8_three_wgs=false")     # two-block steps: two compute warpgroups
-        up_t, down_t = expert_tilings(tokens * k, gate, True, **fp8_tiling_options(p))
-        assert up_t.row_scales_from_gmem == p.fp8_row_scales_from_gmem and up_t.step_blocks > 1
-        lower_fp8_experts_for_cuda(tokens, experts, up_t, down_t, D, I, k)
-        if (tokens, experts) not in ((8192, 16), (1, 256)):   # the dense linears at prefill and decode rows
-            continue
-        for name, (K, N) in GLM5_LINEARS.items():
-            f = functools.partial(fp8_linear, step_blocks=p.fp8_step_blocks, gmem_row_scales=p.fp8_row_scales_from_gmem)
-            jax.jit(f).trace(sds((tokens, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn),
-                             sds((-(-N // 128), K // 128), jnp.float32)).lower(lowering_platforms=("cuda",))
+    p = KernelPolicy.parse("fp8_step_blocks=2,fp8_three_wgs=false")     # two-block steps: two compute warpgroups
+    up_t, down_t = expert_tilings(tokens * k, gate, True, **fp8_tiling_options(p))
+    assert up_t.step_blocks > 1
+    lower_fp8_experts_for_cuda(tokens, experts, up_t, down_t, D, I, k)
+    if (tokens, experts) not in ((8192, 16), (1, 256)):   # the dense linears at prefill and decode rows
+        return
+    for name, (K, N) in GLM5_LINEARS.items():
+        f = functools.partial(fp8_linear, step_blocks=p.fp8_step_blocks)
+        jax.jit(f).trace(sds((tokens, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn),
+                         sds((-(-N // 128), K // 128), jnp.float32)).lower(lowering_platforms=("cuda",))
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe.fp8_rows import quantize_rows
 from pallas_kernels.moe.grouped_matmul import Tiling, chained, column_tiles, grouped_matmul, shape_error, tile_columns
-from pallas_kernels.moe.grouped_matmul import WIDE_TILE, scale_slices, with_gmem_row_scales, with_step_blocks
+from pallas_kernels.moe.grouped_matmul import WIDE_TILE, scale_slices, with_step_blocks
 from pallas_kernels.moe.layout import check_experts, fp8_experts_as_plain
 from pallas_kernels.moe.plan import block_plan, padded_rows
 from pallas_kernels.policy import DEFAULT_POLICY, KernelPolicy
@@ -116,35 +116,33 @@ def by_rows(t: Tiling, N: int) -> Tiling:
 
 
 def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: bool = False,
-                   chain: bool = False, step_blocks: int = 1, gmem_row_scales: bool = False,
-                   wide_down: bool = False, three_wgs: bool = False, one_tile: bool = False) -> tuple[Tiling, Tiling]:
+                   chain: bool = False, step_blocks: int = 1, wide_down: bool = False,
+                   three_wgs: bool = False, one_tile: bool = False) -> tuple[Tiling, Tiling]:
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
     call's tiling `chained` where it applies; step_blocks (fp8): Tiling.step_blocks where the tiling takes it
-    (with_step_blocks); gmem_row_scales (fp8): Tiling.row_scales_from_gmem where it applies; wide_down (fp8):
+    (with_step_blocks); wide_down (fp8):
     the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
     scale_slices; one block a step), chained where it can be (as they were timed fastest). three_wgs (fp8,
     interleaved, two compute warpgroups asked for): calls with at least THREE_WG_ROWS rows an expert take
     three_wg_tilings instead. one_tile:
     prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0)."""
-    tilings = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_blocks, gmem_row_scales,
-                              wide_down, three_wgs)
+    tilings = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_blocks, wide_down, three_wgs)
     if one_tile and tilings[0].block_m >= 128:
         tilings = tuple(dataclasses.replace(t, programs=0) for t in tilings)
     return tilings
 
 
-def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_blocks, gmem_row_scales,
-                    wide_down, three_wgs) -> tuple[Tiling, Tiling]:
+def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_blocks, wide_down,
+                    three_wgs) -> tuple[Tiling, Tiling]:
     """expert_tilings in persistent programs (one_tile applied after)."""
     E = gate.shape[0]
     I, D = (gate.shape[1], gate.shape[2]) if fp8 else (gate.shape[2], gate.shape[1])
     if fp8 and three_wgs and interleaved and compute_wgs == 2 and slots >= THREE_WG_ROWS * E:
         up_t, down_t = three_wg_tilings()
         if I % tile_columns(up_t) == 0 and D % down_t.block_n == 0:
-            up_t, down_t = paired(up_t, I), paired(down_t, D)
-            return with_gmem_row_scales(up_t, gmem_row_scales), with_gmem_row_scales(down_t, gmem_row_scales)
+            return paired(up_t, I), paired(down_t, D)
     up_t, down_t = (fp8_tilings if fp8 else blocked_tilings)(slots, E, compute_wgs)
     if fp8 and interleaved and compute_wgs == 2:
         il = dataclasses.replace(up_t, block_n=128 if up_t.block_m == 128 else 256, cluster_n=2,
@@ -156,7 +154,6 @@ def _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_bloc
         down_t = wide_t
     up_t, down_t = by_rows(paired(up_t, I), I), by_rows(paired(down_t, D), D)
     if fp8:
-        up_t, down_t = with_gmem_row_scales(up_t, gmem_row_scales), with_gmem_row_scales(down_t, gmem_row_scales)
         up_t = with_step_blocks(up_t, D, step_blocks if up_t.interleaved_gate_up else 1)  # one product
         down_t = with_step_blocks(down_t, I, step_blocks)
     if wide:
@@ -209,14 +206,14 @@ def fp8_tilings(slots: int, E: int, compute_wgs: int = 2) -> tuple[Tiling, Tilin
 
 
 def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved: bool = False,
-                    chain: bool = False, step_blocks: int = 1, gmem_row_scales: bool = False,
-                    wide_down: bool = False, three_wgs: bool = False) -> str | None:
+                    chain: bool = False, step_blocks: int = 1, wide_down: bool = False,
+                    three_wgs: bool = False) -> str | None:
     """Why the fp8 kernel path cannot take these operands (None: it can): fp8 experts stored K-major,
     gate [E, I, D] and down [E, D, I] e4m3 (layout.py), read by the kernel as they are."""
     if gate.dtype != jnp.float8_e4m3fn or down.dtype != jnp.float8_e4m3fn:
         return f"weights are {gate.dtype} / {down.dtype}, not float8_e4m3fn"
-    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, step_blocks, gmem_row_scales,
-                                  wide_down, three_wgs)
+    up_t, down_t = expert_tilings(slots, gate, True, compute_wgs, interleaved, chain, step_blocks, wide_down,
+                                  three_wgs)
     P = padded_rows(slots, gate.shape[0], up_t.block_m)
     E, I, D = gate.shape
     return (shape_error(jax.ShapeDtypeStruct((P, D), jnp.float8_e4m3fn), gate, up_t, fp8=True)
@@ -226,8 +223,7 @@ def fp8_shape_error(x, gate, down, slots: int, compute_wgs: int = 2, interleaved
 def fp8_tiling_options(policy: KernelPolicy) -> dict:
     """The policy's choices for the fp8 kernel's tilings, as expert_tilings and fp8_shape_error take them."""
     return dict(compute_wgs=policy.fp8_moe_compute_wgs, interleaved=policy.fp8_moe_interleaved_gate_up,
-                chain=policy.chained_tiles, step_blocks=policy.fp8_step_blocks,
-                gmem_row_scales=policy.fp8_row_scales_from_gmem, wide_down=policy.fp8_wide_tiles,
+                chain=policy.chained_tiles, step_blocks=policy.fp8_step_blocks, wide_down=policy.fp8_wide_tiles,
                 three_wgs=policy.fp8_three_wgs)
 
 

@@ -98,11 +98,6 @@ class Tiling:
     wait, row-scale read and fence a step instead of one a block. The same additions in the same order
     as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and two
     fresh 64, where one block a step reaches R155 of the 232 a compute thread gets)."""
-    row_scales_from_gmem: bool = False
-    """fp8, warp-specialized: each compute thread reads its rows' scales of a step from
-    global memory (L2: every column tile of a row tile reads the same) instead of from the step's
-    shared-memory slot, where the producer's TMA wrote them. No TMA load of the scales, and no fence
-    between the read and the slot's release (fence_row_scales has nothing to order)."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -165,8 +160,6 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
         return (f"step_blocks {tiling.step_blocks}: 1, or 2 with fp8, warp-specialized, one product a K "
                 f"block (no joint or column-pair products) and the K steps of a split a multiple "
                 f"of it ({tiling})")
-    if tiling.row_scales_from_gmem and not (fp8 and warp_specialized(tiling)):
-        return f"row_scales_from_gmem: fp8, warp-specialized ({tiling})"
     if tiling.unscaled_probe and not (fp8 and warp_specialized(tiling)):
         return f"unscaled_probe: fp8, warp-specialized ({tiling})"
     if tiling.chained_tiles and not can_chain(tiling, K):
@@ -219,13 +212,13 @@ def column_tiles(t: Tiling, N: int) -> int:
 def can_chain(t: Tiling, K: int) -> bool:
     """Whether t's tiles can run chained (chained_tiles) over K inputs: warp-specialized, each tile's K
     pipeline steps (K / block_k / step_blocks, over its K splits) a multiple of the stages or fewer, and
-    not interleaved gate_up in two-block steps with its row scales in shared memory (its weight slots
-    are views of one shared buffer; chained, that kernel never finishes in the interpreter: its compute
-    warpgroups wait on a produced barrier the producer never fills. With the row scales read from
-    global memory, or one weight in two-block steps, it finishes, bit-equal)."""
+    not interleaved gate_up in two-block steps (its weight slots are views of one shared buffer; chained,
+    that kernel never finishes in the interpreter: its compute warpgroups wait on a produced barrier the
+    producer never fills. One weight in two-block steps finishes, bit-equal; so did interleaved gate_up
+    with its row scales read from global memory, a probe since removed)."""
     steps = K // t.block_k // t.k_splits // t.step_blocks
     return (warp_specialized(t) and (steps <= t.stages or steps % t.stages == 0)
-            and not (t.interleaved_gate_up and t.step_blocks > 1 and not t.row_scales_from_gmem))
+            and not (t.interleaved_gate_up and t.step_blocks > 1))
 
 
 def chained(t: Tiling, K: int) -> Tiling:
@@ -258,12 +251,12 @@ SMEM_BYTES = 232448
 
 def ws_fp8_smem_bytes(t: Tiling) -> int:
     """Shared memory the warp-specialized fp8 kernel allocates for one-product-a-block tiling t
-    (interleaved gate_up or one weight) with 2-byte outputs: each stage's K blocks (x, row scales
-    unless read from global memory, weights) and the double-buffered output tile, plus 2 KB for the
+    (interleaved gate_up or one weight) with 2-byte outputs: each stage's K blocks (x, row scales,
+    weights) and the double-buffered output tile, plus 2 KB for the
     pipeline's barriers and alignment (a three-stage two-block down tile: 233520 bytes measured against
     232448 estimated before that allowance)."""
     bm, bn, bk = t.block_m, t.block_n, t.block_k
-    block = bm * bk + bn * bk + (0 if t.row_scales_from_gmem else 4 * bm)
+    block = bm * bk + bn * bk + 4 * bm
     sm, _, out_sn = warpgroup_part(t)
     return t.stages * t.step_blocks * block + t.compute_wgs * sm * out_sn * 2 + 2048
 
@@ -280,8 +273,7 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
     """fp8 tiling t of one product a K block (one weight, or gate and up interleaved) with step_blocks
     128-deep K blocks a pipeline step (Tiling.step_blocks) where it takes them (two compute warpgroups,
     K's blocks a split a multiple of them), in as many stages as fit (STEP_BLOCK_STAGES, or two for
-    64-row tiles; row scales from global memory leave more room, so apply with_gmem_row_scales first);
-    else t."""
+    64-row tiles); else t."""
     if step_blocks not in (1, 2):
         raise ValueError(f"step_blocks {step_blocks}: 1 or 2 K blocks a pipeline step")
     if step_blocks == 1 or not (warp_specialized(t) and (K // t.block_k // t.k_splits) % step_blocks == 0 and not (
@@ -291,14 +283,6 @@ def with_step_blocks(t: Tiling, K: int, step_blocks: int) -> Tiling:
             for s in range(STEP_BLOCK_STAGES, 2 if t.block_m == 128 else 1, -1)]
     fits = [f for f in fits if ws_fp8_smem_bytes(f) <= SMEM_BYTES]
     return fits[0] if fits else t
-
-
-def with_gmem_row_scales(t: Tiling, on: bool = True) -> Tiling:
-    """fp8 tiling t reading its row scales from global memory (Tiling.row_scales_from_gmem, no fence)
-    where it can (compute warpgroups); else t."""
-    if not on or not warp_specialized(t):
-        return t
-    return dataclasses.replace(t, row_scales_from_gmem=True, fence_row_scales=False)
 
 
 def tile_columns(tiling: Tiling) -> int:
@@ -443,7 +427,7 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
     half = out_sn
     n_blocks = bn // half if interleaved else n_w   # weight blocks a K block
     S = tiling.step_blocks                          # K blocks a pipeline step (each its x, row scales, weights)
-    n_xs = S if fp8 and not tiling.row_scales_from_gmem else 0   # row-scale blocks a step (in shared memory)
+    n_xs = S if fp8 else 0                          # row-scale blocks a step (in shared memory)
     wg = jax.lax.axis_index("wg")
     cn = tiling.cluster_n
     # fp8 weights are K-major [E, N, K] (a block [bn, bk]), bf16 ones [E, K, N] (a block [bk, bn]);
@@ -543,13 +527,8 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
             def step_fp8(idx, *refs):
                 x_smem, xs_smems, (*w_smems, sums) = refs[0], refs[S:S + n_xs], refs[S + n_xs:]
-                if n_xs:
-                    row_scales = [plgpu.load(xs.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)) for xs in xs_smems]
-                else:                     # from global memory: this warpgroup's rows of the tile, each block's
-                    tile_rows = pl.ds(mi * bm + (wg * sm if by_rows else 0), sm)
-                    row_scales = [plgpu.load(xs_ref.at[S * idx[0] + s + start, tile_rows], optimized=False,
-                                             layout=plgpu.Layout.WGMMA.reduce(1)) for s in range(S)]
-                if tiling.fence_row_scales and n_xs:
+                row_scales = [plgpu.load(xs.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1)) for xs in xs_smems]
+                if tiling.fence_row_scales:
                     plgpu.commit_smem()   # the shared-memory reads above ordered before the next TMA write there
                 if S > 1:                     # one product a block, two in flight, added in order
                     # every block's scales first: their block-scale reads in flight before any product
