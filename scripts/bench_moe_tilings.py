@@ -30,8 +30,8 @@ def tilings(bm: int, fp8: bool):
     (fp8, a warpgroup's part at most 64 x 64); `_sN`: N stages of the K pipeline (decode fp8: more weight
     bytes in flight per SM); `_il`: each step's 64-row gate and up blocks side by side in shared memory,
     one m64n128 product a step (Tiling.interleaved_gate_up); `_n192` (fp8 down): 192-column tiles promoted
-    in 64-column slices with their own block scales (scale_slices); `3wg` (where 128-row tiles are timed): 192-row tiles in three compute
-    warpgroups, over the rows laid out in 192-row tiles (each output compared in slot order); `_rm`:
+    in 64-column slices with their own block scales (scale_slices); `3wg` (where 128-row tiles are timed):
+    192-row tiles in three compute warpgroups, over the rows laid out in 192-row tiles (each output compared in slot order); `_rm`:
     64-row tiles walked row by row (grid_block_n over all column blocks: the padded buffer's unused row
     tiles last, as the dispatch does) instead of column by column.
     Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
@@ -42,8 +42,8 @@ def tilings(bm: int, fp8: bool):
     every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
     two K blocks a step, the first's product added while the second's runs; half the stages, so the same
     bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every unchained warp-specialized one
-    as `<name>_np`
-    (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132 persistent)."""
+    as `<name>_np` (Tiling.programs 0: one program a tile, started in order by the hardware, instead of 132
+    persistent)."""
     T = lambda bn, st, w, g=8, c=1, pairs=False, joint=False, il=False, rm=False: Tiling(  # noqa: E731
         block_m=bm, block_n=bn, block_k=128 if fp8 else 64, stages=st, compute_wgs=w,
         grid_block_n=g if bm >= 128 else 64 if rm else 1, cluster_n=c, column_pairs=pairs, joint_products=joint,

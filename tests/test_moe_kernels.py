@@ -317,7 +317,6 @@ def test_unscaled_probe_interpret_equals_the_unscaled_products(kind):
                                            one_wg, fp8=True)
 
 
-
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_unscaled_probe_lowers_for_cuda_at_glm5_widths(interleaved):
     """The probe as bench_moe_tilings times it (`_u`): the prefill gate_up tilings (joint n64, interleaved
@@ -447,7 +446,6 @@ def test_k_splits_interpret_equal_reference(fp8, compute_wgs, cluster_n):
     w_sds = sds((E, N, K) if fp8 else (E, K, N), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     x_sds = sds((4 * bm, K), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     assert "k_splits 4" in shape_error(x_sds, w_sds, dataclasses.replace(t, k_splits=4), fp8=fp8)
-
 
 
 def test_expert_mlp_fp8_interpret_equals_its_quantized_reference():
@@ -700,7 +698,6 @@ def test_one_program_a_tile_interpret_bit_equal_persistent():
     assert [t.programs for t in expert_tilings(1280, gq, True, **fp8_tiling_options(KernelPolicy()))] == [132, 132]
 
 
-
 @functools.partial(jax.jit, static_argnums=5, static_argnames="policy")
 def slots_compiled(x, fe, gate, up, down, k, *, policy, scales=None):
     """The dispatch's outputs in slot order, compiled."""
@@ -731,7 +728,8 @@ def test_expert_mlp_kernel_compiled_equals_reference(compute_wgs):
     (1, False, False), (2, False, False), (2, True, False), (2, False, True)])
 def test_expert_mlp_fp8_kernel_compiled_equals_the_dequantized_path(compute_wgs, interleaved, chain):
     """fp8 experts through the compiled fp8 kernel (policy.fp8_moe_kernel; one compute warpgroup or the
-    warp-specialized two, with gate_up's blocks side by side or not, tiles chained or not) against the same weights dequantized to bf16 (the bf16 kernel path,
+    warp-specialized two, with gate_up's blocks side by side or not, tiles chained or not) against the
+    same weights dequantized to bf16 (the bf16 kernel path,
     chained as well): prefill and decode row counts, 16 and 256 experts."""
     from pallas_kernels.moe import fp8_kernel_applies
     rng = np.random.default_rng(6)
@@ -756,14 +754,9 @@ def test_moe_tile_programs_compiled_bit_equal():
     """KernelPolicy.moe_tile_program_rows (one program a bf16 prefill tile; on by default at these rows an
     expert: 256 and ~9) through the compiled dispatch, bf16 and fp8 experts, 16 and 256 experts: the
     persistent programs' outputs bit for bit."""
-    assert_policies_bit_equal(np.random.default_rng(14), ((512, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)),
-                              KernelPolicy(moe_tile_program_rows=0), [KernelPolicy()])
-
-
-def assert_policies_bit_equal(rng, cases, off: KernelPolicy, ons):
-    """The compiled dispatch under each policy of ons gives off's outputs bit for bit, for bf16 and fp8 experts
-    at each (tokens N, top-k, D, I, experts E) of cases, on random routings with dummies."""
-    for N, k, D, I, E in cases:
+    rng = np.random.default_rng(14)
+    off, on = KernelPolicy(moe_tile_program_rows=0), KernelPolicy()
+    for N, k, D, I, E in ((512, 8, 1024, 512, 16), (300, 8, 1024, 512, 256)):
         x, gate, up, down = mlp_inputs(rng, N, D, I, E)
         fe = jnp.asarray(rng.integers(0, E + 1, N * k), jnp.int32)
         (gq, gs), (uq, us), (dq, ds) = fp8_experts(rng, D, I, E)
@@ -771,11 +764,9 @@ def assert_policies_bit_equal(rng, cases, off: KernelPolicy, ons):
         for args, kw in (((x, fe, gate, up, down, k), {}), ((xb, fe, gq, uq, dq, k), dict(scales=(gs, us, ds)))):
             want = np.asarray(slots_compiled(*args, policy=off, **kw), np.float64)
             assert np.abs(want).max() > 0, (N, E)
-            for on in ons:
-                got = np.asarray(slots_compiled(*args, policy=on, **kw), np.float64)
-                assert np.isfinite(got).all(), (N, E, on)
-                np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens over {E} experts, {on}")
-
+            got = np.asarray(slots_compiled(*args, policy=on, **kw), np.float64)
+            assert np.isfinite(got).all(), (N, E)
+            np.testing.assert_array_equal(got, want, err_msg=f"{N} tokens over {E} experts")
 
 
 @pytest.mark.gpu
@@ -1193,7 +1184,6 @@ def test_wide_tiles_compiled_bit_equal_128_column_tiles():
                                   down(dataclasses.replace(one, unscaled_probe=True)))
 
 
-
 def three_wg_case(K: int = 512):
     """Operands for 192-row tiles in three compute warpgroups laid out so that 128-row tiles cover the same
     rows: 1152 rows, expert 1's then an unused stretch then expert 0's, 384 rows each (192-row tiles
@@ -1371,7 +1361,6 @@ def test_step_blocks_policy_picks_the_tilings_that_take_it():
     assert expert_tilings(8192 * 8, odd, True, 2, interleaved=True, step_blocks=2)[0].step_blocks == 1
 
 
-
 @pytest.mark.parametrize("bm,blocks", [(128, 2), (64, 2)])
 def test_interleaved_variants_lower_for_cuda_at_glm5_widths(bm, blocks):
     """The interleaved gate_up kernel in two-block steps (in with_step_blocks' stages) lowered for CUDA on
@@ -1407,9 +1396,8 @@ def test_step_block_stages_fit_shared_memory_as_mosaic_counts_it():
 @pytest.mark.parametrize("tokens,experts", [(8192, 16), (8192, 256), (64, 256), (1, 256)])
 def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
     """The tilings the policies device_plan's k2 part runs end to end give the fp8 experts and GLM-5's
-    fp8 dense linears (fp8_step_blocks 2), at
-    prefill and decode row counts, lowered for CUDA on this machine: a shared-memory or
-    layout failure shows here, not in the GPU call."""
+    fp8 dense linears (fp8_step_blocks 2), at prefill and decode row counts, lowered for CUDA on this
+    machine: a shared-memory or layout failure shows here, not in the GPU call."""
     from pallas_kernels.fp8_linear import GLM5_LINEARS, fp8_linear
     from pallas_kernels.moe.dispatch import expert_tilings, fp8_tiling_options
     from pallas_kernels.policy import KernelPolicy
@@ -1426,4 +1414,3 @@ def test_device_plan_k2_policies_lower_for_cuda_at_glm5_widths(tokens, experts):
         f = functools.partial(fp8_linear, step_blocks=p.fp8_step_blocks)
         jax.jit(f).trace(sds((tokens, K), jnp.bfloat16), sds((N, K), jnp.float8_e4m3fn),
                          sds((-(-N // 128), K // 128), jnp.float32)).lower(lowering_platforms=("cuda",))
-

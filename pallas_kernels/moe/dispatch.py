@@ -121,13 +121,12 @@ def expert_tilings(slots: int, gate, fp8: bool, compute_wgs: int, interleaved: b
     """The (gate_up, down) tilings of a call over these experts (gate plain [E, D, I] or fp8 K-major
     [E, I, D]), clusters kept where the column blocks pair up, decode tiles walked row by row.
     interleaved (fp8, two compute warpgroups): gate_up with Tiling.interleaved_gate_up; chain: each
-    call's tiling `chained` where it applies; step_blocks (fp8): Tiling.step_blocks where the tiling takes it
-    (with_step_blocks); wide_down (fp8):
-    the prefill down call in WIDE_TILE-column tiles where D is a multiple of it (straddling scale blocks:
-    scale_slices; one block a step), chained where it can be (as they were timed fastest). three_wgs (fp8,
-    interleaved, two compute warpgroups asked for): calls with at least THREE_WG_ROWS rows an expert take
-    three_wg_tilings instead. one_tile:
-    prefill tilings (128 rows or more) run one program a tile (Tiling.programs 0)."""
+    call's tiling `chained` where it applies; step_blocks (fp8): Tiling.step_blocks where the tiling takes
+    it (with_step_blocks); wide_down (fp8): the prefill down call in WIDE_TILE-column tiles where D is a
+    multiple of it (straddling scale blocks: scale_slices; one block a step), chained where it can be (as
+    they were timed fastest). three_wgs (fp8, interleaved, two compute warpgroups asked for): calls with at
+    least THREE_WG_ROWS rows an expert take three_wg_tilings instead. one_tile: prefill tilings (128 rows
+    or more) run one program a tile (Tiling.programs 0)."""
     tilings = _expert_tilings(slots, gate, fp8, compute_wgs, interleaved, chain, step_blocks, wide_down, three_wgs)
     if one_tile and tilings[0].block_m >= 128:
         tilings = tuple(dataclasses.replace(t, programs=0) for t in tilings)
