@@ -4,7 +4,9 @@ pytest run) or a slow compile costs that test alone. Prints a table (test, outco
 JSON; stops starting tests when --budget seconds are spent, listing the ones not run. Exit status 0
 only if every selected test passed (a skip on the GPU is reported, not counted as a pass).
 
-    JAX_PLATFORMS=cuda python3 scripts/gpu_tests.py -k "compiled and not fused" --per-test 150 --budget 500
+    python3 scripts/gpu_tests.py -k "compiled and not fused" --per-test 150 --budget 500
+
+Each test runs with JAX_PLATFORMS as this process got it (cuda where unset).
 """
 
 import argparse
@@ -63,11 +65,13 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=540, help="no test starts after this many seconds")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    # taken before collecting: collection imports the tests' conftest, which sets JAX_PLATFORMS=cpu where it is
+    # unset, and every test would then run (and fail) on the CPU
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cuda"), PYTHONPATH=str(ROOT))
     tests = collect(args.paths, args.keyword)
     if not tests:
         print("no gpu-marked tests selected", file=sys.stderr)
         return 2
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cuda"), PYTHONPATH=str(ROOT))
     start, rows = time.perf_counter(), []
     for test in tests:
         if time.perf_counter() - start > args.budget:

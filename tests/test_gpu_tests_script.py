@@ -33,17 +33,31 @@ def test_e_passes_after_the_others():
     assert True
 
 def test_not_gpu_marked():
-    assert True
+    assert True'''
+
+# a conftest that sets the platform as tests/conftest.py does (collection in gpu_tests.py's process imports it),
+# and a test that records the platform it runs with
+RECORDS_PLATFORM = '''
+import os
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+''', '''
+import os
+import pytest
+
+@pytest.mark.gpu
+def test_records_its_platform():
+    with open(os.environ["PLATFORM_RECORD"], "w") as f:
+        f.write(os.environ.get("JAX_PLATFORMS", "unset"))
 '''
 
 
-def run(tmp_path, *extra):
-    (tmp_path / "test_synthetic.py").write_text(SYNTHETIC)
+def run(tmp_path, *extra, platforms="cpu", tests=SYNTHETIC, **env_extra):
+    (tmp_path / "test_synthetic.py").write_text(tests)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
     out = tmp_path / "out.json"
+    env = {"PATH": "/usr/bin:/bin", **env_extra} | ({"JAX_PLATFORMS": platforms} if platforms else {})
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_tests.py"), str(tmp_path), "--per-test", "8",
-                        "--json", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+                        "--json", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     return r, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -66,3 +80,17 @@ def test_selection_and_budget(tmp_path):
     assert r.returncode == 1 and [row["outcome"] for row in got["tests"]] == ["not run", "not run"]
     r, _ = run(tmp_path, "-k", "nothing_matches")
     assert r.returncode == 2 and "no gpu-marked tests" in r.stderr
+
+
+def test_tests_run_on_the_gpu_where_no_platform_is_set(tmp_path):
+    """With JAX_PLATFORMS unset each test runs with cuda, though collecting them imported a conftest that sets
+    cpu where it is unset (the tests then failed on the CPU: "Only interpret mode is supported"); a platform
+    given is kept."""
+    conftest, test = RECORDS_PLATFORM
+    (tmp_path / "conftest.py").write_text(conftest)
+    record = tmp_path / "platform.txt"
+    for given, want in ((None, "cuda"), ("cpu", "cpu")):
+        record.unlink(missing_ok=True)
+        r, _ = run(tmp_path, platforms=given, tests=test, PLATFORM_RECORD=str(record))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert record.read_text() == want, given
