@@ -31,9 +31,9 @@ def tilings(bm: int, fp8: bool):
     bytes in flight per SM); `_il`: each step's 64-row gate and up blocks side by side in shared memory,
     one m64n128 product a step (Tiling.interleaved_gate_up); `_n192` (fp8 down): 192-column tiles promoted
     in 64-column slices with their own block scales (scale_slices); `3wg` (where 128-row tiles are timed):
-    192-row tiles in three compute warpgroups, over the rows laid out in 192-row tiles (each output compared in slot order); `_rm`:
-    64-row tiles walked row by row (grid_block_n over all column blocks: the padded buffer's unused row
-    tiles last, as the dispatch does) instead of column by column.
+    192-row tiles in three compute warpgroups, over the rows laid out in 192-row tiles (each output
+    compared in slot order); `_rm`: 64-row tiles walked row by row (grid_block_n over all column blocks:
+    the padded buffer's unused row tiles last, as the dispatch does) instead of column by column.
     Every warp-specialized tiling whose K steps are a multiple of its stages is also timed as `<name>_ch`
     (Tiling.chained_tiles: a program's tiles as one continued pipeline), and every fp8 one as `<name>_u`
     (Tiling.unscaled_probe: the products accumulated in place without block scales, what the tiling takes

@@ -252,8 +252,9 @@ SMEM_BYTES = 232448
 def ws_fp8_smem_bytes(t: Tiling) -> int:
     """Shared memory the warp-specialized fp8 kernel allocates for one-product-a-block tiling t
     (interleaved gate_up or one weight) with 2-byte outputs: each stage's K blocks (x, row scales,
-    weights) and the double-buffered output tile, plus 2 KB for the pipeline's barriers and alignment (a three-stage two-block down tile: 233520 bytes measured against
-    232448 estimated before that allowance)."""
+    weights) and the double-buffered output tile, plus 2 KB for the pipeline's barriers and alignment
+    (a three-stage two-block down tile: 233520 bytes measured against 232448 estimated before that
+    allowance)."""
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     block = bm * bk + bn * bk + 4 * bm
     sm, _, out_sn = warpgroup_part(t)
