@@ -38,7 +38,8 @@ def tilings(bm: int, fp8: bool):
     (Tiling.chained_tiles: a program's tiles as one continued pipeline), and every fp8 one as `<name>_u`
     (Tiling.unscaled_probe: the products accumulated in place without block scales, what the tiling takes
     without the per-step promotion; its err is against the group's first `_u`), and every scaled warp-specialized
-    fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read), and
+    fp8 one as `<name>_nf` (Tiling.fence_row_scales off: no proxy fence after a step's row-scale read) and
+    `<name>_st` (Tiling.stagger_warpgroups: the compute warpgroups started in turn at a tile's first step), and
     every interleaved gate_up and plain two-warpgroup down one (`_u` too) as `<name>_k2` (Tiling.step_blocks 2:
     two K blocks a step, the first's product added while the second's runs; half the stages, so the same
     bytes in flight) and `<name>_k2s3` (three stages of two blocks), and every unchained warp-specialized one
@@ -99,6 +100,8 @@ def timed_groups(bm: int, fp8: bool, D: int, I: int) -> dict:
                                  for tag, blocks, st in (("k2", 2, max(1, t.stages // 2)), ("k2s3", 2, 3))}}
             group = {**group, **{f"{n}_nf": dataclasses.replace(t, fence_row_scales=False) for n, t in group.items()
                                  if t.compute_wgs >= 2 and not t.unscaled_probe}}
+            group = {**group, **{f"{n}_st": dataclasses.replace(t, stagger_warpgroups=True) for n, t in group.items()
+                                 if t.compute_wgs >= 2 and not t.unscaled_probe and not n.endswith("_nf")}}
         group = {**group, **{f"{n}_np": dataclasses.replace(t, programs=0) for n, t in group.items()
                              if t.compute_wgs >= 2 and not t.chained_tiles}}
         out[call] = group

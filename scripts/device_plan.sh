@@ -21,6 +21,8 @@
 #           and bf16 at 8192x16 and 8192x256 (MOE_CASES), their compiled test first
 #   three_wgs_e2e  issue 26: KernelPolicy.fp8_three_wgs through the model: its compiled tests and the fp8 prefill beside
 #           HF at 16 experts against fp8_three_wgs=false (then, a call of its own: MOE_CASES=8192x16,32768x16,8192x64 three_wgs)
+#   stagger  issue 26: Tiling.stagger_warpgroups (`_st`: compute warpgroups started in turn at a tile's first step)
+#           against the defaults it would change, bf16 beside, at 8192x16 and 8192x256 (MOE_CASES); its compiled test
 #   one_tile  issue 26: one tile a program (Tiling.programs 0, `_np`): its compiled tests, then against the persistent
 #           walk for bf16 and the fp8 defaults at 8192x256 (MOE_CASES: 8192x16,8192x64 in a second call), then ncu
 #           of the bf16 gate_up `_np` call at 8192x256 (the persistent bf16 call reads 24 GB from DRAM where its
@@ -162,6 +164,13 @@ part_close26() {   # issue 26: fp8 / bf16 >= 1.6x per call and the decode call >
   MOE_TAG=_close26 MOE_CASES=${MOE_CASES:-8192x16,32768x16,8192x64,8192x256} \
     MOE_TILINGS=${MOE_TILINGS:-2wg_n128_s3,2wg_n128_s3_np,2wg_n256_s3,2wg_n256_s3_np,${g}_c2_il,${g}_c2_ch,2wg_n128_g16_c2_il_k2s3,2wg_n192_g16_c2_ch} \
     part_moe
+}
+
+part_stagger() {   # issue 26: do compute warpgroups started apart keep the tensor cores busy through promotion?
+  TESTS_K="staggered_warpgroups_compiled" TESTS_BUDGET=100 part_tests
+  local g=3wg_n128_g16 k2=2wg_n128_g16_c2_il_k2s3 n names=2wg_n128_s3,2wg_n128_s3_np,2wg_n256_s3,2wg_n256_s3_np
+  for n in ${g}_c2_il ${g}_c2_ch $k2 2wg_n192_g16_c2_ch; do names+=,$n,${n}_st; done
+  MOE_TAG=_stagger MOE_CASES=${MOE_CASES:-8192x16,8192x256} MOE_TILINGS=${MOE_TILINGS:-$names} part_moe
 }
 
 part_one_tile() {   # issue 26: do an expert's row tiles share its weight reads when started in order?

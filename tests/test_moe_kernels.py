@@ -1089,6 +1089,88 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
                                             fp8=True)
 
 
+def stagger_cases(K: int):
+    """(name, plain tiling, its staggered twin, tile experts, rows a tile, operands, one weight) for
+    stagger_warpgroups, as the defaults run: interleaved gate_up in two warpgroups (two K blocks a step) and
+    in three, and one weight (down's shape) in three, chained, over several tiles a program."""
+    _, operands = interleaved_case(128, K=K)
+    te192, _, ops192 = three_wg_case(K=K)
+    two = Tiling(block_m=128, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2,
+                 cluster_n=2, interleaved_gate_up=True)
+    three = dataclasses.replace(two, block_m=192, compute_wgs=3, programs=4)
+    down3 = dataclasses.replace(three, interleaved_gate_up=False, chained_tiles=True)
+    for name, t, te, bm, ops, one in (("two_k2", dataclasses.replace(two, step_blocks=2), operands[-1], 128,
+                                       operands[:-1], False),
+                                      ("three", three, te192, 192, ops192, False),
+                                      ("three_down_chained", down3, te192, 192, ops192, True)):
+        yield name, t, dataclasses.replace(t, stagger_warpgroups=True), te, bm, ops, one
+
+
+def stagger_fn(t, te, ops, one: bool, interpret=None):
+    """grouped_matmul on stagger_cases' operands under tiling t, as a function of nothing (interpret: its
+    params; None: jitted, compiled)."""
+    from pallas_kernels.moe import grouped_matmul
+    xq, xs, gq, gs, uq, us = ops
+    extra = {} if one else dict(up=uq, up_scale=us)
+    f = lambda: grouped_matmul(xq, gq, te, tiling=t, x_scale=xs, w_scale=gs,  # noqa: E731
+                               interpret=interpret or False, **extra)
+    return f if interpret else jax.jit(f)
+
+
+def stagger_call(t, te, ops, one: bool, interpret=None):
+    """stagger_fn's output as float64."""
+    return np.asarray(stagger_fn(t, te, ops, one, interpret)(), np.float64)
+
+
+def test_staggered_warpgroups_interpret_bit_equal():
+    """Tiling.stagger_warpgroups (compute warpgroup w issues a tile's first products after w - 1's are done)
+    orders only when each warpgroup starts: in the interpreter (races detected) every case gives the
+    unstaggered tiling's outputs bit for bit, with unused tiles between used ones and several tiles a
+    program (a wait without its arrival would hang here); the kernel holds the extra barrier waits; the
+    unscaled probe and bf16 are refused."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.moe.grouped_matmul import shape_error
+    interp = plgpu.InterpretGPUParams(detect_races=True)
+    for name, plain, staggered, te, bm, ops, one in stagger_cases(K=512):
+        ref, got = stagger_call(plain, te, ops, one, interp), stagger_call(staggered, te, ops, one, interp)
+        assert len(list(used_tiles(te, bm, got, ref))) == int((np.asarray(te) >= 0).sum()), name
+        np.testing.assert_array_equal(got, ref, err_msg=name)
+        waits = [str(jax.make_jaxpr(stagger_fn(t, te, ops, one, interp))()).count("barrier_wait")
+                 for t in (plain, staggered)]
+        bodies = 2 if plain.chained_tiles else 1      # chained: the one-tile and the chained pipeline
+        assert waits[1] == waits[0] + bodies * (plain.compute_wgs - 1), (name, waits)
+    sds = jax.ShapeDtypeStruct
+    two = next(stagger_cases(K=512))[2]
+    x, w = sds((384, 768), jnp.float8_e4m3fn), sds((2, 256, 768), jnp.float8_e4m3fn)
+    assert "stagger_warpgroups" in shape_error(x, w, dataclasses.replace(two, unscaled_probe=True), fp8=True)
+    assert "stagger_warpgroups" in shape_error(sds((384, 768), jnp.bfloat16), sds((2, 768, 256), jnp.bfloat16),
+                                               dataclasses.replace(two, interleaved_gate_up=False))
+
+
+def test_staggered_warpgroups_lower_for_cuda_at_glm5_widths():
+    """The defaults' expert tilings with stagger_warpgroups (three warpgroups: gate_up interleaved, down
+    chained; two: interleaved gate_up in two-block steps) lower for CUDA at GLM-5's widths on this machine."""
+    from pallas_kernels.moe.dispatch import three_wg_tilings
+    from pallas_kernels.moe.grouped_matmul import with_step_blocks
+    up3, down3 = three_wg_tilings()
+    up2 = with_step_blocks(Tiling(block_m=128, block_n=128, block_k=128, stages=4, compute_wgs=2, grid_block_n=16,
+                                  cluster_n=2, interleaved_gate_up=True), 6144, 2)
+    assert up2.step_blocks == 2
+    for t, rows, K, N, up in ((up3, 192 * 8, 6144, 2048, True), (down3, 192 * 8, 2048, 6144, False),
+                              (up2, 128 * 8, 6144, 2048, True)):
+        lower_fp8_grouped_for_cuda(dataclasses.replace(t, stagger_warpgroups=True), rows, K, N, 4, up=up)
+
+
+@pytest.mark.gpu
+def test_staggered_warpgroups_compiled_bit_equal():
+    """stagger_warpgroups compiled on the GPU: every stagger_cases case bit-equal to its unstaggered tiling
+    compiled (and no hang)."""
+    for name, plain, staggered, te, _, ops, one in stagger_cases(K=768):
+        np.testing.assert_array_equal(stagger_call(staggered, te, ops, one), stagger_call(plain, te, ops, one),
+                                      err_msg=name)
+
+
 def wide_tile_case(K: int = 384):
     """One weight of N = 384 (three 128-wide scale blocks, each K step's scale its own) for 192-column
     tiles: tile 0 straddles blocks 0 and 1 at column 128, tile 1 blocks 1 and 2 at column 256 (its

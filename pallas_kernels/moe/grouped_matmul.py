@@ -98,6 +98,13 @@ class Tiling:
     wait, row-scale read and fence a step instead of one a block. The same additions in the same order
     as 1 (outputs bit-equal); 64 more fp32 registers a thread (a 64 x 128 part: 64 of sums and two
     fresh 64, where one block a step reaches R155 of the 232 a compute thread gets)."""
+    stagger_warpgroups: bool = False
+    """fp8, warp-specialized, scaled: at a tile's first step (chained: the program's first tile's) compute
+    warpgroup w issues its products only once warpgroup w - 1's first step is done. Released by one stage
+    barrier, the warpgroups otherwise issue together, share the tensor cores, finish together and all
+    promote while the tensor cores idle; started apart they stay apart if the tensor cores are shared
+    between the warpgroups' products (a model of that: docs/perf.md, 2026-12-07 thirty-third session).
+    The same additions in the same order: outputs bit-equal to the tiling without."""
     k_splits: int = 1
     """Programs per output tile, each summing k_steps / k_splits consecutive K steps into an fp32
     partial [k_splits, P, N] that the call adds up after the kernel (split-K; no fused gate/up). For
@@ -162,6 +169,8 @@ def shape_error(x, w, tiling: Tiling, fp8: bool = False) -> str | None:
                 f"of it ({tiling})")
     if tiling.unscaled_probe and not (fp8 and warp_specialized(tiling)):
         return f"unscaled_probe: fp8, warp-specialized ({tiling})"
+    if tiling.stagger_warpgroups and not (fp8 and warp_specialized(tiling) and not tiling.unscaled_probe):
+        return f"stagger_warpgroups: fp8, warp-specialized, scaled ({tiling})"
     if tiling.chained_tiles and not can_chain(tiling, K):
         return (f"chained_tiles: warp-specialized, each tile's {k_steps // tiling.k_splits} K steps a "
                 f"multiple of the {tiling.stages} stages, and not interleaved gate_up with step_blocks 2 and row "
@@ -484,9 +493,13 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
 
     o_smem = plgpu.SMEM((W * n_out * n_slices, sm, slice_n), o_ref.dtype)   # each warpgroup's output blocks
 
+    stagger = fp8 and tiling.stagger_warpgroups
+    # stagger: order[w] completes a phase when compute warpgroup w has finished its tile's first step
+    order_alloc = dict(order=plgpu.Barrier(num_arrivals=1, num_barriers=W - 1)) if stagger else {}
+
     @functools.partial(pl.run_scoped, allocs=allocs, o_smem=o_smem,
-                       collective_axes="wg", **pairs_alloc)
-    def _scope(allocs, o_smem, pairs=None):
+                       collective_axes="wg", **pairs_alloc, **order_alloc)
+    def _scope(allocs, o_smem, pairs=None, order=None):
         if interleaved:           # the pipeline writes each weight block into its rows of `pairs`
             allocs = dict(allocs, flat_in_smem_refs=[
                 *allocs["flat_in_smem_refs"], *[pairs.at[:, pl.ds(b * half, half)] for b in range(S * n_blocks)]])
@@ -635,8 +648,22 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     store(outputs(vals))
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * (1 if interleaved else n_w))
 
+            def step_staggered(idx, *refs):
+                """step_fp8, the warpgroups started in turn at the tile's first step (stagger_warpgroups)."""
+                first = idx[0] == 0
+                if tiling.chained_tiles:          # started apart once, they stay apart through the chain
+                    first = first & (jnp.asarray(info.local_index, jnp.int32) == first_used)
+                for i in range(1, W):
+                    pl.when(first & (wg == i))(lambda i=i: plgpu.barrier_wait(order.at[i - 1]))
+                sums = step_fp8(idx, *refs)
+                for i in range(W - 1):
+                    pl.when(first & (wg == i))(lambda i=i: plgpu.barrier_arrive(order.at[i]))
+                return sums
+
             in_place = tiling.unscaled_probe or not fp8
             step, context = (step_in_place, context_in_place) if in_place else (step_fp8, context_fp8)
+            if stagger:
+                step = step_staggered
 
             def run(state=None):
                 pipeline(step, context, start, steps, state)(*operands(mi, ni, expert), allocations=allocs)
