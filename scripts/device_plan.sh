@@ -169,7 +169,7 @@ part_close26() {   # issue 26: fp8 / bf16 >= 1.6x per call and the decode call >
 part_stagger() {   # issue 26: do compute warpgroups started apart keep the tensor cores busy through promotion?
   TESTS_K="staggered_warpgroups_compiled" TESTS_BUDGET=100 part_tests
   local g=3wg_n128_g16 k2=2wg_n128_g16_c2_il_k2s3 n names=2wg_n128_s3,2wg_n128_s3_np,2wg_n256_s3,2wg_n256_s3_np
-  for n in ${g}_c2_il ${g}_c2_ch $k2 2wg_n192_g16_c2_ch; do names+=,$n,${n}_st; done
+  for n in ${g}_c2_il ${g}_c2_il_ch ${g}_c2_ch $k2 2wg_n192_g16_c2_ch; do names+=,$n,${n}_st; done
   MOE_TAG=_stagger MOE_CASES=${MOE_CASES:-8192x16,8192x256} MOE_TILINGS=${MOE_TILINGS:-$names} part_moe
 }
 
