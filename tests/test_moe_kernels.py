@@ -1029,16 +1029,22 @@ def interleaved_check(got, ref, operands, bm):
         np.testing.assert_allclose(got[rows], ref[rows], rtol=0, atol=1e-2 * np.abs(want).max() / 256)
 
 
-def variant_call(operands, interpret=False, one_weight=False):
-    """A gate_up call on interleaved_case's operands under a tiling, as float64 (interpret: in the
-    interpreter with these params, else compiled; one_weight: gate's weight alone, the down call's
-    shape)."""
+def variant_fn(t, interpret=False, one_weight=False):
+    """The gate_up call under tiling t as a function of interleaved_case's operands (interpret: in the
+    interpreter with these params; one_weight: gate's weight alone, the down call's shape)."""
     from pallas_kernels.moe import grouped_matmul
 
+    def f(xq, xs, gq, gs, uq, us, tile_expert):
+        up = {} if one_weight else dict(up=uq, up_scale=us)
+        return grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs, interpret=interpret, **up)
+    return f
+
+
+def variant_call(operands, interpret=False, one_weight=False):
+    """A gate_up call on interleaved_case's operands under a tiling, as float64 (variant_fn; without
+    interpret, compiled)."""
     def call(t):
-        def f(xq, xs, gq, gs, uq, us, tile_expert):
-            up = {} if one_weight else dict(up=uq, up_scale=us)
-            return grouped_matmul(xq, gq, tile_expert, tiling=t, x_scale=xs, w_scale=gs, interpret=interpret, **up)
+        f = variant_fn(t, interpret, one_weight)
         return np.asarray((f if interpret else jax.jit(f))(*operands), np.float64)
     return call
 
@@ -1090,36 +1096,19 @@ def test_two_block_steps_interpret_bit_equal_one_block_steps(bm):
 
 
 def stagger_cases(K: int):
-    """(name, plain tiling, its staggered twin, tile experts, rows a tile, operands, one weight) for
-    stagger_warpgroups, as the defaults run: interleaved gate_up in two warpgroups (two K blocks a step) and
-    in three, and one weight (down's shape) in three, chained, over several tiles a program."""
+    """(name, plain tiling, its staggered twin, rows a tile, operands as interleaved_case gives them, one
+    weight) for stagger_warpgroups, as the defaults run: interleaved gate_up in two warpgroups (two K blocks
+    a step) and in three, and one weight (down's shape) in three, chained, over several tiles a program."""
     _, operands = interleaved_case(128, K=K)
     te192, _, ops192 = three_wg_case(K=K)
     two = Tiling(block_m=128, block_n=128, block_k=128, stages=2, grid_block_n=1, programs=2, compute_wgs=2,
                  cluster_n=2, interleaved_gate_up=True)
     three = dataclasses.replace(two, block_m=192, compute_wgs=3, programs=4)
     down3 = dataclasses.replace(three, interleaved_gate_up=False, chained_tiles=True)
-    for name, t, te, bm, ops, one in (("two_k2", dataclasses.replace(two, step_blocks=2), operands[-1], 128,
-                                       operands[:-1], False),
-                                      ("three", three, te192, 192, ops192, False),
-                                      ("three_down_chained", down3, te192, 192, ops192, True)):
-        yield name, t, dataclasses.replace(t, stagger_warpgroups=True), te, bm, ops, one
-
-
-def stagger_fn(t, te, ops, one: bool, interpret=None):
-    """grouped_matmul on stagger_cases' operands under tiling t, as a function of nothing (interpret: its
-    params; None: jitted, compiled)."""
-    from pallas_kernels.moe import grouped_matmul
-    xq, xs, gq, gs, uq, us = ops
-    extra = {} if one else dict(up=uq, up_scale=us)
-    f = lambda: grouped_matmul(xq, gq, te, tiling=t, x_scale=xs, w_scale=gs,  # noqa: E731
-                               interpret=interpret or False, **extra)
-    return f if interpret else jax.jit(f)
-
-
-def stagger_call(t, te, ops, one: bool, interpret=None):
-    """stagger_fn's output as float64."""
-    return np.asarray(stagger_fn(t, te, ops, one, interpret)(), np.float64)
+    for name, t, bm, ops, one in (("two_k2", dataclasses.replace(two, step_blocks=2), 128, operands, False),
+                                  ("three", three, 192, (*ops192, te192), False),
+                                  ("three_down_chained", down3, 192, (*ops192, te192), True)):
+        yield name, t, dataclasses.replace(t, stagger_warpgroups=True), bm, ops, one
 
 
 def test_staggered_warpgroups_interpret_bit_equal():
@@ -1132,11 +1121,13 @@ def test_staggered_warpgroups_interpret_bit_equal():
 
     from pallas_kernels.moe.grouped_matmul import shape_error
     interp = plgpu.InterpretGPUParams(detect_races=True)
-    for name, plain, staggered, te, bm, ops, one in stagger_cases(K=512):
-        ref, got = stagger_call(plain, te, ops, one, interp), stagger_call(staggered, te, ops, one, interp)
+    for name, plain, staggered, bm, ops, one in stagger_cases(K=512):
+        call = variant_call(ops, interp, one_weight=one)
+        ref, got = call(plain), call(staggered)
+        te = ops[-1]
         assert len(list(used_tiles(te, bm, got, ref))) == int((np.asarray(te) >= 0).sum()), name
         np.testing.assert_array_equal(got, ref, err_msg=name)
-        waits = [str(jax.make_jaxpr(stagger_fn(t, te, ops, one, interp))()).count("barrier_wait")
+        waits = [str(jax.make_jaxpr(variant_fn(t, interp, one))(*ops)).count("barrier_wait")
                  for t in (plain, staggered)]
         bodies = 2 if plain.chained_tiles else 1      # chained: the one-tile and the chained pipeline
         assert waits[1] == waits[0] + bodies * (plain.compute_wgs - 1), (name, waits)
@@ -1166,9 +1157,9 @@ def test_staggered_warpgroups_lower_for_cuda_at_glm5_widths():
 def test_staggered_warpgroups_compiled_bit_equal():
     """stagger_warpgroups compiled on the GPU: every stagger_cases case bit-equal to its unstaggered tiling
     compiled (and no hang)."""
-    for name, plain, staggered, te, _, ops, one in stagger_cases(K=768):
-        np.testing.assert_array_equal(stagger_call(staggered, te, ops, one), stagger_call(plain, te, ops, one),
-                                      err_msg=name)
+    for name, plain, staggered, _, ops, one in stagger_cases(K=768):
+        call = variant_call(ops, one_weight=one)
+        np.testing.assert_array_equal(call(staggered), call(plain), err_msg=name)
 
 
 def wide_tile_case(K: int = 384):

@@ -648,11 +648,13 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
                     store(outputs(vals))
                 pl.run_scoped(scoped, *[plgpu.ACC((sm, sn), jnp.float32)] * (1 if interleaved else n_w))
 
+            k = jnp.asarray(info.local_index, jnp.int32)     # this loop step, among the program's
+
             def step_staggered(idx, *refs):
                 """step_fp8, the warpgroups started in turn at the tile's first step (stagger_warpgroups)."""
                 first = idx[0] == 0
                 if tiling.chained_tiles:          # started apart once, they stay apart through the chain
-                    first = first & (jnp.asarray(info.local_index, jnp.int32) == first_used)
+                    first = first & (k == first_used)
                 for i in range(1, W):
                     pl.when(first & (wg == i))(lambda i=i: plgpu.barrier_wait(order.at[i - 1]))
                 sums = step_fp8(idx, *refs)
@@ -671,7 +673,6 @@ def _kernel_ws(tile_expert_ref, x_ref, *refs, tiling: Tiling, grid_m: int, grid_
             if not tiling.chained_tiles:
                 pl.when(expert >= 0)(run)
                 return
-            k = jnp.asarray(info.local_index, jnp.int32)
             pl.when((expert >= 0) & (first_used == last_used))(run)     # the program's one used tile
             chain = plgpu.PipelinePipeline
 
